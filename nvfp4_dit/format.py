@@ -1,0 +1,370 @@
+"""The NVFP4 attention format: the one Python definition the CUDA kernels must match byte for byte.
+
+NVFP4 here is e2m1 data in blocks of 16 elements, each block scaled by one ue4m3 (e4m3, sign 0)
+byte, with no per-tensor fp32 scale.  Everything below is plain PyTorch, runs on CPU and on any
+GPU, and is deliberately written as simple elementwise arithmetic so the device code in
+``csrc/nvfp4_format.cuh`` can mirror it operation for operation.
+
+Layouts (``Sqp``/``Skp`` are the sequence lengths padded to 128, ``Dp`` the padded head dim):
+
+============  =============================  ===============================================
+tensor        shape (uint8 unless noted)     meaning
+============  =============================  ===============================================
+q_data        [B, H, Sqp, Dp/2]              Q - qm, two e2m1 per byte, low nibble first
+q_sf          [B, H, Sqp, Dp/16]             its ue4m3 scales, row-major
+k_data        [B, Hkv, Skp, Dp/2]            K - km, rows permuted inside 32-key groups
+k_sf          [B, Hkv, Skp, Dp/16]           its scales, rows permuted the same way
+vt_data       [B, Hkv, Dp, Skp/2]            V transposed, packed along tokens
+vt_sf         [B, Hkv, Dp, Skp/16]           its scales, one per 16 tokens
+q_mean        [B, H, Sqp/128, Dp] float32    per-128-row-block Q means (qm)
+k_mean        [B, Hkv, Dp] float32           per-head K mean over the valid keys (km)
+q_dot_km      [B, H, Sq] float32             q . km, to give back the true LSE
+============  =============================  ===============================================
+
+Row-major scales put the four scale bytes of one row's 64-wide K chunk into one aligned 32-bit
+word, which is exactly one scale register of ``mma ... block_scale.scale_vec::4X`` (byte j scales
+k in [16j, 16j + 16)).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+BLOCK = 16
+"""Elements per scale block."""
+
+SEQ_TILE = 128
+"""Sequences are zero padded to a multiple of this (the kernel's Q and K tile)."""
+
+K_PERM_GROUP = 32
+"""The K row permutation acts inside groups of this many keys."""
+
+E2M1_MAX = 6.0
+E4M3_MAX = 448.0
+
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+"""Magnitudes of e2m1 codes 0..7; bit 3 is the sign."""
+
+P_RANGE = E4M3_MAX * E2M1_MAX
+"""2688: unnormalised softmax probabilities are scaled into [0, P_RANGE] before P quantisation,
+so the per-16-key scale max(P)/6 uses the whole ue4m3 range."""
+
+SUPPORTED_HEAD_DIMS = (64, 128)
+
+
+def _k_row_perm() -> tuple[int, ...]:
+    # Stored row r = 8a + 2b + c holds token 8b + 2a + c: the two 2-bit fields a and b swap.
+    # After this, lane 4g+t of the QK^T accumulator owns tokens 8t..8t+7 of each 32-key group,
+    # which is exactly the k range of the PV A-fragment it must feed (no register shuffles).
+    perm = []
+    for r in range(K_PERM_GROUP):
+        a, b, c = r // 8, (r // 2) % 4, r % 2
+        perm.append(8 * b + 2 * a + c)
+    return tuple(perm)
+
+
+K_ROW_PERM = _k_row_perm()
+"""``K_ROW_PERM[r]`` is the token stored at row r of a 32-key group. The map is an involution."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Scalar codecs
+# ---------------------------------------------------------------------------------------------
+
+def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
+    """Round ``x`` to e2m1 codes (uint8, 0..15): nearest, ties to even code, saturating at 6.
+
+    The sign bit follows the sign of ``x`` (small negatives give -0, code 8); NaN gives code 0.
+    """
+    x = x.float()
+    a = x.abs()
+    # Thresholds between neighbouring magnitudes; at a tie the even code wins, hence the
+    # alternation of <= (round down to even) and < (round up to even).
+    code = torch.zeros_like(a, dtype=torch.uint8)
+    code = torch.where(a > 0.25, 1, code)
+    code = torch.where(a >= 0.75, 2, code)
+    code = torch.where(a > 1.25, 3, code)
+    code = torch.where(a >= 1.75, 4, code)
+    code = torch.where(a > 2.5, 5, code)
+    code = torch.where(a >= 3.5, 6, code)
+    code = torch.where(a > 5.0, 7, code).to(torch.uint8)
+    sign = (torch.signbit(x) & ~torch.isnan(x)).to(torch.uint8) << 3
+    return code | sign
+
+
+_E2M1_TABLE = torch.tensor(
+    list(E2M1_VALUES) + [-v for v in E2M1_VALUES], dtype=torch.float32
+)
+
+
+def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
+    """e2m1 codes (uint8, low 4 bits) to float32."""
+    table = _E2M1_TABLE.to(codes.device)
+    return table[(codes & 0xF).long()]
+
+
+def e4m3_encode(x: torch.Tensor) -> torch.Tensor:
+    """float -> e4m3fn bits (uint8), round to nearest even, satfinite (|x| > 448 and inf -> 448).
+
+    NaN stays NaN (0x7F). torch's own cast turns out-of-range values into NaN, hence the clamp.
+    """
+    return x.float().clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+
+
+def e4m3_decode(bits: torch.Tensor) -> torch.Tensor:
+    """e4m3fn bits (uint8) -> float32."""
+    return bits.view(torch.float8_e4m3fn).float()
+
+
+# ---------------------------------------------------------------------------------------------
+# Blocks and packing
+# ---------------------------------------------------------------------------------------------
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """[..., N] codes -> [..., N/2] bytes; element 2i in the low nibble, 2i+1 in the high one."""
+    codes = codes.to(torch.uint8)
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """[..., N/2] bytes -> [..., N] codes."""
+    lo = packed & 0xF
+    hi = packed >> 4
+    return torch.stack((lo, hi), dim=-1).flatten(-2)
+
+
+def block_scales(x: torch.Tensor) -> torch.Tensor:
+    """ue4m3 scale bytes [..., N/16] of float32 ``x`` [..., N]: e4m3(amax16 / 6)."""
+    amax = x.float().unflatten(-1, (-1, BLOCK)).abs().amax(-1)
+    return e4m3_encode(amax / E2M1_MAX)
+
+
+def quantize_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """NVFP4-quantise ``x`` [..., N] (N % 16 == 0) along its last dim.
+
+    Returns ``(packed [..., N/2] uint8, scales [..., N/16] uint8)``. The data is divided by the
+    *rounded* scale, in fp32; a zero scale gives an all-zero block.
+    """
+    if x.shape[-1] % BLOCK:
+        raise ValueError(f"last dim {x.shape[-1]} is not a multiple of {BLOCK}")
+    x = x.float()
+    sf = block_scales(x)
+    sf_val = e4m3_decode(sf).unsqueeze(-1)
+    xb = x.unflatten(-1, (-1, BLOCK))
+    zero = sf_val == 0
+    scaled = torch.where(zero, 0.0, xb / torch.where(zero, 1.0, sf_val))
+    return pack_nibbles(e2m1_encode(scaled).flatten(-2)), sf
+
+
+def dequantize_blocks(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`quantize_blocks` up to rounding: float32 [..., N]."""
+    vals = e2m1_decode(unpack_nibbles(packed)).unflatten(-1, (-1, BLOCK))
+    return (vals * e4m3_decode(scales).unsqueeze(-1)).flatten(-2)
+
+
+def quantize_p_blocks(p: torch.Tensor) -> torch.Tensor:
+    """Second-level P quantisation along the last dim, returned dequantised (float32).
+
+    ``p`` holds unnormalised probabilities in [0, P_RANGE]. Same rule as :func:`quantize_blocks`:
+    the scale is rounded to ue4m3 *before* dividing. SageAttention3 divides by the unrounded
+    max/6 while the MMA multiplies by the rounded scale, so each 16-key block of its P carries a
+    common relative error of up to 1/16; rounding first leaves only the e2m1 rounding error.
+    """
+    sf = e4m3_decode(block_scales(p)).unsqueeze(-1)
+    pb = p.float().unflatten(-1, (-1, BLOCK))
+    zero = sf == 0
+    scaled = torch.where(zero, 0.0, pb / torch.where(zero, 1.0, sf))
+    return (e2m1_decode(e2m1_encode(scaled)) * sf).flatten(-2)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sequence-level layout helpers
+# ---------------------------------------------------------------------------------------------
+
+def round_up(n: int, multiple: int) -> int:
+    return (n + multiple - 1) // multiple * multiple
+
+
+def padded_head_dim(d: int) -> Optional[int]:
+    """The kernel head dim a head dim ``d`` is zero-padded to, or None if unsupported (> 128)."""
+    for dp in SUPPORTED_HEAD_DIMS:
+        if 0 < d <= dp:
+            return dp
+    return None
+
+
+def pad_dim(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    """Zero-pad ``x`` along ``dim`` up to ``size``."""
+    extra = size - x.shape[dim]
+    if extra < 0:
+        raise ValueError(f"cannot pad dim {dim} of size {x.shape[dim]} down to {size}")
+    if extra == 0:
+        return x
+    shape = list(x.shape)
+    shape[dim] = extra
+    return torch.cat((x, x.new_zeros(shape)), dim=dim)
+
+
+def permute_k_rows(x: torch.Tensor, dim: int = -2) -> torch.Tensor:
+    """Apply the 32-key row permutation along ``dim`` (its size a multiple of 32).
+
+    Stored row r of each group takes token K_ROW_PERM[r]. The permutation is an involution, so
+    the same call also undoes it.
+    """
+    dim = dim % x.ndim
+    n = x.shape[dim]
+    if n % K_PERM_GROUP:
+        raise ValueError(f"dim of size {n} is not a multiple of {K_PERM_GROUP}")
+    perm = torch.tensor(K_ROW_PERM, device=x.device)
+    index = (torch.arange(n // K_PERM_GROUP, device=x.device)[:, None] * K_PERM_GROUP + perm).flatten()
+    return x.index_select(dim, index)
+
+
+def to_hnd(x: torch.Tensor, layout: str) -> torch.Tensor:
+    """View a [B, S, H, D] (NHD) or [B, H, S, D] (HND) tensor as [B, H, S, D]."""
+    if layout == "NHD":
+        return x.transpose(1, 2)
+    if layout == "HND":
+        return x
+    raise ValueError(f"layout must be 'NHD' or 'HND', got {layout!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Q/K/V preprocessing: smoothing, quantisation, the kernel's layouts
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class QuantizedQKV:
+    """What the attention kernel reads. Shapes are in the module docstring."""
+
+    q_data: torch.Tensor
+    q_sf: torch.Tensor
+    k_data: torch.Tensor
+    k_sf: torch.Tensor
+    vt_data: torch.Tensor
+    vt_sf: torch.Tensor
+    q_mean: torch.Tensor
+    k_mean: torch.Tensor
+    q_dot_km: torch.Tensor
+    k_smoothed: Optional[torch.Tensor]
+    """fp32 [B, Hkv, Skp, Dp] natural order, for the correction term (None in the fused path)."""
+    seq_q: int
+    seq_k: int
+    head_dim: int
+    head_dim_padded: int
+
+    @property
+    def num_q_blocks(self) -> int:
+        return self.q_data.shape[2] // SEQ_TILE
+
+
+def valid_key_mask(kv_lens: Optional[torch.Tensor], batch: int, seq_k: int, device) -> torch.Tensor:
+    """bool [B, Sk]: key j of batch b is valid iff j < kv_lens[b] (all valid without kv_lens)."""
+    if kv_lens is None:
+        return torch.ones(batch, seq_k, dtype=torch.bool, device=device)
+    return torch.arange(seq_k, device=device)[None, :] < kv_lens.to(device).long()[:, None]
+
+
+def k_mean(k_hnd: torch.Tensor, kv_lens: Optional[torch.Tensor]) -> torch.Tensor:
+    """km [B, Hkv, D] fp32: mean over the valid keys (zero when a batch has none)."""
+    b, _, s, _ = k_hnd.shape
+    valid = valid_key_mask(kv_lens, b, s, k_hnd.device)[:, None, :, None]
+    count = valid.sum(2).clamp_min(1).float()
+    return torch.where(valid, k_hnd.float(), 0.0).sum(2) / count
+
+
+def q_block_means(q_hnd: torch.Tensor, per_block_mean: bool = True) -> torch.Tensor:
+    """qm [B, H, Sqp/128, D] fp32: mean of each 128-row block over its valid rows.
+
+    With ``per_block_mean=False`` every block gets the single per-(b, h) mean instead (less
+    accurate on block-structured Q, see the reference tests).
+    """
+    b, h, s, d = q_hnd.shape
+    nblk = round_up(max(s, 1), SEQ_TILE) // SEQ_TILE
+    qf = q_hnd.float()
+    if not per_block_mean:
+        mean = qf.mean(2, keepdim=True) if s else qf.new_zeros(b, h, 1, d)
+        return mean.expand(b, h, nblk, d).contiguous()
+    padded = pad_dim(qf, 2, nblk * SEQ_TILE).unflatten(2, (nblk, SEQ_TILE))
+    rows = torch.arange(nblk * SEQ_TILE, device=q_hnd.device).view(nblk, SEQ_TILE)
+    count = (rows < s).sum(1).clamp_min(1).float()
+    return padded.sum(3) / count[:, None]
+
+
+def quantize_qkv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    layout: str = "NHD",
+    kv_lens: Optional[torch.Tensor] = None,
+    per_block_mean: bool = True,
+    q_mean: Optional[torch.Tensor] = None,
+    k_mean_override: Optional[torch.Tensor] = None,
+) -> QuantizedQKV:
+    """Smooth and quantise Q, K, V into the kernel's layouts (pure torch, the reference path).
+
+    ``q_mean`` [B, H, Sqp/128, D] and ``k_mean_override`` [B, Hkv, D] replace the computed means;
+    tests use them to compare a kernel's bytes exactly given the kernel's own (reduction-order
+    dependent) means.
+    """
+    qh, kh, vh = (to_hnd(t, layout) for t in (q, k, v))
+    b, h, sq, d = qh.shape
+    hkv, sk = kh.shape[1], kh.shape[2]
+    dp = padded_head_dim(d)
+    if dp is None:
+        raise ValueError(f"head dim {d} is above the largest supported ({SUPPORTED_HEAD_DIMS[-1]})")
+    sqp, skp = round_up(max(sq, 1), SEQ_TILE), round_up(max(sk, 1), SEQ_TILE)
+    group = h // hkv
+
+    # Overrides may come with the padded head dim (as a kernel writes them); slice to D.
+    km = k_mean(kh, kv_lens) if k_mean_override is None else k_mean_override.float()[..., :d]
+    qm = q_block_means(qh, per_block_mean) if q_mean is None else q_mean.float()[..., :d]
+
+    # Smooth before padding so padded rows stay exactly zero.
+    k_s = pad_dim(pad_dim(kh.float() - km[:, :, None, :], 3, dp), 2, skp)
+    qm_rows = qm.repeat_interleave(SEQ_TILE, dim=2)[:, :, :sq]
+    q_s = pad_dim(pad_dim(qh.float() - qm_rows, 3, dp), 2, sqp)
+    vt = pad_dim(pad_dim(vh.float(), 3, dp), 2, skp).transpose(2, 3)
+
+    q_data, q_sf = quantize_blocks(q_s)
+    k_data, k_sf = quantize_blocks(permute_k_rows(k_s, dim=2))
+    vt_data, vt_sf = quantize_blocks(vt)
+    km_q = km.repeat_interleave(group, dim=1)
+    q_dot_km = (qh.float() * km_q[:, :, None, :]).sum(-1)
+    return QuantizedQKV(
+        q_data=q_data, q_sf=q_sf, k_data=k_data, k_sf=k_sf, vt_data=vt_data, vt_sf=vt_sf,
+        q_mean=pad_dim(qm, 3, dp), k_mean=pad_dim(km, 2, dp), q_dot_km=q_dot_km,
+        k_smoothed=k_s, seq_q=sq, seq_k=sk, head_dim=d, head_dim_padded=dp,
+    )
+
+
+def qk_correction(qq: QuantizedQKV, block_start: int = 0, block_end: Optional[int] = None) -> torch.Tensor:
+    """delta [B, H, nblk, Skp] fp32 = qm . k_smoothed^T for Q blocks [block_start, block_end).
+
+    Keys are in natural order. Added to the FP4 scores, it restores q . (k - km) exactly up to
+    the FP4 error of (q - qm) and (k - km): q.(k-km) = (q-qm).(k-km) + qm.(k-km).
+    """
+    if qq.k_smoothed is None:
+        raise ValueError("this QuantizedQKV carries no fp32 k_smoothed (fused path)")
+    block_end = qq.num_q_blocks if block_end is None else block_end
+    qm = qq.q_mean[:, :, block_start:block_end]
+    group = qm.shape[1] // qq.k_smoothed.shape[1]
+    ks = qq.k_smoothed.repeat_interleave(group, dim=1) if group > 1 else qq.k_smoothed
+    return torch.matmul(qm, ks.transpose(-1, -2))
+
+
+def dequantize_qkv(qq: QuantizedQKV) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp32 (q_hat [B,H,Sqp,Dp], k_hat [B,Hkv,Skp,Dp] natural order, v_hat [B,Hkv,Skp,Dp])."""
+    q_hat = dequantize_blocks(qq.q_data, qq.q_sf)
+    k_hat = permute_k_rows(dequantize_blocks(qq.k_data, qq.k_sf), dim=2)
+    v_hat = dequantize_blocks(qq.vt_data, qq.vt_sf).transpose(2, 3)
+    return q_hat, k_hat, v_hat
+
+
+def default_scale(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim)

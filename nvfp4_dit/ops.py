@@ -1,0 +1,374 @@
+"""The public attention op: validation, back-end choice, fallback, and the torch custom op.
+
+``attention()`` validates its arguments with plain shape logic (traceable by torch.compile) and
+calls the custom op ``torch.ops.nvfp4_dit.attention``.  The op's eager body picks the back-end
+(data-dependent checks such as mask patterns live there, outside the traced graph), warns once
+per fallback reason and runs it.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from . import format as fmt
+from .reference import attention_reference
+
+BACKENDS = ("auto", "reference", "sdpa", "cuda")
+LAYOUTS = ("NHD", "HND")
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+class BackendUnavailableError(RuntimeError):
+    """An explicitly requested back-end cannot run this call (``backend="auto"`` falls back)."""
+
+
+class FallbackWarning(UserWarning):
+    """Raised once per reason when ``backend="auto"`` runs exact attention instead of FP4."""
+
+
+_warned_reasons: set[str] = set()
+
+
+def _warn_fallback(reason: str) -> None:
+    if reason in _warned_reasons:
+        return
+    _warned_reasons.add(reason)
+    warnings.warn(f"nvfp4_dit: using exact SDPA attention instead of NVFP4: {reason}",
+                  FallbackWarning, stacklevel=4)
+
+
+def reset_fallback_warnings() -> None:
+    """Forget which fallback reasons were already reported (for tests and long-lived servers)."""
+    _warned_reasons.clear()
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation (shape logic only, so torch.compile can trace it)
+# ---------------------------------------------------------------------------------------------
+
+def _check_tensor(name: str, t) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+
+
+def _validate(q, k, v, layout, causal, scale, attn_mask, kv_lens, return_lse, backend):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _check_tensor(name, t)
+    if not isinstance(layout, str) or layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    dims = "[B, S, H, D]" if layout == "NHD" else "[B, H, S, D]"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D {dims} for layout={layout!r}, got shape {tuple(t.shape)}")
+        if t.dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"{name} must be float16, bfloat16 or float32, got {t.dtype}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if k.device != q.device or v.device != q.device:
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    qh, kh, vh = (fmt.to_hnd(t, layout) for t in (q, k, v))
+    b, h, _, d = qh.shape
+    if kh.shape != vh.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if kh.shape[0] != b:
+        raise ValueError(f"k has batch {kh.shape[0]} but q has batch {b}")
+    if kh.shape[3] != d:
+        raise ValueError(f"k/v head dim {kh.shape[3]} differs from q head dim {d}")
+    hkv = kh.shape[1]
+    if hkv == 0 or h % hkv:
+        raise ValueError(f"q heads ({h}) must be a multiple of k/v heads ({hkv})")
+    if scale is not None:
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+            raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+        if not (math.isfinite(scale) and scale > 0):
+            raise ValueError(f"scale must be a positive finite number, got {scale}")
+    sk = kh.shape[2]
+    if kv_lens is not None:
+        _check_tensor("kv_lens", kv_lens)
+        if kv_lens.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"kv_lens must be int32 or int64, got {kv_lens.dtype}")
+        if kv_lens.shape != (b,):
+            raise ValueError(f"kv_lens must have shape ({b},), got {tuple(kv_lens.shape)}")
+        if kv_lens.device != q.device:
+            raise ValueError(f"kv_lens is on {kv_lens.device} but q is on {q.device}")
+    if attn_mask is not None:
+        _check_tensor("attn_mask", attn_mask)
+        if attn_mask.dtype != torch.bool and attn_mask.dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"attn_mask must be bool or floating point, got {attn_mask.dtype}")
+        if attn_mask.device != q.device:
+            raise ValueError(f"attn_mask is on {attn_mask.device} but q is on {q.device}")
+        sq = qh.shape[2]
+        if attn_mask.dim() == 2:
+            # 2-D masks are key-padding masks [B, Sk] (the diffusers / transformers convention).
+            if tuple(attn_mask.shape) != (b, sk):
+                raise ValueError(f"a 2-D attn_mask must be a key-padding mask [B, Sk] = {(b, sk)}, "
+                                 f"got {tuple(attn_mask.shape)}")
+        else:
+            try:
+                torch.broadcast_shapes(attn_mask.shape, (b, h, sq, sk))
+            except RuntimeError:
+                raise ValueError(
+                    f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to "
+                    f"[B, H, Sq, Sk] = {(b, h, sq, sk)}") from None
+
+
+def _key_padding(attn_mask: torch.Tensor, b: int, sk: int) -> Optional[torch.Tensor]:
+    """The mask as a per-key additive bias [B, Sk] (fp32) if it only depends on (batch, key).
+
+    Accepted shapes: [B, Sk] (a key-padding mask, as in diffusers/HF), and anything of rank 4
+    whose head and query dims are 1, e.g. [B, 1, 1, Sk].  Returns None for other masks.
+    """
+    if attn_mask.dim() == 2 and attn_mask.shape == (b, sk):
+        m = attn_mask
+    elif attn_mask.dim() == 4 and attn_mask.shape[1] == 1 and attn_mask.shape[2] == 1 and attn_mask.shape[3] == sk:
+        m = attn_mask[:, 0, 0, :].expand(b, sk)
+    else:
+        return None
+    if m.dtype == torch.bool:
+        return torch.where(m, 0.0, -math.inf).float()
+    return m.float()
+
+
+def _sdpa_mask(attn_mask, kv_lens, b, h, sq, sk, causal, device):
+    """One additive/bool mask for F.scaled_dot_product_attention (None if nothing to mask)."""
+    if attn_mask is not None and attn_mask.dim() == 2 and attn_mask.shape == (b, sk):
+        attn_mask = attn_mask[:, None, None, :]
+    allowed = None
+    if kv_lens is not None:
+        allowed = fmt.valid_key_mask(kv_lens, b, sk, device)[:, None, None, :]
+    if causal:
+        tri = torch.ones(sq, sk, dtype=torch.bool, device=device).tril()
+        allowed = tri if allowed is None else allowed & tri
+    if attn_mask is None:
+        return allowed
+    if attn_mask.dtype == torch.bool:
+        return attn_mask if allowed is None else attn_mask & allowed
+    if allowed is None:
+        return attn_mask
+    return attn_mask.masked_fill(~allowed, -math.inf)
+
+
+def _attention_sdpa(q, k, v, layout, causal, scale, attn_mask, kv_lens, return_lse):
+    qh, kh, vh = (fmt.to_hnd(t, layout) for t in (q, k, v))
+    b, h, sq, d = qh.shape
+    hkv, sk = kh.shape[1], kh.shape[2]
+    scale = fmt.default_scale(d) if scale is None else scale
+    mask = _sdpa_mask(attn_mask, kv_lens, b, h, sq, sk, causal, q.device)
+    if mask is not None and mask.dtype != torch.bool:
+        mask = mask.to(q.dtype)
+    gqa = {"enable_gqa": True} if h != hkv else {}
+    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, **gqa)
+    lse = None
+    if mask is not None or return_lse:
+        # Rows with no visible key: SDPA gives NaN there; our convention is 0 and LSE -inf.
+        lse = _exact_lse(qh, kh.repeat_interleave(h // hkv, 1) if h != hkv else kh, scale, mask)
+        out = torch.where(torch.isneginf(lse)[..., None], 0.0, out).to(q.dtype)
+    out = out.transpose(1, 2) if layout == "NHD" else out
+    return out.contiguous(), lse
+
+
+def _exact_lse(qh, kh, scale, mask, chunk_rows: int = 1024):
+    """Exact LSE [B, H, Sq] fp32 of the scaled, masked scores, O(chunk_rows * Sk) memory."""
+    sq = qh.shape[2]
+    lses = []
+    for r0 in range(0, sq, chunk_rows):
+        s = torch.matmul(qh[:, :, r0:r0 + chunk_rows].float(), kh.float().transpose(-1, -2)) * scale
+        if mask is not None:
+            m = mask[..., r0:r0 + chunk_rows, :] if mask.dim() >= 2 and mask.shape[-2] == sq else mask
+            s = s.masked_fill(~m, -math.inf) if m.dtype == torch.bool else s + m.float()
+        lses.append(torch.logsumexp(s, dim=-1))
+    return torch.cat(lses, 2) if lses else qh.new_zeros(*qh.shape[:3], dtype=torch.float32)
+
+
+def _attention_fp4_reference(q, k, v, layout, causal, scale, key_bias, kv_lens, return_lse):
+    res = attention_reference(q, k, v, layout=layout, causal=causal, scale=scale, key_bias=key_bias,
+                              kv_lens=kv_lens, return_lse=return_lse)
+    return res if return_lse else (res, None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Back-end choice (eager; may inspect data)
+# ---------------------------------------------------------------------------------------------
+
+def _cuda_unsupported_reason(q, k, v, layout, causal, kv_lens, mask_kind, require_native) -> Optional[str]:
+    if q.device.type != "cuda":
+        return f"no GPU: tensors are on {q.device.type}"
+    from . import cuda_backend  # imported lazily: it pulls in the JIT machinery
+
+    return cuda_backend.unsupported_reason(q, k, v, layout=layout, causal=causal, kv_lens=kv_lens,
+                                           attn_mask_kind=mask_kind, require_native=require_native)
+
+
+def _mask_to_kv_lens(key_bias: torch.Tensor) -> Optional[torch.Tensor]:
+    """kv_lens [B] if the per-key bias only masks a suffix of keys (0 / -inf), else None."""
+    allowed = key_bias == 0
+    if not bool(((key_bias == 0) | torch.isneginf(key_bias)).all()):
+        return None
+    lens = allowed.sum(1)
+    prefix = torch.arange(key_bias.shape[1], device=key_bias.device)[None, :] < lens[:, None]
+    return lens.to(torch.int32) if bool((prefix == allowed).all()) else None
+
+
+def _run(q, k, v, layout, causal, scale, attn_mask, kv_lens, return_lse, backend):
+    qh = fmt.to_hnd(q, layout)
+    b, h, sq, d = qh.shape
+    sk = fmt.to_hnd(k, layout).shape[2]
+    if kv_lens is not None and b > 0:
+        lo, hi = int(kv_lens.min()), int(kv_lens.max())
+        if lo < 0 or hi > sk:
+            raise ValueError(f"kv_lens values must lie in [0, {sk}], got min {lo} max {hi}")
+    if backend == "sdpa":
+        return _attention_sdpa(q, k, v, layout, causal, scale, attn_mask, kv_lens, return_lse)
+
+    # Masks the FP4 path can express: per-key biases, and for the kernel only suffix padding.
+    key_bias = None
+    reason = None
+    if attn_mask is not None:
+        key_bias = _key_padding(attn_mask, b, sk)
+        if key_bias is None:
+            reason = f"attn_mask of shape {tuple(attn_mask.shape)} is not a per-key padding mask"
+    if reason is None and fmt.padded_head_dim(d) is None:
+        reason = f"head dim {d} > {fmt.SUPPORTED_HEAD_DIMS[-1]}"
+
+    if backend == "reference":
+        if reason is not None:
+            raise BackendUnavailableError(f"backend='reference' cannot run this call: {reason}")
+        return _attention_fp4_reference(q, k, v, layout, causal, scale, key_bias, kv_lens, return_lse)
+
+    # cuda / auto
+    kernel_lens = kv_lens
+    if reason is None and key_bias is not None:
+        mask_lens = _mask_to_kv_lens(key_bias)
+        if mask_lens is None:
+            reason = "attn_mask is not a prefix (suffix-padding) key mask"
+        else:
+            kernel_lens = mask_lens if kv_lens is None else torch.minimum(mask_lens, kv_lens.to(torch.int32))
+    if reason is None:
+        reason = _cuda_unsupported_reason(q, k, v, layout, causal, kernel_lens,
+                                          None if attn_mask is None else "key_padding",
+                                          require_native=(backend == "auto"))
+    if reason is None:
+        from . import cuda_backend
+
+        return cuda_backend.attention(q, k, v, layout=layout, causal=causal, scale=scale,
+                                      kv_lens=kernel_lens, return_lse=return_lse)
+    if backend == "cuda":
+        raise BackendUnavailableError(f"backend='cuda' cannot run this call: {reason}")
+    _warn_fallback(reason)
+    return _attention_sdpa(q, k, v, layout, causal, scale, attn_mask, kv_lens, return_lse)
+
+
+# ---------------------------------------------------------------------------------------------
+# The custom op
+# ---------------------------------------------------------------------------------------------
+
+def _out_shapes(q, v, layout):
+    qh = fmt.to_hnd(q, layout)
+    b, h, sq, _ = qh.shape
+    dv = v.shape[-1]
+    out_shape = (b, sq, h, dv) if layout == "NHD" else (b, h, sq, dv)
+    return out_shape, (b, h, sq)
+
+
+@torch.library.custom_op("nvfp4_dit::attention", mutates_args=())
+def _attention_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: Optional[torch.Tensor],
+    kv_lens: Optional[torch.Tensor],
+    layout: str,
+    causal: bool,
+    scale: Optional[float],
+    return_lse: bool,
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    out_shape, lse_shape = _out_shapes(q, v, layout)
+    if q.numel() == 0 or fmt.to_hnd(k, layout).shape[2] == 0:
+        # Empty query, or no keys at all: nothing to attend (0 output, -inf LSE).
+        out = q.new_zeros(out_shape)
+        lse = q.new_full(lse_shape, -math.inf, dtype=torch.float32)
+        return out, (lse if return_lse else q.new_empty(0, dtype=torch.float32))
+    out, lse = _run(q, k, v, layout, causal, scale, attn_mask, kv_lens, return_lse, backend)
+    if not return_lse:
+        return out, q.new_empty(0, dtype=torch.float32)
+    return out, lse.float().contiguous()
+
+
+@_attention_op.register_fake
+def _attention_fake(q, k, v, attn_mask, kv_lens, layout, causal, scale, return_lse, backend):
+    out_shape, lse_shape = _out_shapes(q, v, layout)
+    out = q.new_empty(out_shape)
+    lse = q.new_empty(lse_shape if return_lse else (0,), dtype=torch.float32)
+    return out, lse
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    layout: str = "NHD",
+    causal: bool = False,
+    scale: Optional[float] = None,
+    attn_mask: Optional[torch.Tensor] = None,
+    kv_lens: Optional[torch.Tensor] = None,
+    return_lse: bool = False,
+    backend: str = "auto",
+):
+    """Scaled dot-product attention with NVFP4 (FP4 microscaling) Q, K, P and V.
+
+    Args:
+        q: ``[B, Sq, H, D]`` for ``layout="NHD"`` (diffusers' layout) or ``[B, H, Sq, D]`` for
+            ``"HND"``; float16, bfloat16 or float32.
+        k, v: ``[B, Sk, Hkv, D]`` (or HND), same dtype and device; ``H % Hkv == 0`` (GQA).
+        causal: query i attends keys j <= i (SDPA's ``is_causal``).
+        scale: softmax scale, default ``1/sqrt(D)``.
+        attn_mask: optional bool (True = attend) or additive float mask broadcastable to
+            ``[B, H, Sq, Sk]``. The FP4 back-ends take per-key padding masks (``[B, Sk]``,
+            ``[B, 1, 1, Sk]``); other masks run on exact SDPA (``auto``) or raise.
+        kv_lens: optional int32/int64 ``[B]``: only the first ``kv_lens[b]`` keys are attended.
+        return_lse: also return the log-sum-exp ``[B, H, Sq]`` (fp32, natural log) of the
+            scaled scores, e.g. to merge partial attentions (ring attention).
+        backend: ``"auto"`` (the CUDA kernel where the native FP4 MMA exists, sm_120/sm_121;
+            otherwise exact SDPA with one warning per reason), ``"cuda"`` (the kernel; emulated
+            FP4 MMA on sm_80/sm_90), ``"reference"`` (pure-torch FP4 numerics, any device) or
+            ``"sdpa"`` (exact).
+
+    Returns:
+        ``out`` in q's layout and dtype, or ``(out, lse)`` with ``return_lse=True``.
+        Rows with no visible key give 0 (and LSE ``-inf``).
+
+    Raises:
+        TypeError / ValueError naming the bad argument; :class:`BackendUnavailableError` when
+        an explicitly requested back-end cannot run the call.
+    """
+    _validate(q, k, v, layout, causal, scale, attn_mask, kv_lens, return_lse, backend)
+    scale = None if scale is None else float(scale)
+    out, lse = torch.ops.nvfp4_dit.attention(q, k, v, attn_mask, kv_lens, layout, causal, scale,
+                                              return_lse, backend)
+    return (out, lse) if return_lse else out
+
+
+def available_backends(device: Optional[torch.device] = None) -> list[str]:
+    """Back-ends that can run on ``device`` (default: the current CUDA device if any, else CPU)."""
+    names = ["reference", "sdpa"]
+    if device is None:
+        device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device(device)
+    if device.type == "cuda":
+        probe = torch.empty(1, 128, 1, 64, dtype=torch.bfloat16, device=device)
+        if _cuda_unsupported_reason(probe, probe, probe, "NHD", False, None, None, False) is None:
+            names.append("cuda")
+    return names

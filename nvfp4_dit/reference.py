@@ -1,0 +1,184 @@
+"""The NVFP4 attention algorithm in plain PyTorch: the exact numerics the CUDA kernel runs.
+
+Step for step (see DEVELOPERS.md, "The NVFP4 contract"):
+
+1. K is smoothed by its per-head mean, Q by per-128-row-block means; both are FP4-quantised
+   (:func:`nvfp4_dit.format.quantize_qkv`), V is FP4-quantised along tokens.
+2. Scores ``s = FP4(q - qm) . FP4(k - km)^T + qm . (k - km)^T`` (the correction term is fp32).
+3. Online softmax over 128-key tiles in ascending key order: the running max ``m_t`` after tile
+   t sets the unnormalised ``P' = 2688 * exp(scale * (s - m_t))``, which is quantised per 16 keys
+   (:func:`nvfp4_dit.format.quantize_p_blocks`) and multiplied with FP4(V) in fp32; earlier
+   tiles are rescaled by ``exp(scale * (m_t - m_T))``.  The row sum uses the unquantised P'.
+4. ``out = O / rowsum``; ``lse = m*scale + ln(rowsum) - ln(2688) + scale * q.km`` (the true LSE
+   of the scaled scores, the K-mean term given back).
+
+The tile loop is written in closed form (a cumulative max over tile maxima) so it vectorises;
+it is the same arithmetic as the kernel's sequential rescaling up to fp32 rounding.  Q is
+processed in chunks of 128-row blocks, so memory is O(S*D + chunk*S), never S x S.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from . import format as fmt
+
+LOG2E = math.log2(math.e)
+_DEFAULT_CHUNK_ELEMS = 1 << 25
+
+
+def attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    layout: str = "NHD",
+    causal: bool = False,
+    scale: Optional[float] = None,
+    key_bias: Optional[torch.Tensor] = None,
+    kv_lens: Optional[torch.Tensor] = None,
+    return_lse: bool = False,
+    per_block_mean: bool = True,
+    query_blocks: Optional[tuple[int, int]] = None,
+    chunk_elems: int = _DEFAULT_CHUNK_ELEMS,
+    quantized: Optional[fmt.QuantizedQKV] = None,
+):
+    """NVFP4 attention, reference numerics.
+
+    Args:
+        q, k, v: ``[B, S, H, D]`` (``layout="NHD"``) or ``[B, H, S, D]`` (``"HND"``); k and v
+            may have fewer heads than q (GQA).  Inputs are assumed validated by the caller
+            (:func:`nvfp4_dit.attention` does that).
+        causal: SDPA's ``is_causal`` convention: query i sees keys j <= i.
+        scale: softmax scale, default ``1/sqrt(D)``.
+        key_bias: optional additive float bias per key ``[B, Sk]`` (in units of the *scaled*
+            score; ``-inf`` masks a key).
+        kv_lens: optional int ``[B]``: keys j >= kv_lens[b] are masked.
+        query_blocks: optional ``(first, last)`` range of 128-row Q blocks to compute; the
+            output then holds only those rows (for sampled checks on long sequences).
+        quantized: a precomputed :class:`~nvfp4_dit.format.QuantizedQKV` (e.g. from the fused
+            CUDA quantiser) to run the rest of the algorithm on; it must carry ``k_smoothed``.
+
+    Returns:
+        ``out`` in q's layout and dtype, and ``lse [B, H, Sq]`` fp32 when ``return_lse``.
+    """
+    qh = fmt.to_hnd(q, layout)
+    b, h, sq, d = qh.shape
+    hkv, sk = fmt.to_hnd(k, layout).shape[1:3]
+    scale = fmt.default_scale(d) if scale is None else float(scale)
+    qq = quantized if quantized is not None else fmt.quantize_qkv(
+        q, k, v, layout=layout, kv_lens=kv_lens, per_block_mean=per_block_mean
+    )
+    q_hat, k_hat, v_hat = fmt.dequantize_qkv(qq)
+    dp, skp = qq.head_dim_padded, k_hat.shape[2]
+    group = h // hkv
+    dev = q_hat.device
+
+    # Additive bias per key in unscaled-score units (the kernel compares raw scores).
+    valid = fmt.valid_key_mask(kv_lens, b, sk, dev)
+    bias = torch.where(valid, 0.0, -math.inf)
+    if key_bias is not None:
+        bias = bias + key_bias.to(dev, torch.float32) / scale
+    bias = fmt.pad_dim(bias, 1, skp)
+    bias[:, sk:] = -math.inf
+    bias = bias[:, None, None, :]
+
+    nblk = qq.num_q_blocks
+    first, last = (0, nblk) if query_blocks is None else query_blocks
+    if not (0 <= first < last <= nblk):
+        raise ValueError(f"query_blocks {query_blocks} out of range for {nblk} blocks")
+    per_block = b * h * fmt.SEQ_TILE * skp
+    blocks_per_chunk = max(1, chunk_elems // per_block)
+    c = scale * LOG2E
+    log2_range = math.log2(fmt.P_RANGE)
+    key_idx = torch.arange(skp, device=dev)
+
+    outs, lses = [], []
+    for b0 in range(first, last, blocks_per_chunk):
+        b1 = min(last, b0 + blocks_per_chunk)
+        r0, r1 = b0 * fmt.SEQ_TILE, b1 * fmt.SEQ_TILE
+        rows = r1 - r0
+        qc = q_hat[:, :, r0:r1].reshape(b, hkv, group * rows, dp)
+        s = torch.matmul(qc, k_hat.transpose(-1, -2)).view(b, h, b1 - b0, fmt.SEQ_TILE, skp)
+        s = s + fmt.qk_correction(qq, b0, b1)[:, :, :, None, :]
+        s = s.view(b, h, rows, skp) + bias
+        if causal:
+            q_idx = torch.arange(r0, r1, device=dev)
+            s = s.masked_fill(key_idx[None, :] > q_idx[:, None], -math.inf)
+
+        tiles = s.view(b, h, rows, skp // fmt.SEQ_TILE, fmt.SEQ_TILE)
+        m_run = torch.cummax(tiles.amax(-1), dim=-1).values
+        m_safe = torch.where(torch.isneginf(m_run), 0.0, m_run)
+        p = torch.exp2((tiles - m_safe[..., None]) * c + log2_range)
+        m_last = m_safe[..., -1:]
+        # Tiles before the first unmasked key carry p = 0; weight them 0 too (no inf * 0).
+        weight = torch.where(torch.isneginf(m_run), 0.0, torch.exp2((m_safe - m_last) * c))
+        row_sum = (p.sum(-1) * weight).sum(-1)
+        p_q = fmt.quantize_p_blocks(p) * weight[..., None]
+        o = torch.matmul(p_q.reshape(b, hkv, group * rows, skp), v_hat).view(b, h, rows, dp)
+        has_keys = row_sum > 0
+        outs.append(torch.where(has_keys[..., None], o / row_sum.clamp_min(1e-30)[..., None], 0.0))
+        if return_lse:
+            lse = m_last[..., 0] * scale + torch.log(row_sum.clamp_min(1e-30)) - math.log(fmt.P_RANGE)
+            lses.append(torch.where(has_keys, lse, -math.inf))
+
+    row_end = min(last * fmt.SEQ_TILE, sq)
+    n_rows = row_end - first * fmt.SEQ_TILE
+    out = torch.cat(outs, dim=2)[:, :, :n_rows, :d].to(q.dtype)
+    out = out.transpose(1, 2) if layout == "NHD" else out
+    out = out.contiguous()
+    if not return_lse:
+        return out
+    lse = torch.cat(lses, dim=2)[:, :, :n_rows]
+    lse = lse + scale * qq.q_dot_km[:, :, first * fmt.SEQ_TILE: row_end]
+    return out, lse.contiguous()
+
+
+def attention_exact(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    layout: str = "NHD",
+    causal: bool = False,
+    scale: Optional[float] = None,
+    key_bias: Optional[torch.Tensor] = None,
+    kv_lens: Optional[torch.Tensor] = None,
+    dtype: torch.dtype = torch.float64,
+    chunk_rows: int = 1024,
+):
+    """Exact attention in ``dtype`` (default fp64) with the same masking conventions.
+
+    Returns ``(out [q's layout, dtype], lse [B, H, Sq])``; fully masked rows give 0 / -inf.
+    For tests and accuracy reports; memory O(chunk_rows * Sk).
+    """
+    qh, kh, vh = (fmt.to_hnd(t, layout).to(dtype) for t in (q, k, v))
+    b, h, sq, d = qh.shape
+    hkv, sk = kh.shape[1:3]
+    group = h // hkv
+    scale = fmt.default_scale(d) if scale is None else float(scale)
+    valid = fmt.valid_key_mask(kv_lens, b, sk, qh.device)
+    bias = torch.where(valid, 0.0, -math.inf).to(dtype)
+    if key_bias is not None:
+        bias = bias + key_bias.to(qh.device, dtype)
+    bias = bias[:, None, None, :]
+    kh = kh.repeat_interleave(group, 1)
+    vh = vh.repeat_interleave(group, 1)
+    outs, lses = [], []
+    for r0 in range(0, sq, chunk_rows):
+        r1 = min(sq, r0 + chunk_rows)
+        s = torch.matmul(qh[:, :, r0:r1], kh.transpose(-1, -2)) * scale + bias
+        if causal:
+            q_idx = torch.arange(r0, r1, device=qh.device)
+            s = s.masked_fill(torch.arange(sk, device=qh.device)[None, :] > q_idx[:, None], -math.inf)
+        lse = torch.logsumexp(s, dim=-1)
+        finite = torch.isfinite(lse)
+        p = torch.exp(s - torch.where(finite, lse, 0.0)[..., None])
+        outs.append(torch.where(finite[..., None], torch.matmul(p, vh), 0.0))
+        lses.append(lse)
+    out = torch.cat(outs, 2) if outs else qh.new_zeros(b, h, 0, vh.shape[-1])
+    lse = torch.cat(lses, 2) if lses else qh.new_zeros(b, h, 0)
+    return (out.transpose(1, 2) if layout == "NHD" else out), lse
