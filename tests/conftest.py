@@ -1,0 +1,27 @@
+"""Shared test configuration: the `cuda` marker skips without a GPU; seeded generators."""
+
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def gen():
+    """A seeded CPU generator, so every test draws the same inputs run to run."""
+    return torch.Generator().manual_seed(1234)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_fallback_warnings():
+    import nvfp4_dit
+
+    nvfp4_dit.reset_fallback_warnings()
+    yield

@@ -1,0 +1,159 @@
+"""The NVFP4 format module: codecs, rounding ties, scales, packing, permutation, layouts."""
+
+import math
+
+import pytest
+import torch
+
+from nvfp4_dit import format as fmt
+
+
+def test_e2m1_table_round_trips():
+    codes = torch.arange(16, dtype=torch.uint8)
+    vals = fmt.e2m1_decode(codes)
+    assert vals[:8].tolist() == list(fmt.E2M1_VALUES)
+    assert vals[8:].tolist() == [-x for x in fmt.E2M1_VALUES]
+    # Every code but -0 re-encodes to itself; -0.0 keeps its sign bit.
+    assert torch.equal(fmt.e2m1_encode(vals), codes)
+
+
+@pytest.mark.parametrize(
+    "x, expected",
+    [(0.25, 0.0), (0.75, 1.0), (1.25, 1.0), (1.75, 2.0), (2.5, 2.0), (3.5, 4.0), (5.0, 4.0),
+     (0.2500001, 0.5), (0.7499999, 0.5), (1.2500001, 1.5), (4.9999, 4.0), (5.0001, 6.0)],
+)
+def test_e2m1_ties_round_to_even(x, expected):
+    for sign in (1.0, -1.0):
+        got = fmt.e2m1_decode(fmt.e2m1_encode(torch.tensor([sign * x])))
+        assert got.item() == sign * expected
+
+
+def test_e2m1_saturates_and_nan():
+    x = torch.tensor([7.0, 1e30, math.inf, -math.inf, math.nan, -0.1, 0.1])
+    codes = fmt.e2m1_encode(x).tolist()
+    assert codes[:4] == [7, 7, 7, 15]
+    assert codes[4] == 0  # NaN -> +0 (its block's scale is NaN)
+    assert codes[5] == 8 and codes[6] == 0  # signed zero keeps the sign
+
+
+def test_e2m1_is_nearest_on_a_dense_grid():
+    x = torch.linspace(-7, 7, 20001)
+    got = fmt.e2m1_decode(fmt.e2m1_encode(x))
+    table = torch.tensor(sorted(set(fmt.E2M1_VALUES) | {-v for v in fmt.E2M1_VALUES}))
+    dist = (x[:, None].clamp(-6, 6) - table[None, :]).abs()
+    best = dist.min(1).values
+    assert torch.all((got - x.clamp(-6, 6)).abs() <= best + 1e-7)
+
+
+def test_e4m3_encode_is_rne_satfinite():
+    x = torch.tensor([448.0, 460.0, 500.0, 1e9, math.inf, 0.0, 2.0 ** -9, 2.0 ** -10,
+                      1.5 * 2.0 ** -10, 1.0625, 1.1875, math.nan])
+    bits = fmt.e4m3_encode(x)
+    vals = fmt.e4m3_decode(bits)
+    assert vals[:5].tolist() == [448.0] * 5
+    assert vals[5].item() == 0.0
+    assert vals[6].item() == 2.0 ** -9  # smallest subnormal
+    assert vals[7].item() == 0.0  # a tie at half the smallest subnormal rounds to even (0)
+    assert vals[8].item() == 2.0 ** -9
+    assert vals[9].item() == 1.0 and vals[10].item() == 1.25  # mantissa ties to even
+    assert bits[11].item() == 0x7F
+
+
+def test_scale_underflow_and_subnormal_scales():
+    # amax16 < 6 * 2^-10 underflows the scale to 0 and the whole block becomes zero.
+    tiny = torch.full((16,), 0.005)
+    data, sf = fmt.quantize_blocks(tiny)
+    assert sf.item() == 0 and torch.all(data == 0)
+    assert torch.all(fmt.dequantize_blocks(data, sf) == 0)
+    # Subnormal scale (amax16 < 6 * 2^-6): still exact for a block of equal values.
+    block = torch.full((16,), 0.05)
+    data, sf = fmt.quantize_blocks(block)
+    s = fmt.e4m3_decode(sf).item()
+    assert s < 2.0 ** -6 and s > 0
+    deq = fmt.dequantize_blocks(data, sf)
+    assert torch.allclose(deq, block, rtol=0.15)
+
+
+def test_quantize_divides_by_the_rounded_scale():
+    x = torch.tensor([1.0 + 0.01 * i for i in range(16)])
+    data, sf = fmt.quantize_blocks(x)
+    s = fmt.e4m3_decode(sf).item()
+    codes = fmt.unpack_nibbles(data)
+    assert torch.equal(codes, fmt.e2m1_encode(x / s))
+
+
+def test_packing_low_nibble_first():
+    codes = torch.tensor([1, 2, 3, 4, 15, 0], dtype=torch.uint8)
+    packed = fmt.pack_nibbles(codes)
+    assert packed.tolist() == [0x21, 0x43, 0x0F]
+    assert torch.equal(fmt.unpack_nibbles(packed), codes)
+
+
+def test_k_row_permutation():
+    assert fmt.K_ROW_PERM[:8] == (0, 1, 8, 9, 16, 17, 24, 25)
+    assert fmt.K_ROW_PERM[8:16] == (2, 3, 10, 11, 18, 19, 26, 27)
+    assert fmt.K_ROW_PERM[24:] == (6, 7, 14, 15, 22, 23, 30, 31)
+    perm = torch.tensor(fmt.K_ROW_PERM)
+    assert torch.equal(perm[perm], torch.arange(32))  # an involution
+    x = torch.arange(64.0)[:, None]
+    once = fmt.permute_k_rows(x, dim=0)
+    assert once[2, 0].item() == 8 and once[32 + 2, 0].item() == 40
+    assert torch.equal(fmt.permute_k_rows(once, dim=0), x)
+    # Lane t of the accumulator owns stored columns 2t, 2t+1 of each n8 tile j; after the
+    # permutation those are tokens 8t .. 8t+7 of the 32-key group.
+    for t in range(4):
+        owned = sorted(fmt.K_ROW_PERM[8 * j + 2 * t + c] for j in range(4) for c in range(2))
+        assert owned == list(range(8 * t, 8 * t + 8))
+
+
+def test_quantize_qkv_layouts_and_padding(gen):
+    b, sq, sk, h, hkv, d = 2, 150, 100, 4, 2, 40
+    q = torch.randn(b, sq, h, d, generator=gen)
+    k = torch.randn(b, sk, hkv, d, generator=gen)
+    v = torch.randn(b, sk, hkv, d, generator=gen)
+    qq = fmt.quantize_qkv(q, k, v, layout="NHD")
+    assert qq.head_dim_padded == 64
+    assert qq.q_data.shape == (b, h, 256, 32) and qq.q_sf.shape == (b, h, 256, 4)
+    assert qq.k_data.shape == (b, hkv, 128, 32) and qq.k_sf.shape == (b, hkv, 128, 4)
+    assert qq.vt_data.shape == (b, hkv, 64, 64) and qq.vt_sf.shape == (b, hkv, 64, 8)
+    assert qq.q_mean.shape == (b, h, 2, 64) and qq.k_mean.shape == (b, hkv, 64)
+    assert qq.q_dot_km.shape == (b, h, sq)
+    # Padding is exactly zero: rows past S, columns past D, V tokens past Sk.
+    assert torch.all(qq.q_data[:, :, sq:] == 0) and torch.all(qq.q_sf[:, :, sq:] == 0)
+    assert torch.all(qq.vt_data[:, :, d:] == 0) and torch.all(qq.vt_sf[:, :, :, 7:] == 0)
+    k_nat = fmt.permute_k_rows(qq.k_data, dim=2)
+    assert torch.all(k_nat[:, :, sk:] == 0)
+    # The same data in HND gives the same bytes.
+    qq2 = fmt.quantize_qkv(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), layout="HND")
+    assert torch.equal(qq.q_data, qq2.q_data) and torch.equal(qq.k_sf, qq2.k_sf)
+    assert torch.equal(qq.vt_data, qq2.vt_data)
+
+
+def test_means_respect_kv_lens_and_valid_rows(gen):
+    k = torch.randn(2, 200, 1, 16, generator=gen)
+    lens = torch.tensor([200, 37])
+    km = fmt.k_mean(k.transpose(1, 2), lens)
+    assert torch.allclose(km[1, 0], k[1, :37, 0].mean(0), atol=1e-6)
+    q = torch.randn(1, 130, 1, 16, generator=gen)
+    qm = fmt.q_block_means(q.transpose(1, 2))
+    assert torch.allclose(qm[0, 0, 1], q[0, 128:, 0].mean(0), atol=1e-6)
+
+
+def test_dequantize_error_is_bounded(gen):
+    x = torch.randn(64, 128, generator=gen)
+    deq = fmt.dequantize_blocks(*fmt.quantize_blocks(x))
+    rel = (deq - x).norm() / x.norm()
+    assert 0.05 < rel < 0.12  # e2m1 with per-16 ue4m3 scales on Gaussian data
+
+
+def test_quantize_p_blocks_probe():
+    # All-equal probabilities at the top of the range quantise exactly.
+    p = torch.full((4, 128), fmt.P_RANGE)
+    assert torch.equal(fmt.quantize_p_blocks(p), p)
+    # A block below the smallest scale vanishes instead of turning into NaN.
+    assert torch.all(fmt.quantize_p_blocks(torch.full((16,), 1e-4)) == 0)
+
+
+def test_padded_head_dim():
+    assert [fmt.padded_head_dim(d) for d in (1, 40, 64, 65, 80, 128, 129, 256)] == \
+        [64, 64, 64, 128, 128, 128, None, None]

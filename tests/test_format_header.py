@@ -1,0 +1,96 @@
+"""csrc/nvfp4_format.cuh agrees with nvfp4_dit/format.py bit for bit (software paths, on the host).
+
+The header's software conversions are __host__ __device__; the sm_80/sm_90 kernels run the same
+code on the device.  nvcc compiles a tiny host program that converts a dense set of floats,
+and the bytes must equal format.py's.  Skipped where nvcc is missing.
+"""
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from nvfp4_dit import format as fmt
+
+CSRC = Path(__file__).resolve().parents[1] / "csrc"
+
+PROGRAM = r"""
+#include "nvfp4_format.cuh"
+#include <cstdio>
+#include <vector>
+int main(int argc, char** argv) {
+  FILE* f = fopen(argv[1], "rb");
+  std::vector<float> x;
+  float v;
+  while (fread(&v, sizeof(float), 1, f) == 1) x.push_back(v);
+  fclose(f);
+  FILE* o = fopen(argv[2], "wb");
+  for (float a : x) {
+    unsigned char e2 = (unsigned char)nvfp4::float_to_e2m1_sw(a);
+    unsigned char e4 = (unsigned char)nvfp4::float_to_e4m3_sw(a);
+    float d4 = nvfp4::e4m3_to_float(e4);
+    float d2 = nvfp4::e2m1_to_float(e2);
+    uint32_t sb;
+    float sv = nvfp4::block_scale_value(fabsf(a), &sb);
+    float q = nvfp4::scale_for_e2m1(a, sv);
+    unsigned char qb = (unsigned char)nvfp4::float_to_e2m1_sw(q);
+    unsigned char sbb = (unsigned char)sb;
+    fwrite(&e2, 1, 1, o); fwrite(&e4, 1, 1, o); fwrite(&d4, 4, 1, o); fwrite(&d2, 4, 1, o);
+    fwrite(&sbb, 1, 1, o); fwrite(&qb, 1, 1, o);
+  }
+  fclose(o);
+  return 0;
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def host_program(tmp_path_factory):
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("nvcc not found")
+    d = tmp_path_factory.mktemp("fmt")
+    src = d / "fmt_host.cu"
+    src.write_text(PROGRAM)
+    exe = d / "fmt_host"
+    subprocess.run([nvcc, "-std=c++17", "-O2", f"-I{CSRC}", str(src), "-o", str(exe)], check=True,
+                   capture_output=True)
+    return exe
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(7)
+    e2m1_ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    e4m3_grid = fmt.e4m3_decode(torch.arange(256, dtype=torch.uint8)).nan_to_num(0.0)
+    mids = (e4m3_grid[1:127] + e4m3_grid[2:128]) / 2  # every e4m3 rounding tie
+    specials = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), 448.0, 464.0,
+                             1e-12, 2.0 ** -9, 2.0 ** -10, 6.0 * 2.0 ** -10, 2688.0, 3000.0])
+    spread = torch.randn(20000, generator=g) * torch.exp2(torch.randint(-14, 12, (20000,), generator=g).float())
+    x = torch.cat([e2m1_ties, -e2m1_ties, mids, -mids, e4m3_grid, specials, spread,
+                   torch.nextafter(e2m1_ties, torch.zeros(1)), torch.nextafter(e2m1_ties, torch.full((1,), 9.0))])
+    return x.float()
+
+
+def test_header_matches_format_module(host_program, tmp_path):
+    x = _inputs()
+    inp, out = tmp_path / "in.bin", tmp_path / "out.bin"
+    x.numpy().tofile(inp)
+    subprocess.run([str(host_program), str(inp), str(out)], check=True)
+    rec = np.dtype([("e2", "u1"), ("e4", "u1"), ("d4", "<f4"), ("d2", "<f4"), ("sb", "u1"), ("qb", "u1")])
+    got = np.fromfile(out, dtype=rec)
+    assert len(got) == len(x)
+    e2 = fmt.e2m1_encode(x).numpy()
+    e4 = fmt.e4m3_encode(x).numpy()
+    np.testing.assert_array_equal(got["e2"], e2)
+    np.testing.assert_array_equal(got["e4"], e4)
+    np.testing.assert_array_equal(got["d4"], fmt.e4m3_decode(torch.from_numpy(e4)).numpy())
+    np.testing.assert_array_equal(got["d2"], fmt.e2m1_decode(torch.from_numpy(e2)).numpy())
+    # One-element "blocks": scale = e4m3(|x| / 6), data = e2m1(x / scale), as quantize_blocks does.
+    sb = fmt.e4m3_encode(x.abs() / 6.0)
+    s = fmt.e4m3_decode(sb)
+    qb = fmt.e2m1_encode(torch.where(s == 0, 0.0, x / torch.where(s == 0, 1.0, s)))
+    np.testing.assert_array_equal(got["sb"], sb.numpy())
+    np.testing.assert_array_equal(got["qb"], qb.numpy())
