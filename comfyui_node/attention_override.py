@@ -1,0 +1,327 @@
+"""The per-model attention override that the ComfyUI node installs.
+
+ComfyUI (>= 0.3.60) routes every attention call of a model through
+``transformer_options["optimized_attention_override"]`` when that key is set: ``wrap_attn`` calls
+``override(func, q, k, v, heads, mask=..., skip_reshape=..., skip_output_reshape=..., **kwargs)``,
+where ``func`` is the undecorated back-end the call site picked and ``kwargs`` carries
+``_inside_attn_wrapper=True``. This module is that override. It imports nothing from ComfyUI, so the
+decision logic and the layout handling are testable without it.
+
+For every call it either runs ``nvfp4_dit.attention`` or declines. A declined call goes, with its
+arguments untouched, to the override that was on the model before ours (so a node earlier in the MODEL
+chain keeps working; last writer wins otherwise) or else to ``func``. Passing ``kwargs`` through
+unchanged keeps ``_inside_attn_wrapper`` set, which is what stops a decorated back-end from calling the
+override again (the recursion trap). Nothing is kept between calls: no tensors, no step state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import logging
+from typing import Any, Callable, Optional
+
+import torch
+
+logger = logging.getLogger("nvfp4_dit.comfyui")
+
+BACKENDS = ("auto", "cuda", "reference", "sdpa")
+
+# Keyword arguments ComfyUI's attention functions receive that do not change what attention computes
+# (or that this override reads itself). Any other keyword is declined: it may carry semantics we
+# cannot reproduce, and the function ComfyUI handed us knows what to do with it.
+_KNOWN_KWARGS = frozenset({
+    "transformer_options", "_inside_attn_wrapper", "low_precision_attention", "scale", "enable_gqa",
+    "attn_precision", "preferred_attention",
+})
+
+# An additive mask entry at or below this counts as "masked out". ComfyUI's models write
+# -finfo(dtype).max or -inf; a softmax weight of exp(-1e4) is zero in every float format.
+_ADDITIVE_MASKED_AT = -1.0e4
+
+_MAX_HEAD_DIM = 128
+_FP4_CAPABILITY_MAJOR = 12  # sm_120 / sm_121: the native block-scaled FP4 MMA
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionPolicy:
+    """Which attention calls of a model run in NVFP4 and on which back-end of ``nvfp4_dit.attention``.
+
+    backend: "auto" runs NVFP4 only where the native FP4 MMA exists (CUDA sm_120/121) and declines
+        elsewhere, so the model keeps the attention ComfyUI chose; "cuda" forces the compiled kernel
+        (emulated MMA on sm_80/90); "reference" the pure-torch FP4 numerics (slow, for checking);
+        "sdpa" exact attention through the same wrapper (for checking the wiring).
+    cross_attention_dense: calls with Lq != Lk (text / image-token cross-attention) are declined.
+    dense_first_steps, dense_last_steps: the first / last N sampling steps are declined. The step is
+        found from the sigma of the call within ``transformer_options["sample_sigmas"]``, i.e. within
+        the schedule of the sampler that runs the model (a KSamplerAdvanced segment counts alone).
+    min_seq_len: calls whose query length is below this are declined (text refiners, short clips).
+    """
+
+    backend: str = "auto"
+    cross_attention_dense: bool = True
+    dense_first_steps: int = 0
+    dense_last_steps: int = 0
+    min_seq_len: int = 1024
+
+    def __post_init__(self):
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        for name in ("dense_first_steps", "dense_last_steps", "min_seq_len"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+
+
+def _comfy_attention_signature(q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False,
+                               skip_output_reshape=False, **kwargs):
+    """The signature every ComfyUI attention back-end shares; used only to bind arguments."""
+
+
+_SIGNATURE = inspect.signature(_comfy_attention_signature)
+
+_warned: set[str] = set()
+
+
+def _warn_once(key: str, message: str) -> None:
+    # One warning per kind of declined call per process, not one per attention call.
+    if key not in _warned:
+        _warned.add(key)
+        logger.warning("nvfp4_dit: %s; using the model's own attention for such calls", message)
+
+
+def sampling_step(transformer_options: dict) -> Optional[tuple[int, int]]:
+    """(step index, number of steps) of the current call, or None outside a sampler.
+
+    ComfyUI puts the whole schedule in ``sample_sigmas`` (steps + 1 values, descending) and the sigma
+    of the current model call in ``sigmas``. Step i covers sigmas in (s[i+1], s[i]], so samplers that
+    evaluate the model between two schedule points (Heun, DPM-2) count those calls to step i.
+    """
+    schedule = transformer_options.get("sample_sigmas")
+    current = transformer_options.get("sigmas")
+    if schedule is None or current is None:
+        return None
+    schedule = torch.as_tensor(schedule).detach().flatten().to("cpu", torch.float64)
+    current = torch.as_tensor(current).detach().flatten().to("cpu", torch.float64)
+    steps = schedule.numel() - 1
+    if steps < 1 or current.numel() == 0:
+        return None
+    sigma = float(current.max())  # one sigma per batch chunk; they agree except in odd custom samplers
+    # Relative slack for the dtype round trip of the sigma (the model may see it in fp16/bf16).
+    tolerance = 1e-3 * abs(sigma)
+    step = int((schedule[1:] >= sigma - tolerance).sum())
+    return min(step, steps - 1), steps
+
+
+def key_padding_mask(mask: Optional[torch.Tensor], batch: int, keys: int) -> tuple[Optional[torch.Tensor], Optional[str]]:
+    """Turn a ComfyUI attention mask into a bool key-padding mask ``[batch, keys]`` (True = attend).
+
+    ComfyUI masks are bool or additive float, broadcast against ``[B, H, Lq, Lk]`` after adding a batch
+    dimension to 2-D masks and a head dimension to 3-D ones. Only masks that are the same for every
+    head and every query, with every entry either "keep" or "masked out", are key-padding masks.
+    Returns (mask or None for "attend everywhere", None) or (None, reason it cannot be expressed).
+    """
+    if mask is None:
+        return None, None
+    if not isinstance(mask, torch.Tensor):
+        return None, f"attention mask of type {type(mask).__name__}"
+    m = mask
+    if m.ndim == 2:
+        m = m.unsqueeze(0)
+    if m.ndim == 3:
+        m = m.unsqueeze(1)
+    if m.ndim != 4:
+        return None, f"attention mask with {mask.ndim} dimensions"
+    if m.shape[1] != 1 or m.shape[2] != 1:
+        return None, "attention mask that differs per head or per query"
+    if m.shape[-1] != keys or m.shape[0] not in (1, batch):
+        return None, f"attention mask of shape {tuple(mask.shape)} for batch {batch} and {keys} keys"
+    m = m.reshape(m.shape[0], keys)
+    if m.dtype == torch.bool:
+        keep = m
+    elif m.is_floating_point():
+        keep = m == 0
+        if not bool(((m <= _ADDITIVE_MASKED_AT) | keep).all()):
+            return None, "additive attention mask with bias values (not only 0 and -inf)"
+    else:
+        return None, f"attention mask of dtype {m.dtype}"
+    if not bool(keep.any(dim=-1).all()):
+        # A row with no key left is NaN or uniform in ComfyUI's back-ends and zero in ours.
+        return None, "attention mask that masks out every key of a row"
+    if bool(keep.all()):
+        return None, None
+    return keep.expand(batch, keys).contiguous(), None
+
+
+class NVFP4AttentionOverride:
+    """``transformer_options["optimized_attention_override"]`` value running ``nvfp4_dit.attention``.
+
+    ``previous`` is the override that was on the model when the node patched it (or None); declined
+    calls go there, else to the function ComfyUI passes in.
+    """
+
+    def __init__(self, policy: AttentionPolicy, previous: Optional[Callable] = None):
+        if previous is not None and not callable(previous):
+            raise TypeError(f"previous must be callable or None, got {type(previous).__name__}")
+        self.policy = policy
+        self.previous = previous
+
+    def __repr__(self) -> str:
+        return f"NVFP4AttentionOverride({self.policy}, previous={self.previous!r})"
+
+    def __call__(self, func: Callable, *args: Any, **kwargs: Any):
+        try:
+            bound = _SIGNATURE.bind(*args, **kwargs)
+        except TypeError as error:
+            _warn_once("signature", f"attention call with unexpected arguments ({error})")
+            return self.decline(func, args, kwargs)
+        plan = self.plan(bound.arguments)
+        if plan is None:
+            return self.decline(func, args, kwargs)
+        import nvfp4_dit
+
+        try:
+            return self.run(plan)
+        except nvfp4_dit.BackendUnavailableError as error:
+            # An explicitly chosen back-end that cannot run this call (e.g. "cuda" on a CPU tensor,
+            # or a padding mask the kernel cannot take): keep the user's pipeline running.
+            _warn_once("unavailable:" + str(error), str(error))
+            return self.decline(func, args, kwargs)
+
+    def decline(self, func: Callable, args: tuple, kwargs: dict):
+        if self.previous is not None:
+            return self.previous(func, *args, **kwargs)
+        return func(*args, **kwargs)
+
+    def plan(self, arguments: dict) -> Optional[dict]:
+        """The arguments for ``nvfp4_dit.attention`` if this call runs in NVFP4, else None."""
+        policy = self.policy
+        extra = arguments.get("kwargs", {})
+        if extra.get("low_precision_attention", True) is False:
+            return None
+        unknown = sorted(set(extra) - _KNOWN_KWARGS)
+        if unknown:
+            _warn_once("kwargs:" + ",".join(unknown), f"attention call with keyword arguments {unknown}")
+            return None
+
+        q, k, v, heads = arguments["q"], arguments["k"], arguments["v"], arguments["heads"]
+        if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
+            return None
+        if q.dtype not in (torch.float16, torch.bfloat16, torch.float32) or not (q.dtype == k.dtype == v.dtype):
+            _warn_once(f"dtype:{q.dtype}", f"attention in {q.dtype}")
+            return None
+        if q.device != k.device or q.device != v.device:
+            return None
+
+        skip_reshape = bool(arguments.get("skip_reshape", False))
+        enable_gqa = bool(extra.get("enable_gqa", False))
+        if skip_reshape:
+            if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+                return None
+            batch, _, queries, head_dim = q.shape
+            kv_heads, keys = k.shape[1], k.shape[2]
+            if q.shape[1] != heads or v.shape[:3] != k.shape[:3] or k.shape[3] != head_dim or v.shape[3] != head_dim:
+                return None
+            q4, k4, v4, layout = q, k, v, "HND"
+        else:
+            if q.ndim != 3 or k.ndim != 3 or v.ndim != 3 or not isinstance(heads, int) or heads < 1:
+                return None
+            batch, queries, width = q.shape
+            if width % heads:
+                return None
+            head_dim = width // heads
+            keys = k.shape[1]
+            if k.shape[-1] % head_dim or v.shape[:2] != k.shape[:2] or v.shape[-1] != k.shape[-1]:
+                return None
+            kv_heads = k.shape[-1] // head_dim
+            q4 = q.reshape(batch, queries, heads, head_dim)
+            k4 = k.reshape(batch, keys, kv_heads, head_dim)
+            v4 = v.reshape(batch, keys, kv_heads, head_dim)
+            layout = "NHD"
+        if k.shape[0] != batch or v.shape[0] != batch:
+            return None
+        if kv_heads != heads and not (enable_gqa and heads % kv_heads == 0):
+            return None  # ComfyUI's own back-ends reject this too; let them raise their error.
+        if head_dim > _MAX_HEAD_DIM:
+            _warn_once(f"head_dim:{head_dim}", f"head_dim {head_dim} > {_MAX_HEAD_DIM}")
+            return None
+
+        if queries < policy.min_seq_len:
+            return None
+        if policy.cross_attention_dense and queries != keys:
+            return None
+        if policy.dense_first_steps or policy.dense_last_steps:
+            position = sampling_step(extra.get("transformer_options") or {})
+            if position is not None:
+                step, steps = position
+                if step < policy.dense_first_steps or step >= steps - policy.dense_last_steps:
+                    return None
+
+        padding, reason = key_padding_mask(arguments.get("mask"), batch, keys)
+        if reason is not None:
+            _warn_once("mask:" + reason, reason)
+            return None
+        if padding is not None:
+            padding = padding.to(q.device)
+
+        backend = policy.backend
+        if backend == "auto":
+            # Where the native FP4 MMA exists "auto" is the kernel; elsewhere the model keeps the
+            # attention ComfyUI picked for it (sage, flash, ...) rather than the op's own SDPA fallback.
+            if not _has_native_fp4(q):
+                _warn_once("auto:" + str(q.device), f"no native FP4 MMA on {_device_name(q)} (back-end 'auto')")
+                return None
+            backend = "cuda"
+
+        scale = extra.get("scale")
+        return dict(
+            q=q4, k=k4, v=v4, layout=layout, batch=batch, heads=heads, queries=queries, head_dim=head_dim,
+            scale=float(head_dim ** -0.5) if scale is None else float(scale), attn_mask=padding,
+            backend=backend, skip_output_reshape=bool(arguments.get("skip_output_reshape", False)),
+        )
+
+    @staticmethod
+    def run(plan: dict) -> torch.Tensor:
+        out = _nvfp4_attention(plan["q"], plan["k"], plan["v"], layout=plan["layout"], scale=plan["scale"],
+                               attn_mask=plan["attn_mask"], backend=plan["backend"])
+        batch, heads, queries, head_dim = plan["batch"], plan["heads"], plan["queries"], plan["head_dim"]
+        if plan["layout"] == "NHD":  # out [B, Lq, H, D]
+            if plan["skip_output_reshape"]:
+                return out.permute(0, 2, 1, 3)
+            return out.reshape(batch, queries, heads * head_dim)
+        # out [B, H, Lq, D]
+        if plan["skip_output_reshape"]:
+            return out
+        return out.transpose(1, 2).reshape(batch, queries, heads * head_dim)
+
+
+def _has_native_fp4(q: torch.Tensor) -> bool:
+    return q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == _FP4_CAPABILITY_MAJOR
+
+
+def _device_name(q: torch.Tensor) -> str:
+    if q.is_cuda:
+        major, minor = torch.cuda.get_device_capability(q.device)
+        return f"{q.device} (sm_{major}{minor})"
+    return str(q.device)
+
+
+def _nvfp4_attention(q, k, v, **options):
+    # Looked up at call time, so that importing this module does not import the op's machinery.
+    import nvfp4_dit
+
+    return nvfp4_dit.attention(q, k, v, **options)
+
+
+def patch_model(model, policy: AttentionPolicy):
+    """A clone of the ComfyUI ``ModelPatcher`` whose attention runs through NVFP4AttentionOverride.
+
+    ``clone()`` deep-copies ``model_options`` (dicts and lists), so writing the key on the clone leaves
+    the input model as it was; bypassing or deleting the node therefore undoes the patch. An override
+    already on the model is kept as the fallback of ours.
+    """
+    patched = model.clone()
+    transformer_options = patched.model_options.setdefault("transformer_options", {})
+    previous = transformer_options.get("optimized_attention_override")
+    transformer_options["optimized_attention_override"] = NVFP4AttentionOverride(policy, previous)
+    return patched

@@ -1,0 +1,76 @@
+"""The ComfyUI node "NVFP4 Attention (video DiT)" (V3 schema; imports ComfyUI, so load it lazily)."""
+
+from __future__ import annotations
+
+from comfy_api.latest import io
+
+from .attention_override import BACKENDS, AttentionPolicy, patch_model
+
+_DEFAULTS = AttentionPolicy()
+
+
+class NVFP4Attention(io.ComfyNode):
+    """MODEL -> MODEL: a clone of the model whose attention calls run in NVFP4 where the policy allows."""
+
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        # The node id is saved in every workflow that uses the node: never rename it.
+        return io.Schema(
+            node_id="NVFP4AttentionVideoDiT",
+            display_name="NVFP4 Attention (video DiT)",
+            category="nvfp4_dit",
+            description=(
+                "Runs the model's attention in NVFP4 (FP4 microscaling) through nvfp4_dit. Patches a clone of "
+                "the model only; calls it declines (short, masked in ways it cannot express, dense steps, "
+                "low-precision-unsafe) keep the attention the model had, including an attention patch placed "
+                "before this node. Place it after loaders and LoRAs, before ModelSampling and the sampler."
+            ),
+            inputs=[
+                io.Model.Input("model"),
+                io.Boolean.Input(
+                    "enabled", default=True,
+                    tooltip="Off: the model passes through unchanged.",
+                ),
+                io.Combo.Input(
+                    "backend", options=list(BACKENDS), default=_DEFAULTS.backend,
+                    tooltip=(
+                        "auto: the FP4 kernel on GPUs with native FP4 MMA (sm_120/121), the model's own attention "
+                        "elsewhere. cuda: force the compiled kernel (emulated MMA on sm_80/90). reference: the "
+                        "pure-torch FP4 numerics (slow). sdpa: exact attention through the same wrapper."
+                    ),
+                ),
+                io.Boolean.Input(
+                    "cross_attention_dense", default=_DEFAULTS.cross_attention_dense,
+                    tooltip="Keep the model's own attention for cross-attention (query and key lengths differ).",
+                ),
+                io.Int.Input(
+                    "dense_first_steps", default=_DEFAULTS.dense_first_steps, min=0, max=10000,
+                    tooltip="Keep the model's own attention for this many first steps of the sampler's schedule.",
+                ),
+                io.Int.Input(
+                    "dense_last_steps", default=_DEFAULTS.dense_last_steps, min=0, max=10000,
+                    tooltip="Keep the model's own attention for this many last steps of the sampler's schedule.",
+                ),
+                io.Int.Input(
+                    "min_seq_len", default=_DEFAULTS.min_seq_len, min=0, max=1 << 24,
+                    tooltip="Keep the model's own attention for calls with fewer query tokens than this.",
+                ),
+            ],
+            outputs=[io.Model.Output()],
+        )
+
+    @classmethod
+    def execute(cls, model, enabled, backend, cross_attention_dense, dense_first_steps, dense_last_steps,
+                min_seq_len) -> io.NodeOutput:
+        if not enabled:
+            return io.NodeOutput(model)
+        policy = AttentionPolicy(
+            backend=backend, cross_attention_dense=bool(cross_attention_dense),
+            dense_first_steps=int(dense_first_steps), dense_last_steps=int(dense_last_steps),
+            min_seq_len=int(min_seq_len),
+        )
+        return io.NodeOutput(patch_model(model, policy))
+
+
+NODE_CLASS_MAPPINGS = {"NVFP4AttentionVideoDiT": NVFP4Attention}
+NODE_DISPLAY_NAME_MAPPINGS = {"NVFP4AttentionVideoDiT": "NVFP4 Attention (video DiT)"}
