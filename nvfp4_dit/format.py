@@ -325,11 +325,13 @@ def quantize_qkv(
     km = k_mean(kh, kv_lens) if k_mean_override is None else k_mean_override.float()[..., :d]
     qm = q_block_means(qh, per_block_mean) if q_mean is None else q_mean.float()[..., :d]
 
-    # Smooth before padding so padded rows stay exactly zero.
-    k_s = pad_dim(pad_dim(kh.float() - km[:, :, None, :], 3, dp), 2, skp)
+    # Smooth before padding so padded rows stay exactly zero.  Keys past kv_lens are padding
+    # too: zeroing them keeps their values out of the 16-token V scales of valid keys.
+    valid = valid_key_mask(kv_lens, b, sk, kh.device)[:, None, :, None]
+    k_s = pad_dim(pad_dim(torch.where(valid, kh.float() - km[:, :, None, :], 0.0), 3, dp), 2, skp)
     qm_rows = qm.repeat_interleave(SEQ_TILE, dim=2)[:, :, :sq]
     q_s = pad_dim(pad_dim(qh.float() - qm_rows, 3, dp), 2, sqp)
-    vt = pad_dim(pad_dim(vh.float(), 3, dp), 2, skp).transpose(2, 3)
+    vt = pad_dim(pad_dim(torch.where(valid, vh.float(), 0.0), 3, dp), 2, skp).transpose(2, 3)
 
     q_data, q_sf = quantize_blocks(q_s)
     k_data, k_sf = quantize_blocks(permute_k_rows(k_s, dim=2))

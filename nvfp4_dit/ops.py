@@ -231,38 +231,40 @@ def _run(q, k, v, layout, causal, scale, attn_mask, kv_lens, return_lse, backend
     if backend == "sdpa":
         return _attention_sdpa(q, k, v, layout, causal, scale, attn_mask, kv_lens, return_lse)
 
-    # Masks the FP4 path can express: per-key biases, and for the kernel only suffix padding.
+    # Masks the FP4 path can express: per-key biases; suffix padding becomes kv_lens (what the
+    # kernel takes; it also keeps padded V out of the scales of valid keys).
     key_bias = None
     reason = None
+    fp4_lens = kv_lens
     if attn_mask is not None:
         key_bias = _key_padding(attn_mask, b, sk)
         if key_bias is None:
             reason = f"attn_mask of shape {tuple(attn_mask.shape)} is not a per-key padding mask"
+        else:
+            mask_lens = _mask_to_kv_lens(key_bias)
+            if mask_lens is not None:
+                key_bias = None
+                fp4_lens = mask_lens if kv_lens is None else torch.minimum(mask_lens, kv_lens.to(torch.int32))
     if reason is None and fmt.padded_head_dim(d) is None:
         reason = f"head dim {d} > {fmt.SUPPORTED_HEAD_DIMS[-1]}"
 
     if backend == "reference":
         if reason is not None:
             raise BackendUnavailableError(f"backend='reference' cannot run this call: {reason}")
-        return _attention_fp4_reference(q, k, v, layout, causal, scale, key_bias, kv_lens, return_lse)
+        return _attention_fp4_reference(q, k, v, layout, causal, scale, key_bias, fp4_lens, return_lse)
 
     # cuda / auto
-    kernel_lens = kv_lens
     if reason is None and key_bias is not None:
-        mask_lens = _mask_to_kv_lens(key_bias)
-        if mask_lens is None:
-            reason = "attn_mask is not a prefix (suffix-padding) key mask"
-        else:
-            kernel_lens = mask_lens if kv_lens is None else torch.minimum(mask_lens, kv_lens.to(torch.int32))
+        reason = "attn_mask is not a suffix-padding key mask (the kernel takes key lengths)"
     if reason is None:
-        reason = _cuda_unsupported_reason(q, k, v, layout, causal, kernel_lens,
+        reason = _cuda_unsupported_reason(q, k, v, layout, causal, fp4_lens,
                                           None if attn_mask is None else "key_padding",
                                           require_native=(backend == "auto"))
     if reason is None:
         from . import cuda_backend
 
         return cuda_backend.attention(q, k, v, layout=layout, causal=causal, scale=scale,
-                                      kv_lens=kernel_lens, return_lse=return_lse)
+                                      kv_lens=fp4_lens, return_lse=return_lse)
     if backend == "cuda":
         raise BackendUnavailableError(f"backend='cuda' cannot run this call: {reason}")
     _warn_fallback(reason)

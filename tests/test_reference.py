@@ -1,0 +1,176 @@
+"""Reference NVFP4 attention against exact fp64 attention: the accuracy floor of the algorithm."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nvfp4_dit import format as fmt
+from nvfp4_dit.reference import attention_exact, attention_reference
+
+
+def _cos(a, b):
+    return F.cosine_similarity(a.double().flatten(), b.double().flatten(), dim=0).item()
+
+
+def _alpha(out, exact):
+    """Least-squares scale a minimising |a*out - exact|: 1 means no systematic shrink/growth."""
+    out, exact = out.double(), exact.double()
+    return ((out * exact).sum() / (out * out).sum()).item()
+
+
+def _qkv(gen, b=1, sq=1024, sk=None, h=4, hkv=None, d=128):
+    sk = sq if sk is None else sk
+    hkv = h if hkv is None else hkv
+    q = torch.randn(b, sq, h, d, generator=gen)
+    k = torch.randn(b, sk, hkv, d, generator=gen)
+    v = torch.randn(b, sk, hkv, d, generator=gen)
+    return q, k, v
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_iid_inputs(gen, d):
+    q, k, v = _qkv(gen, d=d)
+    out, lse = attention_reference(q, k, v, return_lse=True)
+    exact, lse_exact = attention_exact(q, k, v)
+    assert _cos(out, exact) >= 0.98
+    assert (lse - lse_exact).abs().mean().item() <= 0.02
+
+
+def test_block_structured_q(gen):
+    # DiT queries carry large per-region offsets; per-128-block Q means absorb them.
+    q, k, v = _qkv(gen, sq=1024)
+    offsets = 3.0 * torch.randn(1, 8, 4, 128, generator=gen).repeat_interleave(128, dim=1)
+    q = q + offsets
+    out = attention_reference(q, k, v)
+    exact, _ = attention_exact(q, k, v)
+    assert _cos(out, exact) >= 0.98
+    assert 0.97 <= _alpha(out, exact) <= 1.03
+    # The single-mean variant is measurably worse on this input.
+    single = attention_reference(q, k, v, per_block_mean=False)
+    assert _cos(single, exact) < _cos(out, exact)
+
+
+def test_uniform_score_probe():
+    # All-equal scores and V = ones: the output is V's quantised value (1.03125: e4m3(1/6)*6),
+    # never a halved 0.5, and the LSE is ln(S) exactly.
+    s = 1000
+    q = torch.zeros(1, s, 2, 64)
+    k = torch.zeros(1, s, 2, 64)
+    v = torch.ones(1, s, 2, 64)
+    out, lse = attention_reference(q, k, v, return_lse=True)
+    v_q = fmt.dequantize_blocks(*fmt.quantize_blocks(torch.ones(16)))[0].item()
+    assert v_q == pytest.approx(1.03125)
+    assert torch.allclose(out, torch.full_like(out, v_q), atol=1e-6)
+    assert torch.allclose(lse, torch.full_like(lse, math.log(s)), atol=1e-5)
+
+
+def test_lse_matches_logsumexp_with_scale(gen):
+    q, k, v = _qkv(gen, sq=500, sk=700, d=64)
+    scale = 0.1
+    _, lse = attention_reference(q, k, v, scale=scale, return_lse=True)
+    s = torch.einsum("bqhd,bkhd->bhqk", q.double(), k.double()) * scale
+    assert (lse - torch.logsumexp(s, -1)).abs().mean().item() <= 0.02
+
+
+def test_causal_matches_sdpa_semantics(gen):
+    q, k, v = _qkv(gen, sq=384, sk=384, d=64)
+    out = attention_reference(q, k, v, causal=True)
+    exact = F.scaled_dot_product_attention(*(t.transpose(1, 2).double() for t in (q, k, v)),
+                                           is_causal=True).transpose(1, 2)
+    assert _cos(out, exact) >= 0.98
+    # Row 0 sees only key 0: its output is FP4(v[0]) (P quantises exactly for a single key).
+    vq = fmt.dequantize_qkv(fmt.quantize_qkv(q, k, v))[2][0, :, 0]
+    assert torch.allclose(out[0, 0], vq, atol=1e-6)
+
+
+def test_causal_with_more_keys_than_queries(gen):
+    q, k, v = _qkv(gen, sq=100, sk=300, d=64)
+    out = attention_reference(q, k, v, causal=True)
+    mask = torch.ones(100, 300, dtype=torch.bool).tril()
+    exact = F.scaled_dot_product_attention(*(t.transpose(1, 2).double() for t in (q, k, v)),
+                                           attn_mask=mask).transpose(1, 2)
+    assert _cos(out, exact) >= 0.98
+
+
+def test_kv_lens_and_padding_masks(gen):
+    q, k, v = _qkv(gen, b=2, sq=200, sk=333, d=64)
+    lens = torch.tensor([333, 97])
+    out = attention_reference(q, k, v, kv_lens=lens)
+    keep = torch.arange(333)[None, :] < lens[:, None]
+    exact = F.scaled_dot_product_attention(*(t.transpose(1, 2).double() for t in (q, k, v)),
+                                           attn_mask=keep[:, None, None, :]).transpose(1, 2)
+    assert _cos(out, exact) >= 0.98
+    # Keys past kv_lens are never attended: changing them changes nothing.
+    k2, v2 = k.clone(), v.clone()
+    k2[1, 97:] = 100.0
+    v2[1, 97:] = -50.0
+    assert torch.equal(attention_reference(q, k2, v2, kv_lens=lens)[1], out[1])
+    # An additive -inf bias at the same places masks the same keys; only the quantisation
+    # differs (masked V values then share 16-token scales with valid ones).
+    bias = torch.where(keep, 0.0, -math.inf)
+    assert _cos(attention_reference(q, k, v, key_bias=bias), exact) >= 0.98
+
+
+def test_additive_float_bias(gen):
+    q, k, v = _qkv(gen, b=1, sq=128, sk=256, d=64)
+    bias = torch.randn(1, 256, generator=gen)
+    out = attention_reference(q, k, v, key_bias=bias)
+    exact = F.scaled_dot_product_attention(*(t.transpose(1, 2).double() for t in (q, k, v)),
+                                           attn_mask=bias.double()[:, None, None, :]).transpose(1, 2)
+    assert _cos(out, exact) >= 0.98
+
+
+def test_fully_masked_row_is_zero_not_nan(gen):
+    q, k, v = _qkv(gen, b=2, sq=64, sk=64, d=64)
+    out, lse = attention_reference(q, k, v, kv_lens=torch.tensor([64, 0]), return_lse=True)
+    assert torch.all(out[1] == 0) and torch.all(torch.isneginf(lse[1]))
+    assert torch.isfinite(out).all()
+
+
+def test_gqa(gen):
+    q, k, v = _qkv(gen, sq=256, h=8, hkv=2, d=64)
+    out = attention_reference(q, k, v)
+    exact, _ = attention_exact(q, k, v)
+    assert _cos(out, exact) >= 0.98
+    # Same as running each query head against its KV head explicitly.
+    rep = attention_reference(q, k.repeat_interleave(4, 2), v.repeat_interleave(4, 2))
+    assert torch.allclose(out, rep, atol=1e-5)
+
+
+@pytest.mark.parametrize("d", [40, 80, 96])
+def test_odd_head_dims_are_zero_padded_exactly(gen, d):
+    q, k, v = _qkv(gen, sq=256, d=d)
+    out = attention_reference(q, k, v)
+    assert out.shape == q.shape
+    padded = attention_reference(*(fmt.pad_dim(t, 3, fmt.padded_head_dim(d)) for t in (q, k, v)),
+                                 scale=1 / math.sqrt(d))
+    assert torch.allclose(out, padded[..., :d], atol=1e-6)
+
+
+def test_chunking_does_not_change_results(gen):
+    q, k, v = _qkv(gen, sq=640, d=64)
+    whole = attention_reference(q, k, v, return_lse=True)
+    chunked = attention_reference(q, k, v, return_lse=True, chunk_elems=1)
+    assert torch.allclose(whole[0], chunked[0], atol=1e-6)
+    assert torch.allclose(whole[1], chunked[1], atol=1e-5)
+    # A sub-range of Q blocks gives those rows of the full result.
+    part = attention_reference(q, k, v, return_lse=True, query_blocks=(2, 4))
+    assert torch.allclose(part[0], whole[0][:, 256:512], atol=1e-6)
+    assert torch.allclose(part[1], whole[1][:, :, 256:512], atol=1e-5)
+
+
+def test_hnd_layout_equals_nhd(gen):
+    q, k, v = _qkv(gen, sq=200, d=64)
+    a = attention_reference(q, k, v)
+    b = attention_reference(*(t.transpose(1, 2) for t in (q, k, v)), layout="HND")
+    assert torch.allclose(a, b.transpose(1, 2), atol=1e-6)
+
+
+def test_half_precision_inputs(gen):
+    q, k, v = (t.to(torch.bfloat16) for t in _qkv(gen, sq=256, d=64))
+    out = attention_reference(q, k, v)
+    assert out.dtype == torch.bfloat16
+    exact, _ = attention_exact(q, k, v)
+    assert _cos(out, exact) >= 0.98
