@@ -1,0 +1,306 @@
+"""The one place where a model's core attention call becomes an ``nvfp4_dit.attention`` call.
+
+Every route into NVFP4 (the registered diffusers backend, the processors that redirect a
+direct ``F.scaled_dot_product_attention`` call, the Cosmos processors reached through the
+global backend) ends in :func:`routed_attention`.  It takes SDPA's arguments with SDPA's mask
+semantics, decides whether the FP4 path can express the call, and otherwise runs the caller's
+own exact computation, so a call we cannot serve gives the same bits as the unmodified model.
+
+This module does not import diffusers.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+import nvfp4_dit
+from nvfp4_dit import format as fmt
+
+ROUTE_BACKENDS = ("auto", "reference", "sdpa", "cuda")
+DEFAULT_MIN_SEQ_LEN = 256
+
+# A key whose additive mask value lies this far below the row's largest value gets weight
+# exp(-1000) relative to it: 0 in fp32 (exp underflows below about -104), so treating it as
+# masked is exact.  1000 rather than 10000 because diffusers' -10000 in bfloat16 is -9984.
+_MASKED_GAP = 1000.0
+
+
+@dataclass(frozen=True)
+class RouteSettings:
+    """How one FP4-eligible call is run.
+
+    backend: the ``nvfp4_dit.attention`` back-end ("auto", "reference", "sdpa", "cuda").
+    min_seq_len: calls whose query or key sequence is shorter than this run exact attention
+        (the FP4 path pads to 128-token tiles and quantises; short calls gain nothing).
+    """
+
+    backend: str = "auto"
+    min_seq_len: int = DEFAULT_MIN_SEQ_LEN
+
+    def __post_init__(self):
+        if not isinstance(self.backend, str) or self.backend not in ROUTE_BACKENDS:
+            raise ValueError(f"backend must be one of {ROUTE_BACKENDS}, got {self.backend!r}")
+        if isinstance(self.min_seq_len, bool) or not isinstance(self.min_seq_len, int) or self.min_seq_len < 0:
+            raise ValueError(f"min_seq_len must be a non-negative int, got {self.min_seq_len!r}")
+
+
+class _RouteState:
+    """The settings of the FP4 call in progress, set by a processor around its original call.
+
+    A plain attribute (not a ContextVar) because torch.compile cannot trace ContextVar.set();
+    a processor call is synchronous, so save/set/restore around it nests correctly.
+    """
+
+    settings: Optional[RouteSettings] = None
+    default: RouteSettings = RouteSettings()
+
+
+_STATE = _RouteState()
+
+
+def current_settings() -> RouteSettings:
+    """The settings for a call reaching the "nvfp4" backend: the enclosing processor's, else the default."""
+    s = _STATE.settings
+    return _STATE.default if s is None else s
+
+
+def configure_default(*, backend: Optional[str] = None, min_seq_len: Optional[int] = None) -> RouteSettings:
+    """Change the settings used when the "nvfp4" backend is reached without an NVFP4 processor
+    (``model.set_attention_backend("nvfp4")``).  Returns the previous default."""
+    prev = _STATE.default
+    _STATE.default = RouteSettings(
+        backend=prev.backend if backend is None else backend,
+        min_seq_len=prev.min_seq_len if min_seq_len is None else min_seq_len,
+    )
+    return prev
+
+
+def push_settings(settings: Optional[RouteSettings]) -> Optional[RouteSettings]:
+    """Make ``settings`` current; returns the previous value for :func:`pop_settings`.
+
+    Two plain functions (used in try/finally) rather than a context manager, so torch.compile
+    traces them as ordinary attribute writes.
+    """
+    prev = _STATE.settings
+    _STATE.settings = settings
+    return prev
+
+
+def pop_settings(prev: Optional[RouteSettings]) -> None:
+    _STATE.settings = prev
+
+
+# ---------------------------------------------------------------------------------------------
+# Fallback reporting
+# ---------------------------------------------------------------------------------------------
+
+class NVFP4FallbackWarning(UserWarning):
+    """Issued once per reason when an attention call runs exact attention instead of NVFP4."""
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(reason: str) -> None:
+    if reason in _warned:
+        return
+    _warned.add(reason)
+    warnings.warn(f"nvfp4_dit.processors: exact attention instead of NVFP4: {reason}",
+                  NVFP4FallbackWarning, stacklevel=3)
+
+
+def reset_fallback_warnings() -> None:
+    """Forget which fallback reasons were reported (ours and the op's)."""
+    _warned.clear()
+    nvfp4_dit.reset_fallback_warnings()
+
+
+class _NotExpressible(Exception):
+    """The call is valid attention but the FP4 path cannot express it (carries the reason)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Masks: SDPA semantics in, per-key form out
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class KeyMask:
+    """A mask reduced to per-key form.
+
+    kv_lens: int32 [B] when the kept keys of every batch row are a prefix; else None.
+    keep: bool [B, Sk] when they are not a prefix; else None.
+    bias: fp32 [B, Sk] when the mask carries genuine per-key biases (not just keep/drop); else None.
+    shift: fp32 [B] constant added to every kept key (softmax ignores it; the LSE does not).
+    """
+
+    kv_lens: Optional[torch.Tensor] = None
+    keep: Optional[torch.Tensor] = None
+    bias: Optional[torch.Tensor] = None
+    shift: Optional[torch.Tensor] = None
+
+
+def key_mask_from_sdpa_mask(mask: torch.Tensor, b: int, h: int, sq: int, sk: int) -> KeyMask:
+    """Reduce an SDPA ``attn_mask`` (bool = keep, float = additive; broadcast to [B, H, Sq, Sk])
+    to per-key form, or raise ``_NotExpressible``.
+
+    Accepted: every mask that is the same for all heads and queries of a batch row (HunyuanVideo's
+    bool [B,1,1,N], LTX's additive 0/-10000 [B,H,1,S], Cosmos' all-ones [B,1,1,S]).  Host syncs:
+    a few scalar reductions, once per call.
+    """
+    if mask.dim() > 4:
+        raise _NotExpressible(f"attn_mask with {mask.dim()} dims")
+    try:
+        torch.broadcast_shapes(mask.shape, (b, h, sq, sk))
+    except RuntimeError:
+        raise _NotExpressible(f"attn_mask of shape {tuple(mask.shape)} does not broadcast to "
+                              f"{(b, h, sq, sk)}") from None
+    m = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
+    first = m[:, :1, :1, :]
+    if (m.shape[1] > 1 or m.shape[2] > 1) and not bool((m == first).all()):
+        raise _NotExpressible("attn_mask differs between heads or queries (not a key-padding mask)")
+    row = first[:, 0, 0, :].expand(b, sk)
+    if row.dtype == torch.bool:
+        keep, shift, bias = row, None, None
+    else:
+        row = row.float()
+        top = row.amax(dim=1, keepdim=True)
+        if not bool(torch.isfinite(top).all()):
+            raise _NotExpressible("an additive attn_mask row with no finite value")
+        keep = row == top
+        masked = row <= top - _MASKED_GAP
+        if bool((keep | masked).all()):
+            shift, bias = top[:, 0], None
+        else:
+            # Genuine biases: only the reference back-end takes them (the op falls back for the rest).
+            return KeyMask(bias=row)
+    counts = keep.sum(dim=1)
+    if not bool((counts > 0).all()):
+        raise _NotExpressible("a batch row with every key masked (SDPA gives NaN there)")
+    if shift is not None and not bool((shift != 0).any()):
+        shift = None
+    if bool((counts == sk).all()):
+        return KeyMask(shift=shift)
+    prefix = torch.arange(sk, device=keep.device)[None, :] < counts[:, None]
+    if bool((prefix == keep).all()):
+        return KeyMask(kv_lens=counts.to(torch.int32), shift=shift)
+    return KeyMask(keep=keep, shift=shift)
+
+
+# ---------------------------------------------------------------------------------------------
+# The routed call
+# ---------------------------------------------------------------------------------------------
+
+def _dims(t: torch.Tensor, layout: str) -> tuple[int, int, int, int]:
+    """(B, H, S, D) of a 4-D tensor in ``layout``."""
+    if layout == "NHD":
+        b, s, h, d = t.shape
+    else:
+        b, h, s, d = t.shape
+    return b, h, s, d
+
+
+def _expressible_reason(query, key, value, layout, attn_mask, dropout_p, is_causal, enable_gqa,
+                        settings: RouteSettings) -> tuple[Optional[str], bool]:
+    """(reason the FP4 path cannot take this call or None, whether to warn about it)."""
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (query, key, value)):
+        return "q/k/v not 4-D tensors", True
+    if not (query.dtype == key.dtype == value.dtype) or query.dtype not in (
+            torch.float16, torch.bfloat16, torch.float32):
+        return f"dtypes {query.dtype}/{key.dtype}/{value.dtype}", True
+    if not (query.device == key.device == value.device):
+        return "q/k/v on different devices", True
+    if dropout_p:
+        return "dropout_p > 0", True
+    if attn_mask is not None and is_causal:
+        return "attn_mask together with is_causal", True
+    b, h, sq, d = _dims(query, layout)
+    bk, hkv, sk, dk = _dims(key, layout)
+    if tuple(key.shape) != tuple(value.shape) or bk != b or dk != d:
+        return "q/k/v shapes that SDPA would broadcast or reject", True
+    if h != hkv and (not enable_gqa or hkv == 0 or h % hkv):
+        return f"{h} query heads with {hkv} key/value heads without enable_gqa", True
+    if fmt.padded_head_dim(d) is None:
+        return f"head dim {d} > {fmt.SUPPORTED_HEAD_DIMS[-1]}", True
+    if min(sq, sk) < settings.min_seq_len:
+        return "short sequence", False
+    return None, False
+
+
+def routed_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    layout: str,
+    attn_mask: Optional[torch.Tensor] = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: Optional[float] = None,
+    enable_gqa: bool = False,
+    return_lse: bool = False,
+    settings: RouteSettings,
+    exact: Callable[[], torch.Tensor],
+):
+    """SDPA semantics in, NVFP4 attention out when the call allows it.
+
+    ``layout`` is "NHD" ([B, S, H, D], diffusers' dispatcher) or "HND" ([B, H, S, D], direct
+    SDPA callers); ``attn_mask`` follows SDPA (broadcast to [B, H, Sq, Sk]).  ``exact()`` must
+    compute the call exactly as the unmodified model would; it runs for every call the FP4 path
+    cannot express (with one warning per reason) and for short sequences (silently).
+    Returns ``out`` in ``layout``, or ``(out, lse [B, H, Sq] fp32)`` with ``return_lse``.
+    """
+    reason, warn = _expressible_reason(query, key, value, layout, attn_mask, dropout_p, is_causal,
+                                       enable_gqa, settings)
+    km = KeyMask()
+    if reason is None and attn_mask is not None:
+        b, h, sq, _ = _dims(query, layout)
+        sk = _dims(key, layout)[2]
+        try:
+            km = key_mask_from_sdpa_mask(attn_mask, b, h, sq, sk)
+        except _NotExpressible as e:
+            reason, warn = str(e), True
+    if reason is not None:
+        if warn:
+            _warn_once(reason)
+        return _exact_with_lse(query, key, value, layout, attn_mask, is_causal, scale) if return_lse else exact()
+
+    mask_arg = km.keep if km.keep is not None else km.bias
+    op_backend = settings.backend
+    try:
+        res = nvfp4_dit.attention(query, key, value, layout=layout, causal=bool(is_causal), scale=scale,
+                                  attn_mask=mask_arg, kv_lens=km.kv_lens, return_lse=return_lse,
+                                  backend=op_backend)
+    except nvfp4_dit.BackendUnavailableError as e:
+        # An explicitly requested back-end (cuda / reference) cannot run this call: never break
+        # the pipeline, run it exactly.
+        _warn_once(f"backend={op_backend!r} unavailable: {e}")
+        return _exact_with_lse(query, key, value, layout, attn_mask, is_causal, scale) if return_lse else exact()
+    if not return_lse:
+        return res
+    out, lse = res
+    if km.shift is not None:
+        lse = lse + km.shift[:, None, None]
+    return out, lse
+
+
+def _exact_with_lse(query, key, value, layout, attn_mask, is_causal, scale):
+    """Exact attention and its LSE [B, H, Sq] (fp32) for calls that must return an LSE."""
+    b, h, sq, _ = _dims(query, layout)
+    sk = _dims(key, layout)[2]
+    kwargs = {}
+    if attn_mask is not None:
+        try:
+            km = key_mask_from_sdpa_mask(attn_mask, b, h, sq, sk)
+        except _NotExpressible as e:
+            raise ValueError(f"return_lse with attn_mask of shape {tuple(attn_mask.shape)}: {e}") from None
+        kwargs = {"attn_mask": km.keep if km.keep is not None else km.bias, "kv_lens": km.kv_lens}
+    out, lse = nvfp4_dit.attention(query, key, value, layout=layout, causal=bool(is_causal), scale=scale,
+                                   return_lse=True, backend="sdpa", **kwargs)
+    if attn_mask is not None and km.shift is not None:
+        lse = lse + km.shift[:, None, None]
+    return out, lse
+
