@@ -1,0 +1,346 @@
+// The NVFP4 attention forward kernel: one template, the MMA back-end a template argument.
+//
+// CTA = 128 Q rows x 8 warps (16 rows each), 128-key tiles in ascending key order, a kStages
+// cp.async pipeline for K, V^T, their scales and the correction row. Per 128-key tile at D=128
+// each warp issues 32 QK^T + 32 PV m16n8k64 block-scaled MMAs (512 per CTA).
+//
+// Data path per tile (no register shuffles of data, thanks to the K row permutation):
+//   S = delta (C operand) + FP4(Q) FP4(K)^T     Q fragments live in registers for the whole tile
+//   mask on the true token index; running max m (quad max); P' = exp2((S-m)c + log2 2688)
+//   per 16 keys: sf = e4m3(max/6), e2m1(P'/sf) packed straight into the PV A fragment;
+//   the row sum takes the unquantised P'; O = O * alpha + FP4(P) FP4(V).
+// Epilogue: O / rowsum in bf16/fp16 through int64 strides (NHD or HND), optional LSE.
+//
+// Persistent: gridDim.x CTAs stride over (batch, head, Q block) work items; within a head the
+// Q blocks are adjacent so concurrent CTAs share K/V in L2; causal runs the longest blocks first.
+#pragma once
+#include <cstdint>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "mask.cuh"
+#include "params.h"
+#include "softmax.cuh"
+#include "traits.cuh"
+
+namespace nvfp4_attn {
+
+namespace detail {
+
+__device__ __forceinline__ void cp_async16(uint32_t smem_addr, const void* gmem) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr), "l"(gmem));
+}
+__device__ __forceinline__ void cp_async8(uint32_t smem_addr, const void* gmem) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(smem_addr), "l"(gmem));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
+}
+
+// ldmatrix.x4 of 8x16-byte rows: lane L gets 4 bytes at row L/4, byte 4*(L%4) of each matrix,
+// which is exactly an 8-bit m16n8k32 fragment, and so an e2m1 m16n8k64 fragment.
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t smem_addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr));
+}
+
+__device__ __forceinline__ uint32_t ld_global_u32(const uint8_t* p) {
+  return *reinterpret_cast<const uint32_t*>(p);
+}
+
+__device__ __forceinline__ void store_pair(void* out, int64_t offset, float x0, float x1, bool bf16) {
+  if (bf16) {
+    *reinterpret_cast<__nv_bfloat162*>(static_cast<__nv_bfloat16*>(out) + offset) = __floats2bfloat162_rn(x0, x1);
+  } else {
+    *reinterpret_cast<__half2*>(static_cast<__half*>(out) + offset) = __floats2half2_rn(x0, x1);
+  }
+}
+__device__ __forceinline__ void store_one(void* out, int64_t offset, float x, bool bf16) {
+  if (bf16) {
+    static_cast<__nv_bfloat16*>(out)[offset] = __float2bfloat16_rn(x);
+  } else {
+    static_cast<__half*>(out)[offset] = __float2half_rn(x);
+  }
+}
+
+}  // namespace detail
+
+template <int kHeadDim, bool kWithLse, class Mma>
+__device__ __forceinline__ void attention_fwd_body(const AttentionFwdParams& p) {
+  using T = AttentionTraits<kHeadDim>;
+  constexpr int kStages = T::kStages;
+  constexpr int kKC = T::kKChunks;
+  constexpr int kQRowBytes = kHeadDim / 2;
+  constexpr int kSfRow = kHeadDim / 16;
+
+  extern __shared__ __align__(128) uint8_t smem[];
+  const uint32_t smem_base = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  const int tid = threadIdx.x;
+  const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+
+  const int nblk = p.q_block_end - p.q_block_begin;
+  const int64_t total = int64_t(p.batch) * p.heads * nblk;
+  const int group = p.heads / p.kv_heads;
+  const float c = p.scale_log2;
+
+  for (int64_t work = blockIdx.x; work < total; work += gridDim.x) {
+    const int64_t bh = work / nblk;
+    int mi = int(work % nblk);
+    if (p.causal) mi = nblk - 1 - mi;
+    const int m_blk = p.q_block_begin + mi;
+    const int b = int(bh / p.heads), h = int(bh % p.heads), hk = h / group;
+    const int kv_len = p.kv_lens != nullptr ? min(max(p.kv_lens[b], 0), p.seq_k) : p.seq_k;
+    int n_end = (kv_len + T::kBlockN - 1) / T::kBlockN;
+    if (p.causal) n_end = min(n_end, m_blk + 1);
+
+    const uint8_t* k_base = p.k_data + b * p.k_stride_b + hk * p.k_stride_h;
+    const uint8_t* ksf_base = p.k_sf + b * p.ksf_stride_b + hk * p.ksf_stride_h;
+    const uint8_t* vt_base = p.vt_data + b * p.vt_stride_b + hk * p.vt_stride_h;
+    const uint8_t* vtsf_base = p.vt_sf + b * p.vtsf_stride_b + hk * p.vtsf_stride_h;
+    const float* delta_row = p.delta + b * p.delta_stride_b + h * p.delta_stride_h + int64_t(mi) * p.delta_stride_blk;
+    const int64_t vt_row = p.seq_k_pad / 2, vtsf_row = p.seq_k_pad / 16;
+
+    auto load_stage = [&](int stage, int n) {
+      const uint32_t sbase = smem_base + stage * T::kStageBytes;
+      constexpr int kKChunksRow = T::kKRowBytes / 16;
+      const uint8_t* k_tile = k_base + int64_t(n) * T::kBlockN * T::kKRowBytes;
+#pragma unroll
+      for (int i = tid; i < T::kBlockN * kKChunksRow; i += T::kThreads) {
+        const int r = i / kKChunksRow, ch = i % kKChunksRow;
+        detail::cp_async16(sbase + T::kOffK + T::template swizzle<T::kKRowBytes>(r, ch), k_tile + r * T::kKRowBytes + ch * 16);
+      }
+#pragma unroll
+      for (int i = tid; i < kHeadDim * 4; i += T::kThreads) {
+        const int d = i >> 2, ch = i & 3;
+        detail::cp_async16(sbase + T::kOffV + T::template swizzle<T::kVRowBytes>(d, ch),
+                           vt_base + d * vt_row + int64_t(n) * T::kVRowBytes + ch * 16);
+      }
+      const uint8_t* ksf_tile = ksf_base + int64_t(n) * T::kBlockN * kSfRow;
+      for (int i = tid; i < T::kKSfBytes / 16; i += T::kThreads) {
+        detail::cp_async16(sbase + T::kOffKSf + i * 16, ksf_tile + i * 16);
+      }
+      for (int i = tid; i < kHeadDim; i += T::kThreads) {
+        detail::cp_async8(sbase + T::kOffVSf + i * 8, vtsf_base + i * vtsf_row + int64_t(n) * T::kVSfRowBytes);
+      }
+      if (tid < T::kBlockN / 4) {
+        detail::cp_async16(sbase + T::kOffDelta + tid * 16, delta_row + int64_t(n) * T::kBlockN + tid * 4);
+      }
+    };
+
+    // Prologue: the first kStages-1 tiles in flight while Q goes to registers.
+#pragma unroll
+    for (int s = 0; s < kStages - 1; ++s) {
+      if (s < n_end) load_stage(s, s);
+      detail::cp_async_commit();
+    }
+
+    const int row_warp = m_blk * T::kBlockM + warp * 16;
+    uint32_t qa[kKC][4];
+    uint32_t qsf[kKC];
+    {
+      const uint8_t* q_rows = p.q_data + b * p.q_stride_b + h * p.q_stride_h + int64_t(row_warp) * kQRowBytes;
+      const uint8_t* qsf_rows = p.q_sf + b * p.qsf_stride_b + h * p.qsf_stride_h + int64_t(row_warp) * kSfRow;
+#pragma unroll
+      for (int kc = 0; kc < kKC; ++kc) {
+        qa[kc][0] = detail::ld_global_u32(q_rows + g * kQRowBytes + 32 * kc + 4 * t);
+        qa[kc][1] = detail::ld_global_u32(q_rows + (g + 8) * kQRowBytes + 32 * kc + 4 * t);
+        qa[kc][2] = detail::ld_global_u32(q_rows + g * kQRowBytes + 32 * kc + 16 + 4 * t);
+        qa[kc][3] = detail::ld_global_u32(q_rows + (g + 8) * kQRowBytes + 32 * kc + 16 + 4 * t);
+        // thread-id-a = 0: lane 4g gives row g, lane 4g+1 row g+8 (lanes 4g+2/3 are ignored).
+        qsf[kc] = detail::ld_global_u32(qsf_rows + (g + 8 * (t & 1)) * kSfRow + 4 * kc);
+      }
+    }
+    const int row_g = row_warp + g, row_g8 = row_g + 8;
+    const int limit_g = key_limit(kv_len, p.causal, row_g);
+    const int limit_g8 = key_limit(kv_len, p.causal, row_g8);
+
+    float o[T::kNTilesO][4];
+#pragma unroll
+    for (int j = 0; j < T::kNTilesO; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
+    float m_run[2] = {-INFINITY, -INFINITY};
+    float l_part[2] = {0.0f, 0.0f};
+
+    for (int n = 0; n < n_end; ++n) {
+      detail::cp_async_wait<kStages - 2>();
+      __syncthreads();   // tile n visible to all; every warp is done with tile n-1's stage
+      {
+        const int nn = n + kStages - 1;
+        if (nn < n_end) load_stage(nn % kStages, nn);
+        detail::cp_async_commit();
+      }
+      const int stage = n % kStages;
+      const uint32_t sb = smem_base + stage * T::kStageBytes;
+      const uint8_t* sp = smem + stage * T::kStageBytes;
+
+      // ---- S = delta + FP4(Q) FP4(K)^T -------------------------------------------------------
+      float s[T::kNTilesS][4];
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const float4 d0 = *reinterpret_cast<const float4*>(sp + T::kOffDelta + (32 * q + 8 * t) * 4);
+        const float4 d1 = *reinterpret_cast<const float4*>(sp + T::kOffDelta + (32 * q + 8 * t + 4) * 4);
+        const float dv[8] = {d0.x, d0.y, d0.z, d0.w, d1.x, d1.y, d1.z, d1.w};
+#pragma unroll
+        for (int a = 0; a < 4; ++a) {
+          s[4 * q + a][0] = s[4 * q + a][2] = dv[2 * a];
+          s[4 * q + a][1] = s[4 * q + a][3] = dv[2 * a + 1];
+        }
+      }
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        // Lane 4g+t holds the scale row of key column g of n8 tile 4q+t (thread-id-b = t).
+        const uint8_t* ksf_row = sp + T::kOffKSf + (32 * q + 8 * t + g) * kSfRow;
+#pragma unroll
+        for (int kc = 0; kc < kKC; ++kc) {
+          const uint32_t sfb = *reinterpret_cast<const uint32_t*>(ksf_row + 4 * kc);
+#pragma unroll
+          for (int jj = 0; jj < 2; ++jj) {
+            const int mat = lane >> 3;
+            const int row = (4 * q + 2 * jj + (mat >> 1)) * 8 + (lane & 7);
+            uint32_t r[4];
+            detail::ldmatrix_x4(r, sb + T::kOffK + T::template swizzle<T::kKRowBytes>(row, 2 * kc + (mat & 1)));
+            const uint32_t b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]};
+            if (jj == 0) {
+              Mma::template mma<0, 0>(s[4 * q + 0], qa[kc], b0, qsf[kc], sfb);
+              Mma::template mma<0, 1>(s[4 * q + 1], qa[kc], b1, qsf[kc], sfb);
+            } else {
+              Mma::template mma<0, 2>(s[4 * q + 2], qa[kc], b0, qsf[kc], sfb);
+              Mma::template mma<0, 3>(s[4 * q + 3], qa[kc], b1, qsf[kc], sfb);
+            }
+          }
+        }
+      }
+
+      // ---- masks (true token index), online max -----------------------------------------------
+      const int tile_start = n * T::kBlockN;
+      if (tile_start + T::kBlockN > min(limit_g, limit_g8)) {
+        apply_key_mask(s, tile_start, t, limit_g, limit_g8);
+      }
+      float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+      for (int j = 0; j < T::kNTilesS; ++j) {
+        mx[0] = fmaxf(mx[0], fmaxf(s[j][0], s[j][1]));
+        mx[1] = fmaxf(mx[1], fmaxf(s[j][2], s[j][3]));
+      }
+      float m_use[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const float m_new = fmaxf(m_run[r], quad_max(mx[r]));
+        // A row with no visible key so far keeps m = -inf; use 0 so exp2 gives 0, not NaN.
+        m_use[r] = m_new == -INFINITY ? 0.0f : m_new;
+        const float alpha = exp2f((m_run[r] - m_use[r]) * c);
+        m_run[r] = m_new;
+        l_part[r] *= alpha;
+#pragma unroll
+        for (int j = 0; j < T::kNTilesO; ++j) {
+          o[j][2 * r] *= alpha;
+          o[j][2 * r + 1] *= alpha;
+        }
+      }
+
+      // ---- P' and its two-level quantisation, straight into the PV A fragments -----------------
+      uint32_t preg[4][2], psf[4][2];
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          float pv[8];
+#pragma unroll
+          for (int a = 0; a < 4; ++a) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const float x = exp2f((s[4 * q + a][2 * r + e] - m_use[r]) * c + kLog2PRange);
+              pv[2 * a + e] = x;
+              l_part[r] += x;
+            }
+          }
+          preg[q][r] = quantize_p_block(pv, &psf[q][r]);
+        }
+      }
+
+      // ---- O += FP4(P) FP4(V) ------------------------------------------------------------------
+#pragma unroll
+      for (int kc = 0; kc < 2; ++kc) {
+        const uint32_t pa[4] = {preg[2 * kc][0], preg[2 * kc][1], preg[2 * kc + 1][0], preg[2 * kc + 1][1]};
+        // SF_A with thread-id-a = 0: lane 4g+0 needs row g's 4 block scales, lane 4g+1 row g+8's.
+        // This lane holds blocks kb = t>>1 (group 2kc) and 2 + (t>>1) (group 2kc+1); lane t^2
+        // holds the other two.
+        const int rsel = t & 1;
+        const uint32_t mine = (rsel ? psf[2 * kc][1] : psf[2 * kc][0]) | ((rsel ? psf[2 * kc + 1][1] : psf[2 * kc + 1][0]) << 16);
+        const uint32_t peer = __shfl_xor_sync(0xFFFFFFFFu, mine, 2);
+        const uint32_t sfp = mine | (peer << 8);
+#pragma unroll
+        for (int qd = 0; qd < kHeadDim / 32; ++qd) {
+          const uint32_t sfb = *reinterpret_cast<const uint32_t*>(sp + T::kOffVSf + (32 * qd + 8 * t + g) * T::kVSfRowBytes + 4 * kc);
+#pragma unroll
+          for (int jj = 0; jj < 2; ++jj) {
+            const int mat = lane >> 3;
+            const int row = (4 * qd + 2 * jj + (mat >> 1)) * 8 + (lane & 7);
+            uint32_t r[4];
+            detail::ldmatrix_x4(r, sb + T::kOffV + T::template swizzle<T::kVRowBytes>(row, 2 * kc + (mat & 1)));
+            const uint32_t b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]};
+            if (jj == 0) {
+              Mma::template mma<0, 0>(o[4 * qd + 0], pa, b0, sfp, sfb);
+              Mma::template mma<0, 1>(o[4 * qd + 1], pa, b1, sfp, sfb);
+            } else {
+              Mma::template mma<0, 2>(o[4 * qd + 2], pa, b0, sfp, sfb);
+              Mma::template mma<0, 3>(o[4 * qd + 3], pa, b1, sfp, sfb);
+            }
+          }
+        }
+      }
+    }
+    detail::cp_async_wait<0>();
+    __syncthreads();   // the next work item's prologue reuses the stages
+
+    // ---- epilogue ------------------------------------------------------------------------------
+    float l[2], inv_l[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      l[r] = quad_sum(l_part[r]);
+      inv_l[r] = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;   // a fully masked row gives 0, not NaN
+    }
+    const bool bf16 = p.out_bf16 != 0;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = r ? row_g8 : row_g;
+      if (row >= p.seq_q) continue;
+      const int64_t base = b * p.out_stride_b + h * p.out_stride_h + int64_t(row) * p.out_stride_s;
+#pragma unroll
+      for (int j = 0; j < T::kNTilesO; ++j) {
+        const int col = 8 * j + 2 * t;
+        const float x0 = o[j][2 * r] * inv_l[r], x1 = o[j][2 * r + 1] * inv_l[r];
+        if (p.out_vec2 && col + 1 < p.head_dim_out) {
+          detail::store_pair(p.out, base + col, x0, x1, bf16);
+        } else {
+          if (col < p.head_dim_out) detail::store_one(p.out, base + col, x0, bf16);
+          if (col + 1 < p.head_dim_out) detail::store_one(p.out, base + col + 1, x1, bf16);
+        }
+      }
+      if constexpr (kWithLse) {
+        if (t == 0) {
+          float lse = -INFINITY;
+          if (l[r] > 0.0f) {
+            const float qdk = p.q_dot_km[b * p.qdk_stride_b + h * p.qdk_stride_h + row];
+            lse = m_run[r] * p.scale + logf(l[r]) - kLnPRange + p.scale * qdk;
+          }
+          p.lse[b * p.lse_stride_b + h * p.lse_stride_h + row] = lse;
+        }
+      }
+    }
+  }
+}
+
+template <int kHeadDim, bool kWithLse, class Mma>
+__global__ void __launch_bounds__(AttentionTraits<kHeadDim>::kThreads, 1)
+attention_fwd_kernel(const __grid_constant__ AttentionFwdParams p) {
+  if constexpr (Mma::kCompiledHere) {
+    attention_fwd_body<kHeadDim, kWithLse, Mma>(p);
+  } else {
+    __trap();   // the host never launches a back-end on an arch it was not built for
+  }
+}
+
+}  // namespace nvfp4_attn

@@ -1,0 +1,58 @@
+// Launch parameters of the NVFP4 attention forward kernel. Plain data, no torch, no CUDA types:
+// the binding fills it, the kernel takes it as a __grid_constant__. Every stride and offset is
+// int64 (the correction tensor alone passes 2^31 elements near 80k tokens at 40 heads).
+#pragma once
+#include <cstdint>
+
+namespace nvfp4_attn {
+
+struct AttentionFwdParams {
+  // Quantized operands (format: DEVELOPERS.md). Each [S, X] plane per (batch, head) is
+  // contiguous; the batch/head strides are in bytes.
+  const uint8_t* q_data;   // [B, H, Sqp, Dp/2]
+  const uint8_t* q_sf;     // [B, H, Sqp, Dp/16]
+  const uint8_t* k_data;   // [B, Hkv, Skp, Dp/2], rows permuted in 32-key groups
+  const uint8_t* k_sf;     // [B, Hkv, Skp, Dp/16], permuted the same way
+  const uint8_t* vt_data;  // [B, Hkv, Dp, Skp/2]
+  const uint8_t* vt_sf;    // [B, Hkv, Dp, Skp/16]
+  int64_t q_stride_b, q_stride_h;
+  int64_t qsf_stride_b, qsf_stride_h;
+  int64_t k_stride_b, k_stride_h;
+  int64_t ksf_stride_b, ksf_stride_h;
+  int64_t vt_stride_b, vt_stride_h;
+  int64_t vtsf_stride_b, vtsf_stride_h;
+
+  // Correction qm . k_s for Q blocks [q_block_begin, q_block_end): fp32, natural key order,
+  // row (m - q_block_begin) of [B, H, nblk_chunk, Skp]; strides in elements, the last dim
+  // contiguous and 16-byte aligned. delta_stride_blk may be 0 (one row for every block).
+  const float* delta;
+  int64_t delta_stride_b, delta_stride_h, delta_stride_blk;
+
+  // q . km [B, H, Sq] fp32 (only read when the LSE is written).
+  const float* q_dot_km;
+  int64_t qdk_stride_b, qdk_stride_h;
+
+  // Per-batch key lengths (int32 [B], each <= seq_k) or nullptr for seq_k everywhere.
+  const int32_t* kv_lens;
+
+  // Output [B, H, Sq, D] viewed through strides (elements): NHD and HND are both just strides.
+  void* out;
+  int64_t out_stride_b, out_stride_h, out_stride_s;
+  // LSE [B, H, Sq] fp32, natural log (nullptr when not asked).
+  float* lse;
+  int64_t lse_stride_b, lse_stride_h;
+
+  int batch, heads, kv_heads;
+  int seq_q, seq_k;      // true lengths
+  int seq_q_pad, seq_k_pad;
+  int head_dim_out;      // true head dim (<= padded head dim of the kernel instantiation)
+  int q_block_begin, q_block_end;
+  float scale;           // softmax scale
+  float scale_log2;      // scale * log2(e)
+  int causal;            // SDPA is_causal: query i sees keys j <= i
+  int out_bf16;          // 1: bf16 output, 0: fp16
+  int out_vec2;          // 1: column pairs are 4-byte aligned (even strides and pointer)
+  int grid_size;         // persistent CTAs launched
+};
+
+}  // namespace nvfp4_attn

@@ -1,0 +1,53 @@
+// Tile geometry and shared-memory layout of the attention kernel, as constexpr.
+// Sized for sm_120's ~99 KB per block so the emulated build on sm_80/90 runs the same layouts.
+#pragma once
+#include <cstdint>
+
+namespace nvfp4_attn {
+
+template <int kHeadDim_>
+struct AttentionTraits {
+  static constexpr int kHeadDim = kHeadDim_;
+  static_assert(kHeadDim == 64 || kHeadDim == 128, "head dim must be 64 or 128");
+  static constexpr int kBlockM = 128;       // Q rows per tile
+  static constexpr int kBlockN = 128;       // keys per tile
+  static constexpr int kWarps = 8;          // every warp owns 16 Q rows
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr int kStages = 3;         // cp.async K/V pipeline depth
+  static constexpr int kKChunks = kHeadDim / 64;   // k64 chunks of the QK^T MMA
+  static constexpr int kNTilesS = kBlockN / 8;     // n8 tiles of the score tile (16)
+  static constexpr int kNTilesO = kHeadDim / 8;    // n8 tiles of the output (8 or 16)
+
+  // Bytes of one K row (D/2) and one V^T row (128 tokens / 2).
+  static constexpr int kKRowBytes = kHeadDim / 2;
+  static constexpr int kVRowBytes = kBlockN / 2;
+  static constexpr int kKSfRowBytes = kHeadDim / 16;
+  static constexpr int kVSfRowBytes = kBlockN / 16;
+
+  static constexpr int kKBytes = kBlockN * kKRowBytes;
+  static constexpr int kKSfBytes = kBlockN * kKSfRowBytes;
+  static constexpr int kVBytes = kHeadDim * kVRowBytes;
+  static constexpr int kVSfBytes = kHeadDim * kVSfRowBytes;
+  static constexpr int kDeltaBytes = kBlockN * 4;
+
+  static constexpr int kOffK = 0;
+  static constexpr int kOffV = kOffK + kKBytes;
+  static constexpr int kOffKSf = kOffV + kVBytes;
+  static constexpr int kOffVSf = kOffKSf + kKSfBytes;
+  static constexpr int kOffDelta = kOffVSf + kVSfBytes;
+  static constexpr int kStageBytes = kOffDelta + kDeltaBytes;
+  static constexpr int kSmemBytes = kStages * kStageBytes;
+  static_assert(kStageBytes % 128 == 0, "stages stay 128-byte aligned");
+  static_assert(kSmemBytes <= 99 * 1024, "must fit sm_120's per-block shared memory");
+
+  // 16-byte chunk swizzle for ldmatrix: 8 consecutive rows of one chunk column land in 8
+  // distinct bank groups. rows_per_line = rows sharing a 128-byte line.
+  template <int kRowBytes>
+  __host__ __device__ static constexpr int swizzle(int row, int chunk) {
+    constexpr int kChunksPerRow = kRowBytes / 16;
+    constexpr int kRowsPerLine = 128 / kRowBytes;
+    return row * kRowBytes + ((chunk ^ ((row / kRowsPerLine) % kChunksPerRow)) << 4);
+  }
+};
+
+}  // namespace nvfp4_attn

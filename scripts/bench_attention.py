@@ -1,0 +1,174 @@
+#!/usr/bin/env python3
+"""Benchmark the NVFP4 attention kernel against SDPA (flash, cuDNN) and SageAttention if installed.
+
+One run times, at B1 H40 D128 and S = 8k, 32k, 77k, causal and not:
+  * ``nvfp4 kernel``: the attention kernel alone on pre-quantised inputs with the whole
+    correction precomputed (native FP4 MMA on sm_120/121, the fp16 emulation on sm_80/90);
+  * ``nvfp4 e2e``: ``nvfp4_dit.cuda_backend.attention`` (quantise + correction chunks + kernel);
+  * ``sdpa flash`` / ``sdpa cudnn``: torch SDPA in bf16 with that back-end forced;
+  * ``sageattn3`` / ``sageattention``: when importable.
+Prints a markdown table (ms and TFLOP/s, 4*B*H*Sq*Sk*D flops, halved when causal) and writes a
+PNG next to it (``--out``). On the H200 the nvfp4 numbers are the *emulated* ones and are
+expected to be far below SDPA; the native numbers need an sm_120 GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from nvfp4_dit import cuda_backend  # noqa: E402
+from nvfp4_dit import format as fmt  # noqa: E402
+
+
+def time_ms(fn, reps: int, warmup: int = 1) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def flops(b, h, s, d, causal):
+    return 4.0 * b * h * s * s * d / (2.0 if causal else 1.0)
+
+
+def sdpa_fn(q, k, v, causal, backend):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    be = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[backend]
+
+    def run():
+        with sdpa_kernel(be):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    return run
+
+
+def sage_fns(q, k, v, causal):
+    fns = {}
+    try:
+        from sageattn3 import sageattn3_blackwell  # type: ignore
+
+        fns["sageattn3"] = lambda: sageattn3_blackwell(q, k, v, is_causal=causal)
+    except Exception:
+        pass
+    try:
+        from sageattention import sageattn  # type: ignore
+
+        fns["sageattention"] = lambda: sageattn(q, k, v, tensor_layout="HND", is_causal=causal)
+    except Exception:
+        pass
+    return fns
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--seqs", default="8192,32768,77000")
+    ap.add_argument("--heads", type=int, default=40)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=0, help="timed repetitions (0: by size)")
+    ap.add_argument("--out", default="bench_attention", help="output stem for .md and .png")
+    args = ap.parse_args()
+
+    dev = torch.device("cuda")
+    cc = torch.cuda.get_device_capability(dev)
+    native = cuda_backend.is_native(cc)
+    reason = cuda_backend.load(dev)
+    if reason:
+        print(reason)
+        return 1
+    name = torch.cuda.get_device_name(dev)
+    mode = "native FP4 MMA" if native else "emulated FP4 MMA (fp16 mma.sync)"
+    rows = []
+    b, h, d = 1, args.heads, args.head_dim
+    for s in (int(x) for x in args.seqs.split(",")):
+        g = torch.Generator(device="cuda").manual_seed(s)
+        q, k, v = (torch.randn(b, h, s, d, generator=g, device=dev).to(torch.bfloat16) for _ in range(3))
+        qq = fmt.quantize_qkv(q, k, v, layout="HND")
+        delta = fmt.qk_correction(qq)
+        for causal in (False, True):
+            f = flops(b, h, s, d, causal)
+            big = f > 2e13
+            reps = args.reps or (2 if (big and not native) else 5)
+            out = torch.empty(b, h, s, d, dtype=torch.bfloat16, device=dev)
+            op = torch.ops.nvfp4_dit_cuda.attention_fwd
+            scale = 1.0 / math.sqrt(d)
+
+            def kernel_only():
+                op(qq.q_data, qq.q_sf, qq.k_data, qq.k_sf, qq.vt_data, qq.vt_sf, delta, qq.q_dot_km, None, out,
+                   None, s, s, 0, qq.num_q_blocks, scale, causal, native)
+
+            results = {"nvfp4 kernel": time_ms(kernel_only, reps)}
+            results["nvfp4 e2e"] = time_ms(lambda: cuda_backend.attention(
+                q, k, v, layout="HND", causal=causal, scale=None, kv_lens=None, return_lse=False), reps)
+            for be in ("flash", "cudnn"):
+                try:
+                    results[f"sdpa {be}"] = time_ms(sdpa_fn(q, k, v, causal, be), max(reps, 5))
+                except Exception as exc:  # a back-end missing on this build/GPU
+                    print(f"sdpa {be} unavailable: {type(exc).__name__}: {str(exc).splitlines()[0][:100]}")
+            for nm, fn in sage_fns(q, k, v, causal).items():
+                try:
+                    results[nm] = time_ms(fn, max(reps, 5))
+                except Exception as exc:
+                    print(f"{nm} failed: {exc}")
+            for nm, ms in results.items():
+                rows.append(dict(s=s, causal=causal, impl=nm, ms=ms, tflops=f / ms / 1e9))
+            ref = results.get("sdpa flash")
+            print(f"S={s} causal={causal}: " + ", ".join(
+                f"{nm} {ms:.2f} ms ({f / ms / 1e9:.0f} TF/s{'' if not ref else f', x{ref / ms:.2f} vs flash'})"
+                for nm, ms in results.items()), flush=True)
+        del qq, delta, q, k, v, out
+        torch.cuda.empty_cache()
+
+    lines = [f"# NVFP4 attention benchmark: {name} (sm_{cc[0]}{cc[1]}), nvfp4 = {mode}", "",
+             f"B={b} H={h} D={d}, bf16 inputs; TFLOP/s counts 4*B*H*S^2*D (halved when causal).", "",
+             "| S | causal | implementation | ms | TFLOP/s | vs sdpa flash |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        ref = next((x["ms"] for x in rows if x["s"] == r["s"] and x["causal"] == r["causal"]
+                    and x["impl"] == "sdpa flash"), None)
+        ratio = f"{ref / r['ms']:.2f}x" if ref else "-"
+        lines.append(f"| {r['s']} | {r['causal']} | {r['impl']} | {r['ms']:.3f} | {r['tflops']:.1f} | {ratio} |")
+    table = "\n".join(lines)
+    print(table)
+    Path(args.out + ".md").write_text(table + "\n")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+        for ax, causal in zip(axes, (False, True)):
+            impls = sorted({r["impl"] for r in rows})
+            seqs = sorted({r["s"] for r in rows})
+            width = 0.8 / len(impls)
+            for i, impl in enumerate(impls):
+                vals = [next((r["tflops"] for r in rows if r["s"] == s and r["causal"] == causal and r["impl"] == impl), 0)
+                        for s in seqs]
+                ax.bar([j + i * width for j in range(len(seqs))], vals, width, label=impl)
+            ax.set_xticks([j + 0.4 - width / 2 for j in range(len(seqs))], [f"{s // 1000}k" for s in seqs])
+            ax.set_title(f"causal={causal}")
+            ax.set_xlabel("sequence length")
+        axes[0].set_ylabel("TFLOP/s")
+        axes[0].legend(fontsize=8)
+        fig.suptitle(f"{name}: nvfp4 = {mode}, B{b} H{h} D{d}")
+        fig.tight_layout()
+        fig.savefig(args.out + ".png", dpi=120)
+    except ImportError:
+        print("matplotlib not installed: no PNG")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,169 @@
+#!/usr/bin/env python3
+"""Check the native NVFP4 attention build without a GPU: compile for sm_120a / sm_121a, then read
+the cubin's SASS and ptxas's report.
+
+Checks, per kernel instantiation:
+  * the block-scaled FP4 MMA ``OMMA.SF.16864.F32.E2M1.E2M1.UE4M3.4X`` is there, as many times as
+    the warp layout implies: each of the 8 warps owns 16 Q rows of a 128x128 tile and issues
+    (128/8) * (D/64) QK^T MMAs plus (D/8) * (128/64) PV MMAs per key tile, i.e. 64 at D=128 and 32
+    at D=64 (512 / 256 per CTA); the key-tile loop body is emitted once;
+  * ptxas: 0 bytes of spill stores/loads and no stack frame; SASS: no local loads/stores.
+Prints a markdown table; exit status 1 if a check fails.
+
+Needs nvcc, and cuobjdump + nvdisasm (PyPI ``nvidia-cuda-cuobjdump``, ``nvidia-cuda-nvdisasm``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CSRC = ROOT / "csrc"
+OMMA = "OMMA.SF.16864.F32.E2M1.E2M1.UE4M3.4X"
+UNITS = {64: "attention_fwd_sm120a_d64.cu", 128: "attention_fwd_sm120a_d128.cu"}
+ARCHS = ("120a", "121a")
+
+
+def expected_mma_per_warp(head_dim: int, block_n: int = 128, warps: int = 8) -> int:
+    qk = (block_n // 8) * (head_dim // 64)   # n8 tiles of the score tile x k64 chunks of D
+    pv = (head_dim // 8) * (block_n // 64)   # n8 tiles of the output x k64 chunks of the keys
+    return qk + pv
+
+
+def find_tool(name: str) -> str | None:
+    found = shutil.which(name)
+    if found:
+        return found
+    for base in sys.path:
+        for cand in glob.glob(os.path.join(base, "nvidia", "**", "bin", name), recursive=True):
+            if os.access(cand, os.X_OK):
+                return cand
+    return None
+
+
+def compile_cubin(unit: str, arch: str, out_dir: Path) -> tuple[Path, str]:
+    nvcc = find_tool("nvcc")
+    if nvcc is None:
+        raise FileNotFoundError("nvcc not found")
+    out = out_dir / f"{Path(unit).stem}_sm{arch}.cubin"
+    cmd = [nvcc, "-cubin", "-O3", "-std=c++17", f"-I{CSRC}", f"-gencode=arch=compute_{arch},code=sm_{arch}",
+           "-Xptxas", "-v", str(CSRC / unit), "-o", str(out)]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode:
+        raise RuntimeError(f"nvcc failed for {unit} sm_{arch}:\n{res.stderr}")
+    return out, res.stderr + res.stdout
+
+
+def parse_ptxas(log: str) -> dict[str, dict[str, int]]:
+    """{mangled kernel: {registers, spill_stores, spill_loads, stack}} from ``ptxas -v``."""
+    info: dict[str, dict[str, int]] = {}
+    current = None
+    for line in log.splitlines():
+        m = re.search(r"Compiling entry function '(\w+)'", line)
+        if m:
+            current = m.group(1)
+            info[current] = {}
+            continue
+        if current is None:
+            continue
+        m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", line)
+        if m:
+            info[current].update(stack=int(m.group(1)), spill_stores=int(m.group(2)), spill_loads=int(m.group(3)))
+        m = re.search(r"Used (\d+) registers", line)
+        if m:
+            info[current]["registers"] = int(m.group(1))
+    return info
+
+
+def sass_counts(cubin: Path) -> dict[str, dict[str, int]]:
+    """{mangled kernel: {omma, local}} from ``cuobjdump -sass``."""
+    cuobjdump, nvdisasm = find_tool("cuobjdump"), find_tool("nvdisasm")
+    if cuobjdump is None or nvdisasm is None:
+        raise FileNotFoundError("cuobjdump/nvdisasm not found: pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm")
+    env = dict(os.environ, PATH=os.path.dirname(nvdisasm) + os.pathsep + os.environ.get("PATH", ""))
+    res = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, env=env)
+    if res.returncode:
+        raise RuntimeError(f"cuobjdump failed: {res.stderr}")
+    counts: dict[str, dict[str, int]] = {}
+    current = None
+    for line in res.stdout.splitlines():
+        m = re.search(r"Function : (\S+)", line)
+        if m:
+            current = m.group(1)
+            counts[current] = {"omma": 0, "local": 0}
+            continue
+        if current is None:
+            continue
+        if OMMA in line:
+            counts[current]["omma"] += 1
+        if re.search(r"\b(LDL|STL)\b", line):
+            counts[current]["local"] += 1
+    return counts
+
+
+def dynamic_smem_bytes(head_dim: int, out_dir: Path) -> int:
+    """AttentionTraits<D>::kSmemBytes, read from the header by a host-only nvcc program."""
+    src = out_dir / f"smem_d{head_dim}.cu"
+    src.write_text('#include <cstdio>\n#include "attention/traits.cuh"\n'
+                   f'int main() {{ std::printf("%d", nvfp4_attn::AttentionTraits<{head_dim}>::kSmemBytes); }}\n')
+    exe = out_dir / f"smem_d{head_dim}"
+    subprocess.run([find_tool("nvcc"), "-std=c++17", f"-I{CSRC}", str(src), "-o", str(exe)], check=True,
+                   capture_output=True)
+    return int(subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout)
+
+
+def check(archs=ARCHS, head_dims=(64, 128)) -> tuple[list[dict], list[str]]:
+    rows, failures = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        smem = {d: dynamic_smem_bytes(d, tmp) for d in head_dims}
+        for arch in archs:
+            for d in head_dims:
+                cubin, log = compile_cubin(UNITS[d], arch, tmp)
+                ptx = parse_ptxas(log)
+                sass = sass_counts(cubin)
+                want = expected_mma_per_warp(d)
+                for kernel in sorted(k for k in sass if "attention_fwd_kernel" in k):
+                    p, s = ptx.get(kernel, {}), sass[kernel]
+                    row = dict(arch=f"sm_{arch}", head_dim=d, lse="Lb1" in kernel, omma=s["omma"], expected=want,
+                               registers=p.get("registers"), spill=p.get("spill_stores", -1) + p.get("spill_loads", -1),
+                               stack=p.get("stack"), local=s["local"], smem=smem[d])
+                    rows.append(row)
+                    name = f"sm_{arch} D={d} lse={row['lse']}"
+                    if s["omma"] != want:
+                        failures.append(f"{name}: {s['omma']} {OMMA} in SASS, expected {want}")
+                    if row["spill"] != 0 or row["stack"] != 0 or s["local"] != 0:
+                        failures.append(f"{name}: spills {row['spill']} B, stack {row['stack']} B, "
+                                        f"{s['local']} local memory instructions")
+                    if smem[d] > 99 * 1024:
+                        failures.append(f"{name}: {smem[d]} B shared memory exceeds sm_120's 99 KB")
+                if not any("attention_fwd_kernel" in k for k in sass):
+                    failures.append(f"sm_{arch} D={d}: no attention kernel in the cubin")
+    return rows, failures
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--arch", action="append", help="e.g. 120a (default: 120a and 121a)")
+    args = ap.parse_args()
+    rows, failures = check(tuple(args.arch) if args.arch else ARCHS)
+    print("| arch | D | LSE | OMMA per warp-tile (expected) | registers | spill B | stack B | local ops | dyn smem B |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['arch']} | {r['head_dim']} | {r['lse']} | {r['omma']} ({r['expected']}) | {r['registers']} | "
+              f"{r['spill']} | {r['stack']} | {r['local']} | {r['smem']} |")
+    for f in failures:
+        print("FAIL:", f)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

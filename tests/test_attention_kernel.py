@@ -1,0 +1,297 @@
+"""The CUDA attention kernel (csrc/attention) against the reference numerics and exact attention.
+
+On sm_80/sm_90 this runs the fp16-emulated MMA back-end, on sm_120/121 the native FP4 MMA; the
+rest of the kernel is the same template. The single-MMA probe checks the back-end itself against
+a dense product for every legal selector value.
+"""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nvfp4_dit import cuda_backend
+from nvfp4_dit import format as fmt
+from nvfp4_dit.reference import attention_exact, attention_reference
+
+
+def test_gencode_flags_pick_arch_specific_targets():
+    assert cuda_backend.gencode_flags((12, 0)) == ["-gencode=arch=compute_120a,code=sm_120a"]
+    assert cuda_backend.gencode_flags((12, 1)) == ["-gencode=arch=compute_121a,code=sm_121a"]
+    assert cuda_backend.gencode_flags((9, 0)) == ["-gencode=arch=compute_90a,code=sm_90a"]
+    assert cuda_backend.gencode_flags((8, 6)) == ["-gencode=arch=compute_86,code=sm_86"]
+    assert cuda_backend.is_native((12, 1)) and not cuda_backend.is_native((9, 0))
+    assert cuda_backend.has_emulated((9, 0)) and not cuda_backend.has_emulated((12, 0))
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------------------------
+
+def _cos(a, b):
+    return F.cosine_similarity(a.double().flatten(), b.double().flatten(), dim=0).item()
+
+
+def _device():
+    return torch.device("cuda")
+
+
+def _native():
+    return cuda_backend.is_native(torch.cuda.get_device_capability())
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    reason = cuda_backend.load()
+    assert reason is None, reason
+    return torch.ops.nvfp4_dit_cuda
+
+
+def _qkv(b, sq, h, d, sk=None, hkv=None, dtype=torch.bfloat16, seed=0, layout="NHD"):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    sk = sq if sk is None else sk
+    hkv = h if hkv is None else hkv
+    shape = (lambda s, n: (b, s, n, d)) if layout == "NHD" else (lambda s, n: (b, n, s, d))
+    q = torch.randn(shape(sq, h), generator=g, device="cuda").to(dtype)
+    k = torch.randn(shape(sk, hkv), generator=g, device="cuda").to(dtype)
+    v = torch.randn(shape(sk, hkv), generator=g, device="cuda").to(dtype)
+    return q, k, v
+
+
+def _run(q, k, v, **kw):
+    kw.setdefault("layout", "NHD")
+    kw.setdefault("causal", False)
+    kw.setdefault("scale", None)
+    kw.setdefault("kv_lens", None)
+    kw.setdefault("return_lse", True)
+    return cuda_backend.attention(q, k, v, **kw)
+
+
+# ---------------------------------------------------------------------------------------------
+# the MMA back-end alone
+# ---------------------------------------------------------------------------------------------
+
+def _pack8(codes):
+    """[..., 8] nibble codes -> int64 words, element i in bits [4i+3:4i]."""
+    shifts = torch.arange(8, device=codes.device) * 4
+    return (codes.long() << shifts).sum(-1)
+
+
+def _word(bytes4):
+    shifts = torch.arange(4, device=bytes4.device) * 8
+    return (bytes4.long() << shifts).sum(-1)
+
+
+def _i32(x):
+    return torch.where(x >= 2**31, x - 2**32, x).to(torch.int32)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("tid_a", [0, 1])
+@pytest.mark.parametrize("tid_b", [0, 1, 2, 3])
+def test_mma_backend_matches_dense_product(kernel, tid_a, tid_b):
+    dev = _device()
+    g = torch.Generator(device="cuda").manual_seed(100 + 4 * tid_a + tid_b)
+    for trial in range(4):
+        a_codes = torch.randint(0, 16, (16, 64), generator=g, device=dev)
+        b_codes = torch.randint(0, 16, (8, 64), generator=g, device=dev)   # [n, k]
+        # Scale bytes over most of the ue4m3 range (subnormals included), no NaN (0x7F).
+        lo, hi = (0x01, 0x7E) if trial % 2 else (0x28, 0x48)
+        sfa = torch.randint(lo, hi + 1, (16, 4), generator=g, device=dev)
+        sfb = torch.randint(lo, hi + 1, (8, 4), generator=g, device=dev)
+        c = torch.randn(16, 8, generator=g, device=dev)
+
+        lanes = torch.arange(32, device=dev)
+        gg, tt = lanes // 4, lanes % 4
+        ks = 8 * tt[:, None] + torch.arange(8, device=dev)                  # [32, 8]
+        a_reg = torch.stack([
+            _pack8(a_codes[gg[:, None], ks]), _pack8(a_codes[gg[:, None] + 8, ks]),
+            _pack8(a_codes[gg[:, None], 32 + ks]), _pack8(a_codes[gg[:, None] + 8, 32 + ks]),
+        ], 1)
+        b_reg = torch.stack([_pack8(b_codes[gg[:, None], ks]), _pack8(b_codes[gg[:, None], 32 + ks])], 1)
+        # Lanes the selectors do not name hold garbage: the MMA must ignore them.
+        sfa_reg = torch.randint(0, 2**32, (32,), generator=g, device=dev)
+        sfb_reg = torch.randint(0, 2**32, (32,), generator=g, device=dev)
+        rows = torch.arange(8, device=dev)
+        sfa_reg[4 * rows + 2 * tid_a] = _word(sfa[rows])
+        sfa_reg[4 * rows + 2 * tid_a + 1] = _word(sfa[rows + 8])
+        sfb_reg[4 * rows + tid_b] = _word(sfb[rows])
+        c_reg = torch.stack([c[gg, 2 * tt], c[gg, 2 * tt + 1], c[gg + 8, 2 * tt], c[gg + 8, 2 * tt + 1]], 1)
+
+        d_reg = kernel.mma_fp4_probe(_i32(a_reg).contiguous(), _i32(b_reg).contiguous(), _i32(sfa_reg),
+                                     _i32(sfb_reg), c_reg.contiguous(), tid_a, tid_b, _native())
+        a_val = fmt.e2m1_decode(a_codes.to(torch.uint8)).double() * \
+            fmt.e4m3_decode(sfa.to(torch.uint8)).double().repeat_interleave(16, 1)
+        b_val = fmt.e2m1_decode(b_codes.to(torch.uint8)).double() * \
+            fmt.e4m3_decode(sfb.to(torch.uint8)).double().repeat_interleave(16, 1)
+        dense = a_val @ b_val.T + c.double()
+        got = torch.empty(16, 8, dtype=torch.float64, device=dev)
+        got[gg, 2 * tt], got[gg, 2 * tt + 1] = d_reg[:, 0].double(), d_reg[:, 1].double()
+        got[gg + 8, 2 * tt], got[gg + 8, 2 * tt + 1] = d_reg[:, 2].double(), d_reg[:, 3].double()
+        # Products are exact; only the fp32 accumulation rounds.
+        bound = (a_val.abs() @ b_val.abs().T + c.double().abs()) * 1e-5 + 1e-30
+        assert ((got - dense).abs() <= bound).all(), (got - dense).abs().max().item()
+
+
+# ---------------------------------------------------------------------------------------------
+# the whole kernel against the reference numerics
+# ---------------------------------------------------------------------------------------------
+
+def _check_vs_reference(q, k, v, *, layout="NHD", causal=False, kv_lens=None, scale=None, min_cos=0.9999):
+    out, lse = _run(q, k, v, layout=layout, causal=causal, kv_lens=kv_lens, scale=scale)
+    ref, ref_lse = attention_reference(q, k, v, layout=layout, causal=causal, kv_lens=kv_lens, scale=scale,
+                                       return_lse=True)
+    assert out.shape == ref.shape and out.dtype == q.dtype
+    assert torch.isfinite(out).all()
+    cos = _cos(out, ref)
+    assert cos >= min_cos, cos
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(finite, torch.isfinite(lse))
+    assert (lse[finite] - ref_lse[finite]).abs().max().item() <= 2e-3
+    return out, lse
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_matches_reference(kernel, d, causal):
+    q, k, v = _qkv(2, 384, 4, d, seed=d + causal)
+    _check_vs_reference(q, k, v, causal=causal)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("sq,sk", [(300, 300), (77, 1000), (1000, 77), (129, 257)])
+def test_lengths_not_multiples_of_32_or_128(kernel, sq, sk):
+    q, k, v = _qkv(1, sq, 2, 128, sk=sk, seed=sq + sk)
+    _check_vs_reference(q, k, v)
+    _check_vs_reference(q, k, v, causal=True)
+
+
+@pytest.mark.cuda
+def test_kv_lens_per_batch_and_fully_masked_rows(kernel):
+    q, k, v = _qkv(3, 200, 2, 64, sk=333, seed=7)
+    lens = torch.tensor([333, 45, 0], dtype=torch.int32, device="cuda")
+    out, lse = _check_vs_reference(q, k, v, kv_lens=lens)
+    # No key at all: output 0 and LSE -inf, never NaN.
+    assert torch.equal(out[2], torch.zeros_like(out[2]))
+    assert torch.isneginf(lse[2]).all()
+    # Padded keys are never attended: changing them changes nothing.
+    k2, v2 = k.clone(), v.clone()
+    k2[1, 45:] = 100.0
+    v2[1, 45:] = -100.0
+    out2, _ = _run(q, k2, v2, kv_lens=lens)
+    assert _cos(out2[1], out[1]) >= 0.9999
+    _check_vs_reference(q, k, v, kv_lens=lens, causal=True)
+
+
+@pytest.mark.cuda
+def test_gqa_and_layouts(kernel):
+    q, k, v = _qkv(2, 256, 8, 128, hkv=2, seed=3, layout="HND")
+    out, _ = _check_vs_reference(q, k, v, layout="HND")
+    q2, k2, v2 = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+    out_nhd, _ = _run(q2, k2, v2, layout="NHD")
+    assert torch.equal(out_nhd.transpose(1, 2), out)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_dtypes(kernel, dtype):
+    q, k, v = _qkv(1, 256, 2, 128, dtype=dtype, seed=11)
+    _check_vs_reference(q, k, v, scale=0.05)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("d", [40, 63, 80])
+def test_padded_head_dims(kernel, d):
+    q, k, v = _qkv(1, 200, 2, d, seed=d)
+    out, _ = _check_vs_reference(q, k, v)
+    assert out.shape[-1] == d
+
+
+@pytest.mark.cuda
+def test_correction_chunks_do_not_change_the_result(kernel):
+    q, k, v = _qkv(1, 1000, 2, 128, seed=5)
+    qq = fmt.quantize_qkv(q, k, v)
+    outs = []
+    for budget in (1 << 30, 2 * 1024 * 4 * 3):   # one chunk, then chunks of 3 blocks
+        out = torch.empty(1, 2, 1000, 128, dtype=torch.bfloat16, device="cuda")
+        lse = torch.empty(1, 2, 1000, dtype=torch.float32, device="cuda")
+        cuda_backend.run_kernel(qq, lambda b0, b1: fmt.qk_correction(qq, b0, b1), out, lse, scale=128**-0.5,
+                                causal=True, kv_lens=None, native=_native(), budget_bytes=budget)
+        outs.append((out, lse))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
+# ---------------------------------------------------------------------------------------------
+# accuracy against exact attention, seed probes
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("causal", [False, True])
+def test_accuracy_floor_vs_exact(kernel, causal):
+    q, k, v = _qkv(1, 1024, 4, 128, dtype=torch.float32, seed=21)
+    out, lse = _run(q, k, v, causal=causal)
+    exact, lse_exact = attention_exact(q, k, v, causal=causal)
+    ref = attention_reference(q, k, v, causal=causal)
+    # The reference's own floor (tests/test_reference.py) and no worse than it by more than noise.
+    assert _cos(out, exact) >= 0.98
+    assert _cos(out, exact) >= _cos(ref, exact) - 1e-4
+    assert (lse.double() - lse_exact).abs().mean().item() <= 0.02
+
+
+@pytest.mark.cuda
+def test_uniform_score_probe(kernel):
+    s = 1000
+    q = torch.zeros(1, s, 2, 64, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, s, 2, 64, device="cuda").to(torch.bfloat16) * 0.0
+    v = torch.ones(1, s, 2, 64, device="cuda", dtype=torch.bfloat16)
+    out, lse = _run(q, k, v)
+    # V's quantised value e4m3(1/6)*6 = 1.03125; a row sum over 8 lanes would give half of it.
+    assert torch.allclose(out.float(), torch.full_like(out.float(), 1.03125), atol=1e-6)
+    assert torch.allclose(lse, torch.full_like(lse, math.log(s)), atol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------
+# long sequences (the shapes that broke other kernels), sampled rows against the reference
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.cuda
+@pytest.mark.slow
+@pytest.mark.parametrize("h,s", [(56, 77000), (40, 75600), (24, 118800 + 256)])
+def test_long_sequences_sampled_rows(kernel, h, s):
+    q, k, v = _qkv(1, s, h, 128, seed=s)
+    qq = fmt.quantize_qkv(q, k, v)
+    out = torch.empty(1, s, h, 128, dtype=torch.bfloat16, device="cuda")
+    lse = torch.empty(1, h, s, dtype=torch.float32, device="cuda")
+    cuda_backend.run_kernel(qq, lambda b0, b1: fmt.qk_correction(qq, b0, b1), out.transpose(1, 2), lse,
+                            scale=128**-0.5, causal=False, kv_lens=None, native=_native())
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    nblk = qq.num_q_blocks
+    for blk in (0, nblk // 2, nblk - 1):
+        ref, ref_lse = attention_reference(q, k, v, return_lse=True, query_blocks=(blk, blk + 1), quantized=qq)
+        rows = slice(blk * 128, min(s, blk * 128 + 128))
+        assert _cos(out[:, rows], ref) >= 0.9999
+        assert (lse[:, :, rows] - ref_lse).abs().max().item() <= 2e-3
+    del out, lse, qq
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.cuda
+def test_public_op_runs_the_kernel(kernel):
+    import nvfp4_dit
+
+    q, k, v = _qkv(1, 300, 4, 128, hkv=2, seed=9)
+    lens = torch.tensor([250], device="cuda")
+    out, lse = nvfp4_dit.attention(q, k, v, backend="cuda", causal=True, kv_lens=lens, return_lse=True)
+    ref, ref_lse = _run(q, k, v, causal=True, kv_lens=lens)
+    assert torch.equal(out, ref) and torch.equal(lse, ref_lse)
+    # auto takes the kernel only where the native FP4 MMA exists.
+    if _native():
+        auto = nvfp4_dit.attention(q, k, v, backend="auto", causal=True, kv_lens=lens)
+        assert torch.equal(auto, ref)
+    else:
+        with pytest.warns(nvfp4_dit.ops.FallbackWarning):
+            nvfp4_dit.attention(q, k, v, backend="auto", causal=True, kv_lens=lens)

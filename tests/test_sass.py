@@ -1,0 +1,26 @@
+"""Native-build check without a GPU (CI): the sm_120a/sm_121a cubins carry the block-scaled FP4
+MMA as often as the warp layout implies, with no spills and no local memory. See
+scripts/check_sass.py (needs nvcc and PyPI nvidia-cuda-cuobjdump + nvidia-cuda-nvdisasm)."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+_SPEC = importlib.util.spec_from_file_location(
+    "check_sass", Path(__file__).resolve().parent.parent / "scripts" / "check_sass.py")
+check_sass = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(check_sass)
+
+
+def test_expected_mma_count_follows_the_warp_layout():
+    # 512 m16n8k64 per 128x128 CTA tile at D=128 over 8 warps.
+    assert check_sass.expected_mma_per_warp(128) * 8 == 512
+    assert check_sass.expected_mma_per_warp(64) * 8 == 256
+
+
+@pytest.mark.skipif(check_sass.find_tool("nvcc") is None, reason="needs nvcc")
+def test_native_sass_has_fp4_mma_and_no_spills():
+    rows, failures = check_sass.check()
+    assert len(rows) == 2 * 2 * 2   # archs x head dims x (with / without LSE)
+    assert not failures, "\n".join(failures)
