@@ -1,0 +1,108 @@
+// Fused NVFP4 preprocessing of Q, K, V for the attention kernel, and the per-Q-block
+// correction term qm . (k - km)^T computed in chunks.
+//
+// Torch-free: plain pointers, int64 element strides, a cudaStream_t. The kernels live in
+// quantize.cu and quantize_correction.cu; this header only declares the host entry points, so
+// the torch binding (binding.cpp, a host C++ TU) can include it.
+//
+// The byte format is the one of nvfp4_dit/format.py (see DEVELOPERS.md): blocks of 16,
+// sf = e4m3_satfinite(amax16 / 6), data = e2m1(x / float(sf)), zero padding to 128 rows.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+namespace nvfp4_dit {
+
+// Element type of the Q/K/V inputs.
+enum class InputDtype : int32_t { kBFloat16 = 0, kFloat16 = 1, kFloat32 = 2 };
+
+// One logical [B, H, S, D] input read through its strides (in elements, any layout: NHD and
+// HND are both just strides here, so no copy is ever made).
+struct StridedInput {
+  const void* ptr;
+  int64_t stride_b;
+  int64_t stride_h;
+  int64_t stride_s;
+  int64_t stride_d;
+};
+
+struct QuantizeQkvParams {
+  StridedInput q, k, v;
+  InputDtype dtype;
+  const void* kv_lens;   // [B] valid keys per batch, or nullptr (all seq_k keys valid)
+  bool kv_lens_int64;    // kv_lens holds int64 (else int32)
+
+  int64_t batch;
+  int64_t heads_q;
+  int64_t heads_kv;       // heads_q % heads_kv == 0 (GQA)
+  int64_t seq_q;
+  int64_t seq_k;
+  int64_t head_dim;       // D of the inputs
+  int64_t head_dim_padded;  // Dp: 64 or 128
+  int64_t seq_q_padded;   // multiple of 128
+  int64_t seq_k_padded;   // multiple of 128
+
+  // Outputs, all contiguous in the layouts of nvfp4_dit/format.py.
+  uint8_t* q_data;   // [B, H, Sqp, Dp/2]
+  uint8_t* q_sf;     // [B, H, Sqp, Dp/16]
+  uint8_t* k_data;   // [B, Hkv, Skp, Dp/2], rows permuted inside 32-key groups
+  uint8_t* k_sf;     // [B, Hkv, Skp, Dp/16], permuted the same way
+  uint8_t* vt_data;  // [B, Hkv, Dp, Skp/2]
+  uint8_t* vt_sf;    // [B, Hkv, Dp, Skp/16]
+  float* q_mean;     // [B, H, Sqp/128, Dp]
+  float* k_mean;     // [B, Hkv, Dp]
+  float* q_dot_km;   // [B, H, Sq]
+
+  // Workspace of the K-mean reduction (see quantize_qkv_workspace_floats).
+  float* k_partial_sums;      // [B * Hkv, k_chunks, Dp]
+  uint32_t* k_chunk_arrivals;  // [B * Hkv], zero on entry, zero again on exit
+};
+
+// Keys reduced by one CTA of the K-mean kernel.
+constexpr int64_t kKeyMeanChunk = 2048;
+
+__host__ __device__ inline int64_t quantize_qkv_k_chunks(int64_t seq_k) {
+  return seq_k <= 0 ? 1 : (seq_k + kKeyMeanChunk - 1) / kKeyMeanChunk;
+}
+
+// Floats of k_partial_sums needed for these sizes.
+__host__ __device__ inline int64_t quantize_qkv_workspace_floats(int64_t batch, int64_t heads_kv, int64_t seq_k,
+                                             int64_t head_dim_padded) {
+  return batch * heads_kv * quantize_qkv_k_chunks(seq_k) * head_dim_padded;
+}
+
+// Two kernel launches on `stream`: the K-mean reduction, then one fused kernel that quantizes
+// every Q, K and V^T tile (and writes the Q block means and q . km). Returns the launch error.
+cudaError_t launch_quantize_qkv(const QuantizeQkvParams& params, cudaStream_t stream);
+
+struct QkCorrectionParams {
+  const float* q_mean;  // [B, H, num_q_blocks, Dp], contiguous
+  StridedInput k;       // the raw K input, logical [B, Hkv, Sk, D]
+  InputDtype dtype;
+  const void* kv_lens;  // [B] or nullptr, as in QuantizeQkvParams: keys past it have k_s = 0
+  bool kv_lens_int64;
+  const float* k_mean;  // [B, Hkv, Dp], contiguous
+  float* delta;         // [B, H, block_end - block_begin, Skp], last dim contiguous
+  int64_t delta_stride_b;
+  int64_t delta_stride_h;
+  int64_t delta_stride_blk;
+
+  int64_t batch;
+  int64_t heads_q;
+  int64_t heads_kv;
+  int64_t seq_k;
+  int64_t seq_k_padded;
+  int64_t head_dim;
+  int64_t head_dim_padded;
+  int64_t num_q_blocks;
+  int64_t block_begin;  // Q blocks [block_begin, block_end) of q_mean
+  int64_t block_end;
+};
+
+// delta[b, h, m - block_begin, j] = sum_d q_mean[b, h, m, d] * (k[b, kvh, j, d] - k_mean[b, kvh, d])
+// in fp32 for valid keys j < min(kv_lens[b], Sk), and 0 for the padded ones. One launch.
+cudaError_t launch_qk_correction(const QkCorrectionParams& params, cudaStream_t stream);
+
+}  // namespace nvfp4_dit

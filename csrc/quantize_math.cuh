@@ -1,0 +1,90 @@
+// Per-element arithmetic of the quantize kernel that is faster than, and provably equal to, the
+// reference formulation in nvfp4_format.cuh. __host__ __device__ so that
+// tests/test_quantize_kernel.py can check the equalities exhaustively on the host.
+//
+// 1. Division by a block scale. format.py divides every element by the rounded scale in IEEE
+//    fp32. With r = RN(1/sf) computed once per block, q0 = RN(a*r), rem = a - q0*sf (exact with
+//    an fma) and q = RN(q0 + rem*r) is the correctly rounded a/sf for finite a, sf > 0 and no
+//    underflow of the result (Markstein's theorem; the host test checks every e4m3 scale around
+//    every e2m1 decision threshold). Underflowing quotients are far below the first e2m1
+//    threshold (0.25) and encode as 0 either way; inf is handled by the caller.
+// 2. e2m1 magnitude encoding by one fp32 addition instead of seven comparisons: adding
+//    2^(22+e) (e = the e2m1 exponent of a, at least 0) leaves a's value rounded to e2m1's grid
+//    spacing (0.5, 1 or 2) in the low mantissa bits of the sum, ties to even exactly as e2m1's
+//    even codes. The host test checks every fp32 value in [0, 8].
+// Torch-free and self-contained apart from nvfp4_format.cuh.
+#pragma once
+
+#include <cstdint>
+
+#include "nvfp4_format.cuh"
+
+namespace nvfp4_dit {
+
+#if defined(__CUDACC__)
+#define NVFP4_DIT_HD __host__ __device__ __forceinline__
+#else
+#define NVFP4_DIT_HD inline
+#endif
+
+NVFP4_DIT_HD float rn_mul(float a, float b) {
+#ifdef __CUDA_ARCH__
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+
+NVFP4_DIT_HD float rn_fma(float a, float b, float c) {
+#ifdef __CUDA_ARCH__
+  return __fmaf_rn(a, b, c);
+#else
+  return std::fma(a, b, c);
+#endif
+}
+
+NVFP4_DIT_HD float rn_add(float a, float b) {
+#ifdef __CUDA_ARCH__
+  return __fadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
+
+NVFP4_DIT_HD float rn_rcp(float a) {
+#ifdef __CUDA_ARCH__
+  return __frcp_rn(a);
+#else
+  return 1.0f / a;
+#endif
+}
+
+// RN(a / sf) for finite a >= 0 and sf > 0 (see 1. above); rcp = RN(1 / sf).
+NVFP4_DIT_HD float divide_by_scale(float a, float sf, float rcp) {
+  const float q0 = rn_mul(a, rcp);
+  const float rem = rn_fma(-q0, sf, a);
+  return rn_fma(rem, rcp, q0);
+}
+
+// e2m1 magnitude code (0..7) of a >= 0 (not NaN): nearest, ties to even, saturating at 6.
+NVFP4_DIT_HD uint32_t e2m1_magnitude_code(float a) {
+  a = a < nvfp4::kE2m1Max ? a : nvfp4::kE2m1Max;
+  const float at_least_one = a > 1.0f ? a : 1.0f;
+  const uint32_t exp_bits = nvfp4::float_bits(at_least_one) & 0x7F800000u;
+  const float magic = nvfp4::bits_float(exp_bits + (22u << 23));
+  const uint32_t sum = nvfp4::float_bits(rn_add(a, magic));
+  // Low bits: a / spacing, rounded (0..4); exp_bits >> 22 = 2 * (127 + e).
+  return (sum & 7u) + (exp_bits >> 22) - 254u;
+}
+
+// Valid keys of batch b: kv_lens[b] clamped to [0, seq_k], or seq_k without kv_lens. Params is
+// QuantizeQkvParams or QkCorrectionParams (fields kv_lens, kv_lens_int64, seq_k).
+template <typename Params>
+NVFP4_DIT_HD int64_t valid_key_count(const Params& p, int64_t b) {
+  if (p.kv_lens == nullptr) return p.seq_k;
+  const int64_t n = p.kv_lens_int64 ? static_cast<const int64_t*>(p.kv_lens)[b]
+                                    : static_cast<const int32_t*>(p.kv_lens)[b];
+  return n < 0 ? 0 : (n > p.seq_k ? p.seq_k : n);
+}
+
+}  // namespace nvfp4_dit

@@ -1,0 +1,210 @@
+"""Fused NVFP4 preprocessing on the GPU, and the per-Q-block correction in bounded chunks.
+
+:func:`quantize_qkv_cuda` is the CUDA twin of :func:`nvfp4_dit.format.quantize_qkv`: the same
+bytes and scales (tests compare them exactly), means equal up to reduction order, read straight
+from the strides of NHD or HND inputs. It runs two kernels (the K-mean reduction, then one fused
+kernel for every Q, K and V^T tile) after one memset of a small arrival counter.
+
+It keeps no fp32 copy of ``k - km``. The correction ``delta = qm . (k - km)^T`` is
+``B*H*Sq/128*Skp`` fp32 (17.6 GB at 118,800 tokens and 40 heads), so it is produced for a chunk
+of Q blocks at a time (:func:`correction_chunks`, :func:`qk_correction_cuda`,
+:func:`iter_qk_corrections`), within a memory budget: ``budget=`` bytes, else the environment
+variable ``NVFP4_DIT_CORRECTION_BUDGET`` (bytes, or with a K/M/G suffix), else 1 GiB.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Iterator, Optional, Union
+
+import torch
+
+from . import format as fmt
+from . import jit
+
+BUDGET_ENV = "NVFP4_DIT_CORRECTION_BUDGET"
+DEFAULT_CORRECTION_BUDGET = 1 << 30
+_CORRECTION_TILE_BLOCKS = 64  # Q blocks per CTA of the correction kernel: chunks are multiples of it
+_INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_SUFFIXES = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+@dataclass
+class FusedQuantizedQKV(fmt.QuantizedQKV):
+    """A :class:`~nvfp4_dit.format.QuantizedQKV` without ``k_smoothed``; the correction is
+    computed from the raw K instead (``k_input``, a [B, Hkv, Sk, D] view of the caller's tensor)."""
+
+    k_input: Optional[torch.Tensor] = None
+    kv_lens: Optional[torch.Tensor] = None
+
+
+def _ops():
+    return jit.load_extension()
+
+
+def _check_inputs(q, k, v, layout, kv_lens):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.device.type != "cuda":
+            raise ValueError(f"{name} must be a CUDA tensor, got device {t.device}")
+        if t.dtype not in _INPUT_DTYPES:
+            raise TypeError(f"{name} must be bfloat16, float16 or float32, got {t.dtype}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D, got shape {tuple(t.shape)}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if k.device != q.device or v.device != q.device:
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    qh, kh, vh = (fmt.to_hnd(t, layout) for t in (q, k, v))
+    b, h, _, d = qh.shape
+    if kh.shape[0] != b or vh.shape[0] != b:
+        raise ValueError(f"batch sizes differ: q {b}, k {kh.shape[0]}, v {vh.shape[0]}")
+    if kh.shape != vh.shape:
+        raise ValueError(f"k and v must have one shape, got {tuple(kh.shape)} and {tuple(vh.shape)} (as [B, H, S, D])")
+    if kh.shape[3] != d:
+        raise ValueError(f"q and k head dims differ: {d} and {kh.shape[3]}")
+    if fmt.padded_head_dim(d) is None:
+        raise ValueError(f"head dim {d} is not supported (at most {fmt.SUPPORTED_HEAD_DIMS[-1]})")
+    hkv = kh.shape[1]
+    if hkv == 0 or h % hkv:
+        raise ValueError(f"q heads ({h}) must be a multiple of k/v heads ({hkv})")
+    if kv_lens is not None:
+        if not isinstance(kv_lens, torch.Tensor):
+            raise TypeError(f"kv_lens must be a torch.Tensor or None, got {type(kv_lens).__name__}")
+        if kv_lens.dim() != 1 or kv_lens.shape[0] != b:
+            raise ValueError(f"kv_lens must have shape [{b}], got {tuple(kv_lens.shape)}")
+        if kv_lens.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"kv_lens must be int32 or int64, got {kv_lens.dtype}")
+        kv_lens = kv_lens.to(q.device)
+    return qh, kh, vh, kv_lens
+
+
+def quantize_qkv_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: str = "NHD",
+                      kv_lens: Optional[torch.Tensor] = None) -> FusedQuantizedQKV:
+    """Smooth and quantise Q, K, V on the GPU into the attention kernel's layouts.
+
+    Parameters
+    ----------
+    q, k, v : [B, S, H, D] (``layout="NHD"``) or [B, H, S, D] (``"HND"``), bf16/fp16/fp32 CUDA
+        tensors with any strides (nothing is copied). K and V may have fewer heads (GQA).
+    kv_lens : optional int [B]; keys at or past ``kv_lens[b]`` are excluded from the K mean and
+        quantised as zero padding, as in :func:`nvfp4_dit.format.quantize_qkv`.
+
+    Returns
+    -------
+    FusedQuantizedQKV with ``k_smoothed=None``; use :func:`qk_correction_cuda` for the correction.
+    """
+    qh, kh, vh, kv_lens = _check_inputs(q, k, v, layout, kv_lens)
+    (q_data, q_sf, k_data, k_sf, vt_data, vt_sf, q_mean, k_mean,
+     q_dot_km) = _ops().quantize_qkv(qh, kh, vh, kv_lens)
+    d = qh.shape[3]
+    return FusedQuantizedQKV(
+        q_data=q_data, q_sf=q_sf, k_data=k_data, k_sf=k_sf, vt_data=vt_data, vt_sf=vt_sf,
+        q_mean=q_mean, k_mean=k_mean, q_dot_km=q_dot_km, k_smoothed=None,
+        seq_q=qh.shape[2], seq_k=kh.shape[2], head_dim=d, head_dim_padded=fmt.padded_head_dim(d),
+        k_input=kh, kv_lens=kv_lens)
+
+
+# ---------------------------------------------------------------------------------------------
+# The correction term, in chunks of Q blocks
+# ---------------------------------------------------------------------------------------------
+
+def correction_budget_bytes(budget: Union[int, str, None] = None) -> int:
+    """The correction memory budget in bytes: ``budget``, else $NVFP4_DIT_CORRECTION_BUDGET, else 1 GiB.
+
+    Strings may carry a binary suffix: ``"512M"``, ``"2G"``, ``"1.5G"``.
+    """
+    source = "budget"
+    if budget is None:
+        env = os.environ.get(BUDGET_ENV)
+        if env is None or not env.strip():
+            return DEFAULT_CORRECTION_BUDGET
+        budget, source = env, BUDGET_ENV
+    if isinstance(budget, bool):
+        raise TypeError(f"{source} must be a byte count, got {budget!r}")
+    if isinstance(budget, str):
+        text = budget.strip().upper().removesuffix("IB").removesuffix("B")
+        unit = text[-1:] if text[-1:] in _SUFFIXES and text[-1:] else ""
+        number = text[:-1] if unit else text
+        try:
+            value = int(float(number) * _SUFFIXES[unit])
+        except ValueError:
+            raise ValueError(f"{source} must be a byte count like 1073741824, '512M' or '1G', got {budget!r}") from None
+    elif isinstance(budget, int):
+        value = budget
+    else:
+        raise TypeError(f"{source} must be an int or a string, got {type(budget).__name__}")
+    if value <= 0:
+        raise ValueError(f"{source} must be positive, got {budget!r}")
+    return value
+
+
+def correction_bytes_per_block(batch: int, heads: int, seq_k_padded: int) -> int:
+    """Bytes of one Q block's correction rows for all batches and heads."""
+    return batch * heads * seq_k_padded * 4
+
+
+def correction_chunks(num_q_blocks: int, batch: int, heads: int, seq_k_padded: int,
+                      budget: Union[int, str, None] = None) -> list[tuple[int, int]]:
+    """Split Q blocks ``[0, num_q_blocks)`` into ``(begin, end)`` chunks whose correction fits the budget.
+
+    Chunks of 64 or more blocks are multiples of 64 (the kernel's tile). A single block needs
+    ``batch*heads*seq_k_padded*4`` bytes; if even that is above the budget, chunks are one block.
+    """
+    budget_bytes = correction_budget_bytes(budget)
+    per_block = correction_bytes_per_block(batch, heads, seq_k_padded)
+    step = max(1, budget_bytes // max(per_block, 1))
+    if step >= _CORRECTION_TILE_BLOCKS:
+        step -= step % _CORRECTION_TILE_BLOCKS
+    return [(b0, min(b0 + step, num_q_blocks)) for b0 in range(0, num_q_blocks, step)]
+
+
+def _check_fused(qq) -> None:
+    if not isinstance(qq, FusedQuantizedQKV) or qq.k_input is None:
+        raise TypeError("qq must come from quantize_qkv_cuda (a FusedQuantizedQKV with k_input)")
+
+
+def qk_correction_cuda(qq: FusedQuantizedQKV, block_start: int = 0, block_end: Optional[int] = None, *,
+                       out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """delta [B, H, block_end - block_start, Skp] fp32 = qm . (k - km)^T for those Q blocks.
+
+    Keys in natural order; keys past ``kv_lens`` and the padding give 0. Equals
+    :func:`nvfp4_dit.format.qk_correction` up to fp32 summation order. ``out`` (last dim
+    contiguous) is written in place and returned, so one buffer can serve every chunk.
+    """
+    _check_fused(qq)
+    n_blocks = qq.num_q_blocks
+    block_end = n_blocks if block_end is None else block_end
+    if not (0 <= block_start <= block_end <= n_blocks):
+        raise ValueError(f"need 0 <= block_start <= block_end <= {n_blocks}, got {block_start}, {block_end}")
+    b, h = qq.q_mean.shape[:2]
+    skp = qq.k_data.shape[2]
+    shape = (b, h, block_end - block_start, skp)
+    if out is None:
+        out = torch.empty(shape, dtype=torch.float32, device=qq.q_mean.device)
+    elif tuple(out.shape) != shape or out.dtype != torch.float32 or out.stride(-1) != 1 or out.device != qq.q_mean.device:
+        raise ValueError(f"out must be a float32 {list(shape)} tensor on {qq.q_mean.device} with a contiguous "
+                         f"last dim, got {out.dtype} {list(out.shape)} strides {out.stride()}")
+    if block_end > block_start:
+        _ops().qk_correction(qq.q_mean, qq.k_input, qq.k_mean, qq.kv_lens, block_start, out)
+    return out
+
+
+def iter_qk_corrections(qq: FusedQuantizedQKV, budget: Union[int, str, None] = None,
+                        block_range: Optional[tuple[int, int]] = None
+                        ) -> Iterator[tuple[int, int, torch.Tensor]]:
+    """Yield ``(begin, end, delta)`` over the Q blocks of ``block_range`` (default all), one chunk
+    at a time, reusing one buffer of at most ``budget`` bytes (consume each delta before the next)."""
+    _check_fused(qq)
+    first, last = (0, qq.num_q_blocks) if block_range is None else block_range
+    b, h = qq.q_mean.shape[:2]
+    skp = qq.k_data.shape[2]
+    chunks = [(b0 + first, b1 + first) for b0, b1 in correction_chunks(last - first, b, h, skp, budget)]
+    if not chunks:
+        return
+    rows = max(b1 - b0 for b0, b1 in chunks)
+    buf = torch.empty((b, h, rows, skp), dtype=torch.float32, device=qq.q_mean.device)
+    for b0, b1 in chunks:
+        yield b0, b1, qk_correction_cuda(qq, b0, b1, out=buf[:, :, : b1 - b0])
