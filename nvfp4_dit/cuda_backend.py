@@ -68,33 +68,48 @@ def has_emulated(cc: tuple[int, int]) -> bool:
     return (8, 0) <= tuple(cc) < (10, 0)
 
 
-def _build(cc: tuple[int, int]) -> None:
+def _build_standalone(cc: tuple[int, int]) -> None:
+    """Build only the attention sources (when the project's extension cannot be built here)."""
     from torch.utils import cpp_extension
 
     src = csrc_dir()
-    name = f"nvfp4_dit_attention_sm{cc[0]}{cc[1]}"
-    cuda_flags = ["-O3", "-lineinfo", "--expt-relaxed-constexpr", *gencode_flags(cc)]
     cpp_extension.load(
-        name=name,
+        name=f"nvfp4_dit_attention_sm{cc[0]}{cc[1]}",
         sources=[str(src / s) for s in _SOURCES],
         extra_include_paths=[str(src)],
-        extra_cflags=["-O2"],
-        extra_cuda_cflags=cuda_flags,
+        extra_cflags=["-O3"],
+        extra_cuda_cflags=["-O3", "-lineinfo", *gencode_flags(cc)],
         is_python_module=False,
         verbose=os.environ.get("NVFP4_DIT_VERBOSE_BUILD") == "1",
     )
 
 
 def load(device: Optional[torch.device] = None) -> Optional[str]:
-    """Build (once per compute capability) and load the kernel; None on success, else why not."""
+    """Build (once per compute capability) and load the kernel; None on success, else why not.
+
+    The kernel normally comes with the project's one extension (:mod:`nvfp4_dit.jit` builds every
+    ``csrc/*.cu``); if that build fails, the attention sources alone are built so the kernel
+    stays usable, and the first error is kept in the reason if that fails too.
+    """
     cc = torch.cuda.get_device_capability(device)
     with _lock:
         if cc not in _loaded:
+            first_error = None
             try:
-                _build(cc)
+                from . import jit
+
+                jit.load_extension()
+            except Exception as exc:  # noqa: BLE001 - any build failure is a reason to fall back
+                first_error = exc
+            if first_error is None and hasattr(torch.ops.nvfp4_dit_cuda, "attention_fwd"):
                 _loaded[cc] = None
-            except Exception as exc:  # a failed build is a reason to fall back, not a crash
-                _loaded[cc] = f"the CUDA kernel failed to build for sm_{cc[0]}{cc[1]}: {exc}"
+            else:
+                try:
+                    _build_standalone(cc)
+                    _loaded[cc] = None
+                except Exception as exc:  # noqa: BLE001
+                    _loaded[cc] = (f"the CUDA kernel failed to build for sm_{cc[0]}{cc[1]}: {exc}"
+                                   + (f" (project extension: {first_error})" if first_error else ""))
         return _loaded[cc]
 
 
@@ -126,35 +141,56 @@ def unsupported_reason(q, k, v, *, layout, causal, kv_lens, attn_mask_kind, requ
     return load(q.device)
 
 
-def _quantize(q, k, v, layout, kv_lens):
-    """QuantizedQKV plus a correction function ``(begin, end) -> delta [B, H, n, Skp]``."""
-    qq = fmt.quantize_qkv(q, k, v, layout=layout, kv_lens=kv_lens)
-    return qq, lambda b0, b1: fmt.qk_correction(qq, b0, b1)
-
-
 def correction_budget_bytes() -> int:
     return int(os.environ.get("NVFP4_DIT_CORRECTION_BUDGET", _DEFAULT_CORRECTION_BUDGET))
 
 
-def run_kernel(qq: fmt.QuantizedQKV, correction, out_hnd: torch.Tensor, lse: Optional[torch.Tensor], *,
-               scale: float, causal: bool, kv_lens: Optional[torch.Tensor], native: bool,
-               block_range: Optional[tuple[int, int]] = None, budget_bytes: Optional[int] = None) -> None:
-    """Launch the kernel over Q blocks ``block_range`` (default all) in correction-sized chunks.
-
-    ``out_hnd`` is a ``[B, H, Sq, D]`` view (any batch/head/row strides) written in place, as is
-    ``lse [B, H, Sq]``.
-    """
+def torch_corrections(qq: fmt.QuantizedQKV, budget_bytes: Optional[int] = None,
+                      block_range: Optional[tuple[int, int]] = None):
+    """Yield ``(begin, end, delta)`` chunks of :func:`nvfp4_dit.format.qk_correction` within the budget."""
     b, h = qq.q_data.shape[:2]
     skp = qq.k_data.shape[2]
     first, last = block_range if block_range is not None else (0, qq.num_q_blocks)
     budget = correction_budget_bytes() if budget_bytes is None else budget_bytes
-    per_block = b * h * skp * 4
-    step = max(1, budget // max(per_block, 1))
-    lens = None if kv_lens is None else kv_lens.to(device=out_hnd.device, dtype=torch.int32).contiguous()
-    op = torch.ops.nvfp4_dit_cuda.attention_fwd
+    step = max(1, budget // max(b * h * skp * 4, 1))
     for b0 in range(first, last, step):
         b1 = min(last, b0 + step)
-        delta = correction(b0, b1)
+        yield b0, b1, fmt.qk_correction(qq, b0, b1)
+
+
+def _fused_quantizer():
+    try:
+        from . import cuda_quantize
+    except ImportError:
+        return None
+    return cuda_quantize if hasattr(cuda_quantize, "quantize_qkv_cuda") else None
+
+
+def quantize(q, k, v, *, layout, kv_lens, quantizer: str = "auto"):
+    """``(QuantizedQKV, correction chunks)``: the fused CUDA quantiser when present (``auto`` or
+    ``cuda``), else (or with ``torch``) :func:`nvfp4_dit.format.quantize_qkv` on the GPU."""
+    if quantizer not in ("auto", "cuda", "torch"):
+        raise ValueError(f"quantizer must be 'auto', 'cuda' or 'torch', got {quantizer!r}")
+    fused = None if quantizer == "torch" else _fused_quantizer()
+    if fused is None and quantizer == "cuda":
+        raise RuntimeError("the fused CUDA quantiser (nvfp4_dit.cuda_quantize) is not available")
+    if fused is not None:
+        qq = fused.quantize_qkv_cuda(q, k, v, layout=layout, kv_lens=kv_lens)
+        return qq, fused.iter_qk_corrections(qq)
+    qq = fmt.quantize_qkv(q, k, v, layout=layout, kv_lens=kv_lens)
+    return qq, torch_corrections(qq)
+
+
+def run_kernel(qq: fmt.QuantizedQKV, corrections, out_hnd: torch.Tensor, lse: Optional[torch.Tensor], *,
+               scale: float, causal: bool, kv_lens: Optional[torch.Tensor], native: bool) -> None:
+    """Launch the kernel once per ``(begin, end, delta)`` chunk of Q blocks in ``corrections``.
+
+    ``out_hnd`` is a ``[B, H, Sq, D]`` view (any batch/head/row strides) written in place, as is
+    ``lse [B, H, Sq]``; each launch writes the rows of its Q blocks.
+    """
+    lens = None if kv_lens is None else kv_lens.to(device=out_hnd.device, dtype=torch.int32).contiguous()
+    op = torch.ops.nvfp4_dit_cuda.attention_fwd
+    for b0, b1, delta in corrections:
         if delta.stride(-1) != 1 or delta.data_ptr() % 16 or any(s % 4 for s in delta.stride()[:3]):
             delta = delta.contiguous()
         op(qq.q_data, qq.q_sf, qq.k_data, qq.k_sf, qq.vt_data, qq.vt_sf, delta, qq.q_dot_km, lens,
@@ -162,7 +198,7 @@ def run_kernel(qq: fmt.QuantizedQKV, correction, out_hnd: torch.Tensor, lse: Opt
         del delta
 
 
-def attention(q, k, v, *, layout, causal, scale, kv_lens, return_lse):
+def attention(q, k, v, *, layout, causal, scale, kv_lens, return_lse, quantizer: str = "auto"):
     """NVFP4 attention on the GPU. Returns ``(out [q's layout and dtype], lse [B, H, Sq] or None)``."""
     reason = load(q.device)
     if reason is not None:
@@ -171,7 +207,7 @@ def attention(q, k, v, *, layout, causal, scale, kv_lens, return_lse):
     b, h, sq, d = qh.shape
     scale = fmt.default_scale(d) if scale is None else float(scale)
     native = is_native(torch.cuda.get_device_capability(q.device))
-    qq, correction = _quantize(q, k, v, layout, kv_lens)
+    qq, corrections = quantize(q, k, v, layout=layout, kv_lens=kv_lens, quantizer=quantizer)
     out_dtype = q.dtype if q.dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
     if layout == "NHD":
         out = torch.empty(b, sq, h, d, dtype=out_dtype, device=q.device)
@@ -180,7 +216,7 @@ def attention(q, k, v, *, layout, causal, scale, kv_lens, return_lse):
         out = torch.empty(b, h, sq, d, dtype=out_dtype, device=q.device)
         out_hnd = out
     lse = torch.empty(b, h, sq, dtype=torch.float32, device=q.device) if return_lse else None
-    run_kernel(qq, correction, out_hnd, lse, scale=scale, causal=causal, kv_lens=kv_lens, native=native)
+    run_kernel(qq, corrections, out_hnd, lse, scale=scale, causal=causal, kv_lens=kv_lens, native=native)
     if out.dtype != q.dtype:
         out = out.to(q.dtype)
     return out, lse
