@@ -1,0 +1,434 @@
+"""NVFP4 processors on tiny random models of every diffusers video family (CPU).
+
+Tolerances (rel-L2 = ||x - x_dense|| / ||x_dense||):
+
+* ``backend="sdpa"`` (every call routed, exact attention): bit-identical here, asserted to 1e-6.
+  Anything the processor loses on the way (RoPE, qk-norm, a mask, the image-context branch)
+  moves the output by >= 1e-2 (``test_dropped_rope_is_caught`` shows it for RoPE).
+* ``backend="reference"`` (FP4 numerics): each routed attention call within 0.25 of exact
+  attention on the same q/k/v, the model output within 0.06.  Why: e2m1 keeps one mantissa bit,
+  so a block-scaled element carries up to ~1/4 relative rounding error (rms ~ 1/10); attention
+  averages that over keys, measured per call 0.02-0.17 on these models (the upper end for
+  12-16-key text cross-attention, where little averaging happens).  Through the residual
+  stream the model outputs moved by 0.001-0.033 over all 16 family/head-dim cases, so 0.06
+  keeps a ~2x margin, while a broken integration (lost RoPE, ignored mask) shows up as >= 1e-2
+  even in the exact route.  The tests also require the FP4 output to differ from the dense
+  one, so a silently dense route cannot pass.
+"""
+
+from __future__ import annotations
+
+import gc
+import inspect
+import weakref
+
+import pytest
+import torch
+
+pytest.importorskip("diffusers")
+
+import nvfp4_dit  # noqa: E402
+from nvfp4_dit.processors import apply, routing  # noqa: E402
+from nvfp4_dit.processors import diffusers_processors as dp  # noqa: E402
+from nvfp4_dit.tiny_models.diffusers_families import FAMILIES, build  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+
+CASES = [(f, 64) for f in FAMILIES] + [(f, 128) for f in ("cosmos", "wan", "hunyuan_video", "ltx", "cogvideox",
+                                                           "mochi", "minimax_h3")]
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+class OpSpy:
+    """Records every nvfp4_dit.attention call the router makes (and its error vs exact)."""
+
+    def __init__(self, compare=False):
+        self.calls = []
+        self.errors = []
+        self.compare = compare
+        self._orig = nvfp4_dit.attention
+
+    def __call__(self, q, k, v, **kw):
+        out = self._orig(q, k, v, **kw)
+        self.calls.append((tuple(q.shape), tuple(k.shape), kw.get("layout"), kw.get("kv_lens"), kw.get("attn_mask")))
+        if self.compare:
+            exact = self._orig(q, k, v, **{**kw, "backend": "sdpa"})
+            self.errors.append(_rel(out if not kw.get("return_lse") else out[0],
+                                    exact if not kw.get("return_lse") else exact[0]))
+        return out
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    s = OpSpy()
+    monkeypatch.setattr(routing.nvfp4_dit, "attention", s)
+    return s
+
+
+@pytest.fixture(scope="module")
+def dense_outputs():
+    """Dense reference outputs per case (built once; models are rebuilt from the same seed)."""
+    return {}
+
+
+def _case_and_dense(family, head_dim, cache):
+    case = build(family, head_dim=head_dim)
+    key = (family, head_dim)
+    if key not in cache:
+        cache[key] = case.run()
+    return case, cache[key]
+
+
+@pytest.mark.parametrize("family,head_dim", CASES)
+def test_fp4_close_to_dense_and_restore_bit_identical(family, head_dim, dense_outputs, monkeypatch):
+    case, dense = _case_and_dense(family, head_dim, dense_outputs)
+    originals = {n: m.processor for n, m in case.model.named_modules() if getattr(m, "processor", None) is not None}
+    s = OpSpy(compare=True)
+    monkeypatch.setattr(routing.nvfp4_dit, "attention", s)
+    handle = apply(case.model, backend="reference", cross_attention=True, min_seq_len=0)
+    assert handle.processors, "no processor was wrapped"
+    fp4 = case.run()
+    handle.restore()
+    after = case.run()
+
+    assert s.calls, "no call reached nvfp4_dit.attention"
+    assert max(s.errors) < 0.25, s.errors
+    for o, d in zip(fp4, dense):
+        assert 0 < _rel(o, d) < 0.06
+    for a, d in zip(after, dense):
+        assert torch.equal(a, d)
+    now = {n: m.processor for n, m in case.model.named_modules() if getattr(m, "processor", None) is not None}
+    assert all(now[n] is p for n, p in originals.items())
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_exact_route_keeps_every_kwarg(family, dense_outputs, spy):
+    """All calls go through the processors and the op (sdpa back-end): same output as the model.
+
+    Fails if a keyword (RoPE, masks, image context) were dropped between module and processor."""
+    case, dense = _case_and_dense(family, 64, dense_outputs)
+    with apply(case.model, backend="sdpa", cross_attention=True, min_seq_len=0):
+        out = case.run()
+    assert spy.calls
+    for o, d in zip(out, dense):
+        torch.testing.assert_close(o, d, rtol=1e-6, atol=1e-6)
+
+
+def test_dropped_rope_is_caught(dense_outputs, monkeypatch):
+    """Negative control for the test above: Cosmos' ``Attention.forward`` passes RoPE as a keyword
+    and drops keywords the processor's signature does not name.  A wrapper without the original
+    signature therefore loses RoPE, and the output moves far beyond the 1e-6 asserted above."""
+    case, dense = _case_and_dense("cosmos", 64, dense_outputs)
+    seen = []
+    with apply(case.model, backend="sdpa", cross_attention=True, min_seq_len=0) as handle:
+        w = handle.processors["transformer_blocks.0.attn1"]
+        orig_call = type(w.original).__call__
+
+        def recording(self, attn, *args, **kwargs):
+            bound = inspect.signature(orig_call).bind(self, attn, *args, **kwargs)
+            seen.append(bound.arguments.get("image_rotary_emb") is not None)
+            return orig_call(self, attn, *args, **kwargs)
+
+        monkeypatch.setattr(type(w.original), "__call__", recording)
+        case.run()
+        assert seen == [True, False]  # self-attention gets RoPE, cross-attention none
+        monkeypatch.setattr(type(w), "__call__", lambda self, attn, *args, **kwargs: self._forward(attn, args, kwargs))
+        seen.clear()
+        out = case.run()
+    assert seen == [False, False]
+    assert _rel(out[0], dense[0]) > 1e-2
+
+
+@pytest.mark.parametrize("cls", dp.FAMILY_PROCESSORS, ids=lambda c: c.__name__)
+def test_processors_advertise_the_original_signature(cls):
+    wrapped = inspect.signature(cls().__call__)
+    original = inspect.signature(cls.original_class().__call__)
+    assert wrapped == original
+
+
+@pytest.mark.parametrize("family", ["wan", "cosmos", "mochi", "hunyuan_video"])
+def test_policy_dense_is_bit_identical(family, dense_outputs, spy):
+    case, dense = _case_and_dense(family, 64, dense_outputs)
+    with apply(case.model, backend="reference", self_attention=False, cross_attention=False, min_seq_len=0):
+        out = case.run()
+    with apply(case.model, backend="reference", layers=["no_such_layer"], min_seq_len=0):
+        out2 = case.run()
+    with apply(case.model, backend="reference", min_seq_len=10**6):
+        out3 = case.run()
+    for o in (out, out2, out3):
+        assert torch.equal(o[0], dense[0])
+    assert not spy.calls
+
+
+def test_roles_cross_attention_dense_by_default(spy):
+    case = build("wan", head_dim=64)
+    with apply(case.model, backend="reference", min_seq_len=0):
+        case.run()
+    # 2 blocks: only the self-attention calls (K length = video tokens) went FP4.
+    assert [c[1][1] for c in spy.calls] == [128, 128]
+    spy.calls.clear()
+    with apply(case.model, backend="reference", min_seq_len=0, self_attention=False, cross_attention=True):
+        case.run()
+    assert [c[1][1] for c in spy.calls] == [12, 12]
+
+
+def test_layer_allow_list(spy):
+    case = build("wan", head_dim=64)
+    with apply(case.model, backend="reference", min_seq_len=0, layers=[1]) as h:
+        case.run()
+        assert [n for n, p in h.processors.items() if p.enabled] == ["blocks.1.attn1", "blocks.1.attn2"]
+    assert len(spy.calls) == 1
+    spy.calls.clear()
+    with apply(case.model, backend="reference", min_seq_len=0, cross_attention=True, layers=["blocks.0.attn*"]):
+        case.run()
+    assert len(spy.calls) == 2
+
+
+def test_min_seq_len_keeps_short_calls_dense(spy):
+    case = build("wan", head_dim=64)
+    with apply(case.model, backend="reference", cross_attention=True, min_seq_len=64):
+        case.run()
+    assert [c[1][1] for c in spy.calls] == [128, 128]  # the 12-token text cross-attention stayed dense
+
+
+def test_hunyuan_mask_becomes_kv_lens_and_refiner_stays_dense(spy):
+    case = build("hunyuan_video", head_dim=64, valid_text=8, text_len=12)
+    with apply(case.model, backend="reference", min_seq_len=0) as h:
+        case.run()
+    assert any("token_refiner" in n for n in h.skipped)
+    # Joint sequence = 256 video + 12 text tokens; the last 4 text tokens are padding.
+    assert spy.calls and all(c[3] is not None and c[3].tolist() == [264] for c in spy.calls)
+
+
+def test_ltx_additive_cross_mask_becomes_kv_lens(spy):
+    case = build("ltx", head_dim=64, text_len=16, valid_text=10)
+    with apply(case.model, backend="reference", min_seq_len=0, cross_attention=True):
+        case.run()
+    cross = [c for c in spy.calls if c[1][1] == 16]
+    assert len(cross) == 1 and cross[0][3].tolist() == [10, 16]
+
+
+def test_mochi_and_cogvideox_direct_sdpa_are_redirected(spy):
+    for family, n_calls in (("mochi", 2), ("cogvideox", 1)):
+        spy.calls.clear()
+        case = build(family, head_dim=64)
+        with apply(case.model, backend="reference", min_seq_len=0):
+            case.run()
+        assert len(spy.calls) == n_calls and all(c[2] == "HND" for c in spy.calls)
+
+
+def test_set_attn_processor_with_one_instance(spy, dense_outputs):
+    case, dense = _case_and_dense("wan", 64, dense_outputs)
+    proc = dp.NVFP4WanAttnProcessor(backend="reference", min_seq_len=0)
+    saved = case.model.attn_processors
+    case.model.set_attn_processor(proc)
+    try:
+        out = case.run()
+    finally:
+        case.model.set_attn_processor(saved)
+    assert len(spy.calls) == 2  # self-attention only: the role is read per call
+    assert 0 < _rel(out[0], dense[0]) < 0.06
+    assert torch.equal(case.run()[0], dense[0])
+
+
+def test_processor_rejects_wrong_original():
+    from diffusers.models.transformers.transformer_wan import WanAttnProcessor
+
+    with pytest.raises(TypeError, match="wraps"):
+        dp.NVFP4CosmosAttnProcessor2_0(WanAttnProcessor())
+
+
+def test_apply_twice_raises_and_bad_arguments():
+    case = build("wan", head_dim=64)
+    with apply(case.model):
+        with pytest.raises(ValueError, match="already has an NVFP4 processor"):
+            apply(case.model)
+    with pytest.raises(ValueError, match="backend"):
+        apply(case.model, backend="fp4")
+    with pytest.raises(ValueError, match="dense_steps"):
+        apply(case.model, dense_steps=(1,))
+    with pytest.raises(ValueError, match="min_seq_len"):
+        apply(case.model, min_seq_len=-1)
+    with pytest.raises(TypeError, match="self_attention"):
+        apply(case.model, self_attention="yes")
+    with pytest.raises(TypeError, match="pipeline"):
+        apply(object())
+
+
+def test_import_paths():
+    from nvfp4_dit.processors import apply as a
+    from nvfp4_dit.processors.apply import apply as b
+
+    assert a is b and callable(nvfp4_dit.apply)
+
+
+# -- steps ---------------------------------------------------------------------------------------
+
+def _tiny_pipeline(case):
+    from diffusers import DiffusionPipeline, FlowMatchEulerDiscreteScheduler
+
+    class TinyLoopPipeline(DiffusionPipeline):
+        """A minimal denoising loop over a bare transformer (no text encoder, no VAE)."""
+
+        def __init__(self, transformer, scheduler):
+            super().__init__()
+            self.register_modules(transformer=transformer, scheduler=scheduler)
+
+        @torch.no_grad()
+        def __call__(self, inputs, num_inference_steps, callback_on_step_end=None):
+            self.scheduler.set_timesteps(num_inference_steps)
+            self._num_timesteps = len(self.scheduler.timesteps)
+            latents = inputs["hidden_states"]
+            for i, t in enumerate(self.scheduler.timesteps):
+                noise = self.transformer(**{**inputs, "hidden_states": latents, "timestep": t[None]},
+                                         return_dict=False)[0]
+                latents = self.scheduler.step(noise, t, latents, return_dict=False)[0]
+                if callback_on_step_end is not None:
+                    callback_on_step_end(self, i, t, {})
+            return latents
+
+        @property
+        def num_timesteps(self):
+            return self._num_timesteps
+
+    pipe = TinyLoopPipeline(case.model, FlowMatchEulerDiscreteScheduler())
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def _fp4_steps(spy, calls_per_step):
+    assert len(spy.calls) % calls_per_step == 0
+    return len(spy.calls) // calls_per_step
+
+
+def test_dense_steps_from_pipeline_scheduler(spy):
+    case = build("wan", head_dim=64)
+    pipe = _tiny_pipeline(case)
+    steps_seen = []
+    with apply(pipe, backend="reference", min_seq_len=0, dense_steps=(1, 2)) as h:
+        orig = h.policy.begin_forward
+
+        def record(t=None):
+            orig(t)
+            steps_seen.append((h.policy.current_step, h.policy.step_dense))
+
+        h.policy.begin_forward = record
+        pipe(case.inputs, num_inference_steps=5)
+    assert [s for s, _ in steps_seen] == [(i, 5) for i in range(5)]
+    assert [d for _, d in steps_seen] == [True, False, False, True, True]
+    assert _fp4_steps(spy, 2) == 2  # steps 1 and 2, two self-attention calls each
+
+
+def test_dense_steps_from_callback(spy):
+    """A bare model driven by the pipeline callback: declare step 0, the callback sets the rest."""
+    case = build("wan", head_dim=64)
+    pipe = _tiny_pipeline(case)
+    with apply(case.model, backend="reference", min_seq_len=0, dense_steps=(2, 1)) as h:
+        h.set_step(0, 5)
+        pipe(case.inputs, num_inference_steps=5, callback_on_step_end=h.callback_on_step_end)
+        assert h.policy._explicit is None  # cleared after the last step: the next run starts clean
+    assert _fp4_steps(spy, 2) == 2  # steps 2 and 3
+
+
+def test_dense_steps_explicit_set_step_and_timesteps(spy):
+    case = build("wan", head_dim=64)
+    with apply(case.model, backend="reference", min_seq_len=0, dense_steps=(1, 1)) as h:
+        for i in range(4):
+            h.set_step(i, 4)
+            case.run()
+    assert _fp4_steps(spy, 2) == 2
+    spy.calls.clear()
+    schedule = [999.0, 750.0, 500.0, 250.0]
+    with apply(case.model, backend="reference", min_seq_len=0, dense_steps=(1, 1), timesteps=schedule) as h:
+        for t in schedule:
+            case.model(**{**case.inputs, "timestep": torch.tensor([t])}, return_dict=False)
+        assert h.policy.current_step == (3, 4)
+    assert _fp4_steps(spy, 2) == 2
+
+
+def test_dense_steps_without_step_source_warns():
+    case = build("wan", head_dim=64)
+    with apply(case.model, backend="sdpa", min_seq_len=0, dense_steps=(1, 1)):
+        with pytest.warns(UserWarning, match="step is unknown"):
+            case.run()
+
+
+def test_pipeline_covers_every_transformer(spy):
+    from diffusers import DiffusionPipeline, FlowMatchEulerDiscreteScheduler
+
+    class TwoExpertPipeline(DiffusionPipeline):
+        def __init__(self, transformer, transformer_2, scheduler):
+            super().__init__()
+            self.register_modules(transformer=transformer, transformer_2=transformer_2, scheduler=scheduler)
+
+    a, b = build("wan", head_dim=64), build("wan", head_dim=64, seed=1)
+    pipe = TwoExpertPipeline(a.model, b.model, FlowMatchEulerDiscreteScheduler())
+    with apply(pipe, backend="reference", min_seq_len=0) as h:
+        assert {n.split(".")[0] for n in h.processors} == {"transformer", "transformer_2"}
+        a.run()
+        b.run()
+    assert len(spy.calls) == 4
+    assert not any(isinstance(m.processor, dp.NVFP4AttnProcessorBase)
+                   for m in list(a.model.modules()) + list(b.model.modules()) if hasattr(m, "processor"))
+
+
+# -- nothing held between calls ------------------------------------------------------------------
+
+def _tensors_reachable(roots, skip_types):
+    seen, stack, found = set(), list(roots), []
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, (type, skip_types)) or inspect.ismodule(obj):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            found.append(obj)
+            continue
+        stack.extend(gc.get_referents(obj))
+    return found
+
+
+def test_no_tensors_held_after_a_step(monkeypatch):
+    from diffusers import DiffusionPipeline
+    from diffusers.schedulers.scheduling_utils import SchedulerMixin
+
+    case = build("wan", head_dim=64)
+    pipe = _tiny_pipeline(case)
+    refs = []
+    orig = nvfp4_dit.attention
+
+    def tracking(q, k, v, **kw):
+        refs.extend(weakref.ref(t) for t in (q, k, v))
+        out = orig(q, k, v, **kw)
+        refs.append(weakref.ref(out))
+        return out
+
+    monkeypatch.setattr(routing.nvfp4_dit, "attention", tracking)
+    with apply(pipe, backend="reference", min_seq_len=0, cross_attention=True) as h:
+        latents = pipe(case.inputs, num_inference_steps=2)
+        del latents
+        gc.collect()
+        assert refs and all(r() is None for r in refs), "an attention tensor outlived its step"
+        roots = [h.policy, *h.processors.values(), routing._STATE]
+        held = _tensors_reachable(roots, (torch.nn.Module, DiffusionPipeline, SchedulerMixin))
+        assert held == [], [tuple(t.shape) for t in held]
+
+
+# -- GPU -----------------------------------------------------------------------------------------
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("family,head_dim", CASES)
+def test_cuda_backend_close_to_dense(family, head_dim):
+    case = build(family, head_dim=head_dim, dtype=torch.bfloat16)
+    case.model.to("cuda")
+    case.inputs = {k: v.to("cuda") if isinstance(v, torch.Tensor) else v for k, v in case.inputs.items()}
+    dense = case.run()
+    with apply(case.model, backend="cuda", cross_attention=True, min_seq_len=0):
+        fp4 = case.run()
+    restored = case.run()
+    for o, d, r in zip(fp4, dense, restored):
+        assert _rel(o, d) < 0.06
+        assert torch.equal(r, d)
