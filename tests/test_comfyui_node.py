@@ -15,6 +15,8 @@ import os
 import shutil
 import subprocess
 import sys
+import types
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -31,7 +33,8 @@ try:
     import comfyui_env
 except ImportError:  # tests/ imported as a package
     from tests import comfyui_env
-from comfyui_env import TINY_MODELS, comfyui  # noqa: F401  (the session fixture)
+TINY_MODELS = comfyui_env.TINY_MODELS
+comfyui = comfyui_env.comfyui  # the session fixture
 
 REPO_ROOT = comfyui_env.REPO_ROOT
 WORKFLOWS = REPO_ROOT / "examples" / "workflows"
@@ -387,3 +390,381 @@ def test_install_console_script(tmp_path):
         pytest.skip("the package was installed before the console script existed; reinstall it")
     subprocess.run([script, str(tmp_path)], check=True, timeout=120, capture_output=True)
     assert (tmp_path / SHIM_FILE_NAME).read_text() == SHIM_SOURCE
+
+
+# ---------------------------------------------------------------------------------------------
+# Inside a real ComfyUI (CPU)
+# ---------------------------------------------------------------------------------------------
+
+def _node_class(comfyui):
+    from nvfp4_dit.comfyui_node import nodes as node_module
+
+    return node_module.NVFP4Attention
+
+
+def _patch_with_node(comfyui, patcher, **inputs):
+    values = dict(enabled=True, backend="sdpa", cross_attention_dense=True, dense_first_steps=0,
+                  dense_last_steps=0, min_seq_len=0)
+    values.update(inputs)
+    return _node_class(comfyui).execute(model=patcher, **values).result[0]
+
+
+class AttentionLog:
+    """Wraps whatever override sits on a patcher and records every attention call ComfyUI makes."""
+
+    def __init__(self, patcher):
+        options = patcher.model_options.setdefault("transformer_options", {})
+        self.inner = options.get(OVERRIDE_KEY)
+        self.calls = []
+        options[OVERRIDE_KEY] = self
+
+    def __call__(self, func, q, k, v, *args, **kwargs):
+        lq = q.shape[2] if kwargs.get("skip_reshape") else q.shape[1]
+        lk = k.shape[2] if kwargs.get("skip_reshape") else k.shape[1]
+        self.calls.append(dict(func=func.__name__, lq=lq, lk=lk, mask=kwargs.get("mask") is not None))
+        if self.inner is None:
+            return func(q, k, v, *args, **kwargs)
+        return self.inner(func, q, k, v, *args, **kwargs)
+
+
+@pytest.fixture
+def op_calls(monkeypatch):
+    """Every call the override makes into nvfp4_dit.attention (it looks the op up at call time)."""
+    calls = []
+    real = nvfp4_dit.attention
+
+    def counting(q, k, v, **kwargs):
+        calls.append(kwargs)
+        return real(q, k, v, **kwargs)
+
+    monkeypatch.setattr(nvfp4_dit, "attention", counting)
+    return calls
+
+
+@pytest.fixture(scope="module")
+def tiny_cases(comfyui):
+    return {name: comfyui_env.tiny_case(comfyui, name) for name in TINY_MODELS}
+
+
+def _unpatched_reference(comfyui, case):
+    """The unpatched model's output, and a log of the attention calls it makes."""
+    spy = case.patcher.clone()
+    log = AttentionLog(spy)
+    return comfyui_env.sample(comfyui, spy, case), log.calls
+
+
+@pytest.mark.comfyui
+@pytest.mark.parametrize("name", TINY_MODELS)
+def test_forced_dense_is_bit_identical_and_leaves_the_original_alone(comfyui, tiny_cases, op_calls, name):
+    case = tiny_cases[name]
+    before = comfyui_env.sample(comfyui, case.patcher, case)
+    expected, reference_calls = _unpatched_reference(comfyui, case)
+    assert torch.equal(before, expected)
+    # Every step dense: the node's override sees every call and hands each to ComfyUI's function.
+    patched = _patch_with_node(comfyui, case.patcher, dense_first_steps=3)
+    assert patched is not case.patcher
+    installed = patched.model_options["transformer_options"][OVERRIDE_KEY]
+    assert isinstance(installed, NVFP4AttentionOverride)
+    log = AttentionLog(patched)
+    out = comfyui_env.sample(comfyui, patched, case)
+    assert torch.equal(out, expected)
+    assert len(log.calls) == len(reference_calls) > 0
+    assert op_calls == []
+    # The input model never carried the override and still samples exactly as before.
+    assert OVERRIDE_KEY not in case.patcher.model_options.get("transformer_options", {})
+    assert torch.equal(comfyui_env.sample(comfyui, case.patcher, case), before)
+
+
+@pytest.mark.comfyui
+@pytest.mark.parametrize("name", TINY_MODELS)
+def test_every_eligible_call_runs_in_the_op(comfyui, tiny_cases, op_calls, name):
+    case = tiny_cases[name]
+    expected, reference_calls = _unpatched_reference(comfyui, case)
+    self_attention = [c for c in reference_calls if c["lq"] == c["lk"]]
+    cross_attention = [c for c in reference_calls if c["lq"] != c["lk"]]
+    assert self_attention and (cross_attention or name == "hunyuan_video")  # Hunyuan attends jointly
+
+    # Defaults: cross-attention stays dense, so exactly the self-attention calls reach the op.
+    patched = _patch_with_node(comfyui, case.patcher)
+    out = comfyui_env.sample(comfyui, patched, case)
+    assert len(op_calls) == len(self_attention)
+    assert all(c["backend"] == "sdpa" for c in op_calls)
+    torch.testing.assert_close(out, expected, atol=2e-4, rtol=2e-4)
+
+    # Everything open: every call ComfyUI makes goes to the op, LTXV's masked cross-attention included.
+    op_calls.clear()
+    patched = _patch_with_node(comfyui, case.patcher, cross_attention_dense=False)
+    out = comfyui_env.sample(comfyui, patched, case)
+    assert len(op_calls) == len(reference_calls)
+    if name == "ltxv":
+        assert any(c["attn_mask"] is not None for c in op_calls)
+    torch.testing.assert_close(out, expected, atol=2e-4, rtol=2e-4)
+
+
+@pytest.mark.comfyui
+@pytest.mark.parametrize("name", TINY_MODELS)
+def test_fp4_reference_numerics_inside_the_model(comfyui, tiny_cases, op_calls, name):
+    case = tiny_cases[name]
+    expected, _ = _unpatched_reference(comfyui, case)
+    patched = _patch_with_node(comfyui, case.patcher, backend="reference")
+    out = comfyui_env.sample(comfyui, patched, case)
+    assert op_calls and all(c["backend"] == "reference" for c in op_calls)
+    assert torch.isfinite(out).all()
+    assert not torch.equal(out, expected)
+    # FP4 attention perturbs the denoiser a little; the sampled latent stays close to the exact one.
+    error = (out - expected).norm() / expected.norm()
+    assert error < 0.1, float(error)
+
+
+@pytest.mark.comfyui
+def test_dense_steps_follow_the_schedule_comfyui_passes(comfyui, tiny_cases, op_calls):
+    case = tiny_cases["wan"]
+    _, reference_calls = _unpatched_reference(comfyui, case)
+    per_step = len([c for c in reference_calls if c["lq"] == c["lk"]]) // 3
+    for first, last, fp4_steps in ((1, 0, 2), (0, 1, 2), (1, 1, 1), (2, 1, 0)):
+        op_calls.clear()
+        patched = _patch_with_node(comfyui, case.patcher, dense_first_steps=first, dense_last_steps=last)
+        comfyui_env.sample(comfyui, patched, case)
+        assert len(op_calls) == fp4_steps * per_step, (first, last)
+    # A second-order sampler calls the model between schedule points; those calls count to their step.
+    op_calls.clear()
+    patched = _patch_with_node(comfyui, case.patcher, dense_first_steps=1, dense_last_steps=1)
+    spy = AttentionLog(patched)
+    comfyui_env.sample(comfyui, patched, case, sampler="heun")
+    # heun: 2 model calls per step except the last; steps 0 and 2 dense -> only step 1 (2 calls) in FP4.
+    assert len(op_calls) == 2 * per_step and len(spy.calls) > len(op_calls)
+
+
+@pytest.mark.comfyui
+def test_chains_an_override_already_on_the_model(comfyui, tiny_cases, op_calls):
+    case = tiny_cases["wan"]
+    expected, reference_calls = _unpatched_reference(comfyui, case)
+    earlier = case.patcher.clone()
+    earlier_log = AttentionLog(earlier)  # stands in for another attention patch node (sage, flash)
+    patched = _patch_with_node(comfyui, earlier)
+    assert patched.model_options["transformer_options"][OVERRIDE_KEY].previous is earlier_log
+    out = comfyui_env.sample(comfyui, patched, case)
+    cross = [c for c in reference_calls if c["lq"] != c["lk"]]
+    assert len(earlier_log.calls) == len(cross) > 0  # what ours declined went to the earlier patch
+    assert len(op_calls) == len(reference_calls) - len(cross)
+    torch.testing.assert_close(out, expected, atol=2e-4, rtol=2e-4)
+    # Applying the node twice chains too (no recursion: each override calls a different one).
+    twice = _patch_with_node(comfyui, _patch_with_node(comfyui, case.patcher, backend="reference"),
+                             dense_first_steps=3)
+    op_calls.clear()
+    comfyui_env.sample(comfyui, twice, case)
+    assert op_calls and all(c["backend"] == "reference" for c in op_calls)
+
+
+@pytest.mark.comfyui
+def test_declined_calls_do_not_recurse_through_wrap_attn(comfyui, gen):
+    attention = comfyui.modules.comfy.ldm.modules.attention
+    q, k, v = qkv(gen, False, lk=24)
+    override = NVFP4AttentionOverride(AttentionPolicy(backend="sdpa", min_seq_len=0))  # declines cross-attn
+    for backend in (attention.attention_pytorch, attention.attention_basic, attention.attention_sub_quad):
+        out = backend(q, k, v, 2, transformer_options={OVERRIDE_KEY: override})
+        torch.testing.assert_close(out, backend(q, k, v, 2), atol=1e-5, rtol=1e-5)
+    # low_precision_attention=False reaches ComfyUI's function the same way.
+    q, k, v = qkv(gen, True)
+    out = attention.attention_pytorch(q, k, v, 2, skip_reshape=True, low_precision_attention=False,
+                                      transformer_options={OVERRIDE_KEY: override})
+    torch.testing.assert_close(out, attention.attention_pytorch(q, k, v, 2, skip_reshape=True))
+
+
+@pytest.mark.comfyui
+def test_node_schema_and_disabled_passthrough(comfyui, tiny_cases):
+    node = _node_class(comfyui)
+    schema = node.GET_SCHEMA()
+    assert schema.node_id == "NVFP4AttentionVideoDiT" and schema.display_name == "NVFP4 Attention (video DiT)"
+    inputs = node.INPUT_TYPES()["required"]
+    assert list(inputs) == ["model", "enabled", "backend", "cross_attention_dense", "dense_first_steps",
+                            "dense_last_steps", "min_seq_len"]
+    assert inputs["backend"][0] == list(ao.BACKENDS) or inputs["backend"][1]["options"] == list(ao.BACKENDS)
+    assert all(spec[1].get("tooltip") for name, spec in inputs.items() if name != "model")
+    patcher = tiny_cases["wan"].patcher
+    assert _patch_with_node(comfyui, patcher, enabled=False) is patcher
+
+
+@pytest.mark.comfyui
+def test_loads_as_a_custom_node_folder_and_through_the_shim(comfyui, tmp_path):
+    nodes = comfyui.modules.nodes
+    nodes.NODE_CLASS_MAPPINGS.pop("NVFP4AttentionVideoDiT", None)
+    assert asyncio.run(nodes.load_custom_node(str(REPO_ROOT)))
+    assert nodes.NODE_CLASS_MAPPINGS["NVFP4AttentionVideoDiT"] is _node_class(comfyui)
+    assert nodes.NODE_DISPLAY_NAME_MAPPINGS["NVFP4AttentionVideoDiT"] == "NVFP4 Attention (video DiT)"
+    nodes.NODE_CLASS_MAPPINGS.pop("NVFP4AttentionVideoDiT")
+    shim = install_shim(str(tmp_path))
+    assert asyncio.run(nodes.load_custom_node(shim))
+    assert nodes.NODE_CLASS_MAPPINGS["NVFP4AttentionVideoDiT"] is _node_class(comfyui)
+
+
+@pytest.mark.comfyui
+def test_comfyui_reads_the_registry_fields(comfyui):
+    from comfy_config import config_parser
+
+    config = config_parser.extract_node_configuration(str(REPO_ROOT))
+    assert config.project.name == "nvfp4_dit"
+    assert config.tool_comfy.display_name == "NVFP4 Attention (video DiT)"
+    assert config.tool_comfy.publisher_id
+    assert config.project.supported_comfyui_version == ">=0.3.60"
+
+
+def test_repo_root_works_as_a_custom_node_without_an_installed_package(tmp_path):
+    """A clone in custom_nodes/ that was never pip-installed finds its own packages."""
+    code = f"""
+import importlib.abc, importlib.util, sys
+class HideInstalled(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        # The names an installation provides (pyproject's package-dir); plain submodules such as
+        # nvfp4_dit.format are then found through the package's own __path__.
+        if name in ("nvfp4_dit", "nvfp4_dit.comfyui_node", "nvfp4_dit.processors", "nvfp4_dit._csrc"):
+            raise ModuleNotFoundError(name)
+sys.meta_path.insert(0, HideInstalled())
+for m in [m for m in sys.modules if m.startswith("nvfp4_dit")]:
+    del sys.modules[m]
+sys.modules["comfy_api"] = type(sys)("comfy_api")  # the node module's import, satisfied below
+spec = importlib.util.spec_from_file_location("clone", {str(REPO_ROOT / '__init__.py')!r})
+clone = importlib.util.module_from_spec(spec); spec.loader.exec_module(clone)
+node_module = clone._node_module()
+import nvfp4_dit, nvfp4_dit.comfyui_node.attention_override as ao
+assert nvfp4_dit.__file__ == {str(REPO_ROOT / 'nvfp4_dit' / '__init__.py')!r}, nvfp4_dit.__file__
+assert node_module.__file__ == {str(REPO_ROOT / 'comfyui_node' / '__init__.py')!r}
+print("ok")
+"""
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr
+
+
+def _server_graph(seed=3):
+    return {
+        "1": {"class_type": "UNETLoader", "inputs": {"unet_name": "tiny_wan.safetensors", "weight_dtype": "default"}},
+        "2": {"class_type": "NVFP4AttentionVideoDiT", "inputs": {
+            "model": ["1", 0], "enabled": True, "backend": "reference", "cross_attention_dense": True,
+            "dense_first_steps": 1, "dense_last_steps": 0, "min_seq_len": 0}},
+        "3": {"class_type": "RandomConditioningForTest", "inputs": {"seed": 1, "tokens": 8, "width": 4096}},
+        "4": {"class_type": "RandomConditioningForTest", "inputs": {"seed": 2, "tokens": 8, "width": 4096}},
+        "5": {"class_type": "EmptyHunyuanLatentVideo", "inputs": {"width": 32, "height": 32, "length": 5, "batch_size": 1}},
+        "6": {"class_type": "KSampler", "inputs": {
+            "model": ["2", 0], "seed": seed, "steps": 2, "cfg": 3.0, "sampler_name": "euler", "scheduler": "simple",
+            "positive": ["3", 0], "negative": ["4", 0], "latent_image": ["5", 0], "denoise": 1.0}},
+        "7": {"class_type": "SaveLatent", "inputs": {"samples": ["6", 0], "filename_prefix": "nvfp4_dit_test"}},
+    }
+
+
+@pytest.fixture(scope="module")
+def server(comfyui, tmp_path_factory):
+    """The real ComfyUI server (CPU, 127.0.0.1), with this repository cloned into custom_nodes/."""
+    comfy = comfyui.modules.comfy
+    base = tmp_path_factory.mktemp("comfy_base")
+    (base / "models" / "diffusion_models").mkdir(parents=True)
+    comfy.utils.save_torch_file(comfyui_env.tiny_wan_state_dict(),
+                                str(base / "models" / "diffusion_models" / "tiny_wan.safetensors"))
+    custom_nodes = base / "custom_nodes"
+    custom_nodes.mkdir()
+    (custom_nodes / "nvfp4_dit").symlink_to(REPO_ROOT, target_is_directory=True)  # the git-clone install
+    shutil.copy(comfyui_env.TESTS_DIR / "comfyui_fixture_nodes.py", custom_nodes / "comfyui_fixture_nodes.py")
+    with comfyui_env.comfyui_server(comfyui, base) as (url, log_path):
+        object_info = comfyui_env.http_json(f"{url}/object_info", timeout=60)
+        yield types.SimpleNamespace(url=url, base=base, log_path=log_path, object_info=object_info)
+
+
+@pytest.mark.comfyui
+def test_real_server_runs_a_prompt_through_the_node(server):
+    info = comfyui_env.http_json(f"{server.url}/object_info/NVFP4AttentionVideoDiT")["NVFP4AttentionVideoDiT"]
+    assert info["display_name"] == "NVFP4 Attention (video DiT)"
+    queued = comfyui_env.http_json(f"{server.url}/prompt", {"prompt": _server_graph(), "client_id": "nvfp4-dit-test"})
+    assert not queued.get("node_errors"), queued
+    entry = comfyui_env.wait_for_prompt(server.url, queued["prompt_id"])
+    log = server.log_path.read_text()
+    assert entry["status"]["status_str"] == "success", log[-4000:]
+    saved = list((server.base / "output").rglob("nvfp4_dit_test*.latent"))
+    assert len(saved) == 1, log[-4000:]
+    from safetensors.torch import load_file
+
+    latent = load_file(str(saved[0]))["latent_tensor"]
+    assert latent.shape == (1, 16, 2, 4, 4) and torch.isfinite(latent).all()
+
+
+_FILE_INPUTS = {"unet_name", "clip_name", "vae_name", "lora_name", "image"}
+_EXAMPLES = ("wan2.1_t2v", "wan2.2_14b_i2v", "cosmos_predict2_video2world")
+
+
+@pytest.mark.comfyui
+@pytest.mark.parametrize("name", _EXAMPLES)
+def test_example_api_workflow_passes_comfyuis_validation_but_for_model_files(server, name):
+    graph = json.loads((WORKFLOWS / f"{name}.api.json").read_text())
+    check_api_workflow(graph, server.object_info, name)
+    patch_ids = [k for k, n in graph.items() if n["class_type"] == "NVFP4AttentionVideoDiT"]
+    assert len(patch_ids) == (2 if name.startswith("wan2.2") else 1)  # Wan 2.2: both experts
+    for patch_id in patch_ids:  # after the loader / LoRA, before ModelSampling or the sampler
+        source = graph[graph[patch_id]["inputs"]["model"][0]]["class_type"]
+        assert source in ("UNETLoader", "LoraLoaderModelOnly"), source
+        users = [n["class_type"] for n in graph.values() if [patch_id, 0] in n["inputs"].values()]
+        assert users and all(u in ("ModelSamplingSD3", "KSampler", "KSamplerAdvanced") for u in users), users
+    # ComfyUI's own validation: the model files and the input image are not here, nothing else may fail.
+    with pytest.raises(urllib.error.HTTPError) as failure:
+        comfyui_env.http_json(f"{server.url}/prompt", {"prompt": graph})
+    body = json.loads(failure.value.read().decode())
+    errors = [(graph[node_id]["class_type"], e["type"], e.get("extra_info", {}).get("input_name"))
+              for node_id, node_errors in body["node_errors"].items() for e in node_errors["errors"]]
+    assert errors and all(input_name in _FILE_INPUTS for _, _, input_name in errors), errors
+    file_nodes = {k for k, n in graph.items() if _FILE_INPUTS & set(n["inputs"])}
+    assert set(body["node_errors"]) == file_nodes
+
+
+@pytest.mark.comfyui
+@pytest.mark.parametrize("name", _EXAMPLES)
+def test_example_ui_workflow_is_its_api_twin(server, name):
+    ui = json.loads((WORKFLOWS / f"{name}.json").read_text())
+    api = json.loads((WORKFLOWS / f"{name}.api.json").read_text())
+    assert ui_to_api(ui, server.object_info) == api
+
+
+def ui_to_api(ui: dict, object_info: dict) -> dict:
+    """The API-format graph a UI-format (litegraph 0.4) workflow stands for."""
+    links = {link[0]: link for link in ui["links"]}
+    graph = {}
+    for node in ui["nodes"]:
+        info = object_info[node["type"]]
+        inputs = {}
+        widgets = list(node.get("widgets_values", []))
+        for section in ("required", "optional"):
+            for input_name in info["input_order"].get(section, []):
+                spec = info["input"][section][input_name]
+                options = spec[1] if len(spec) > 1 else {}
+                linked = [i for i in node["inputs"] if i["name"] == input_name and i.get("link") is not None]
+                if linked:
+                    link = links[linked[0]["link"]]
+                    assert link[3] == node["id"], link
+                    inputs[input_name] = [str(link[1]), link[2]]
+                    continue
+                if isinstance(spec[0], list) or spec[0] in ("INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"):
+                    assert widgets, f"{node['type']} has no widget value for {input_name}"
+                    inputs[input_name] = widgets.pop(0)
+                    if options.get("control_after_generate") or options.get("image_upload"):
+                        widgets.pop(0)  # the companion widget ("fixed" / the upload button)
+        assert not widgets, f"{node['type']} has extra widget values {widgets}"
+        graph[str(node["id"])] = {"class_type": node["type"], "inputs": inputs}
+    return graph
+
+
+def check_api_workflow(graph: dict, object_info: dict, name: str) -> None:
+    """Every node of an API-format graph exists on the server, with known inputs and valid links."""
+    for node_id, node in graph.items():
+        class_type = node["class_type"]
+        assert class_type in object_info, f"{name}: node {node_id} has unknown class {class_type}"
+        spec = object_info[class_type]["input"]
+        known = {**spec.get("required", {}), **spec.get("optional", {})}
+        for input_name, value in node["inputs"].items():
+            assert input_name in known, f"{name}: {class_type}.{input_name} is not an input"
+            if isinstance(value, list) and len(value) == 2 and isinstance(value[0], str):
+                source, slot = value
+                assert source in graph, f"{name}: {class_type}.{input_name} links to missing node {source}"
+                outputs = object_info[graph[source]["class_type"]]["output"]
+                assert slot < len(outputs), f"{name}: {class_type}.{input_name} links to slot {slot}"
+                wanted = known[input_name][0]
+                if isinstance(wanted, str):
+                    assert outputs[slot] == wanted or wanted == "*", (
+                        f"{name}: {class_type}.{input_name} wants {wanted}, gets {outputs[slot]}")
+        missing = set(spec.get("required", {})) - set(node["inputs"])
+        assert not missing, f"{name}: {class_type} node {node_id} lacks required inputs {sorted(missing)}"
