@@ -85,6 +85,8 @@ def _validate(q, k, v, layout, causal, scale, attn_mask, kv_lens, return_lse, ba
         raise ValueError(f"k has batch {kh.shape[0]} but q has batch {b}")
     if kh.shape[3] != d:
         raise ValueError(f"k/v head dim {kh.shape[3]} differs from q head dim {d}")
+    if d == 0:
+        raise ValueError(f"q/k/v head dim must be at least 1, got shape {tuple(q.shape)}")
     hkv = kh.shape[1]
     if hkv == 0 or h % hkv:
         raise ValueError(f"q heads ({h}) must be a multiple of k/v heads ({hkv})")
@@ -109,6 +111,10 @@ def _validate(q, k, v, layout, causal, scale, attn_mask, kv_lens, return_lse, ba
         if attn_mask.device != q.device:
             raise ValueError(f"attn_mask is on {attn_mask.device} but q is on {q.device}")
         sq = qh.shape[2]
+        if not 2 <= attn_mask.dim() <= 4:
+            # SDPA itself fails on 1-D masks, and a 5-D mask would broadcast the output to 5-D.
+            raise ValueError(f"attn_mask must be 2-D [B, Sk] or 3-/4-D broadcastable to [B, H, Sq, Sk], "
+                             f"got {attn_mask.dim()}-D shape {tuple(attn_mask.shape)}")
         if attn_mask.dim() == 2:
             # 2-D masks are key-padding masks [B, Sk] (the diffusers / transformers convention).
             if tuple(attn_mask.shape) != (b, sk):
@@ -197,6 +203,32 @@ def _attention_fp4_reference(q, k, v, layout, causal, scale, key_bias, kv_lens, 
     return res if return_lse else (res, None)
 
 
+def _poison_non_finite(q, k, v, layout, kv_lens, out, lse):
+    """NaN where a non-finite input reached an FP4 result (in place; no host sync).
+
+    FP4 quantisation hides non-finite inputs: scales saturate (+-inf -> 448, so an inf in V
+    comes out finite) and a NaN row sum reads as "no visible key" (output 0, LSE -inf).  Exact
+    attention gives NaN/inf there, so the FP4 paths must not return a finite value.  Poisoned:
+    every row of a 128-row Q block holding a non-finite element (the block mean spreads it to
+    the whole block), and every row of a (batch, kv-head) group whose K or
+    V has a non-finite element among the valid keys (j < kv_lens[b]; the K mean spreads it to
+    the whole head).  Keys past kv_lens are zeroed before quantisation and may hold anything.
+    """
+    qh, kh, vh = (fmt.to_hnd(t, layout) for t in (q, k, v))
+    b, h, sq, _ = qh.shape
+    hkv, sk = kh.shape[1], kh.shape[2]
+    nblk = fmt.round_up(sq, fmt.SEQ_TILE) // fmt.SEQ_TILE
+    bad_rows = fmt.pad_dim(~torch.isfinite(qh).all(-1), 2, nblk * fmt.SEQ_TILE)
+    bad = bad_rows.view(b, h, nblk, fmt.SEQ_TILE).any(-1).repeat_interleave(fmt.SEQ_TILE, 2)[:, :, :sq]
+    valid = fmt.valid_key_mask(kv_lens, b, sk, q.device)[:, None, :]
+    kv_ok = ((torch.isfinite(kh).all(-1) & torch.isfinite(vh).all(-1)) | ~valid).all(-1)
+    bad = bad | (~kv_ok).repeat_interleave(h // hkv, 1)[:, :, None]
+    out.masked_fill_((bad.transpose(1, 2) if layout == "NHD" else bad)[..., None], math.nan)
+    if lse is not None:
+        lse.masked_fill_(bad, math.nan)
+    return out, lse
+
+
 # ---------------------------------------------------------------------------------------------
 # Back-end choice (eager; may inspect data)
 # ---------------------------------------------------------------------------------------------
@@ -228,6 +260,9 @@ def _run(q, k, v, layout, causal, scale, attn_mask, kv_lens, return_lse, backend
         lo, hi = int(kv_lens.min()), int(kv_lens.max())
         if lo < 0 or hi > sk:
             raise ValueError(f"kv_lens values must lie in [0, {sk}], got min {lo} max {hi}")
+    if attn_mask is not None and attn_mask.dtype != torch.bool and b > 0:
+        if bool((torch.isnan(attn_mask) | torch.isposinf(attn_mask)).any()):
+            raise ValueError("attn_mask holds NaN or +inf (an additive mask masks with -inf, never +inf/NaN)")
     if backend == "sdpa":
         return _attention_sdpa(q, k, v, layout, causal, scale, attn_mask, kv_lens, return_lse)
 
@@ -251,7 +286,8 @@ def _run(q, k, v, layout, causal, scale, attn_mask, kv_lens, return_lse, backend
     if backend == "reference":
         if reason is not None:
             raise BackendUnavailableError(f"backend='reference' cannot run this call: {reason}")
-        return _attention_fp4_reference(q, k, v, layout, causal, scale, key_bias, fp4_lens, return_lse)
+        out, lse = _attention_fp4_reference(q, k, v, layout, causal, scale, key_bias, fp4_lens, return_lse)
+        return _poison_non_finite(q, k, v, layout, fp4_lens, out, lse)
 
     # cuda / auto
     if reason is None and key_bias is not None:
@@ -263,8 +299,9 @@ def _run(q, k, v, layout, causal, scale, attn_mask, kv_lens, return_lse, backend
     if reason is None:
         from . import cuda_backend
 
-        return cuda_backend.attention(q, k, v, layout=layout, causal=causal, scale=scale,
-                                      kv_lens=fp4_lens, return_lse=return_lse)
+        out, lse = cuda_backend.attention(q, k, v, layout=layout, causal=causal, scale=scale,
+                                          kv_lens=fp4_lens, return_lse=return_lse)
+        return _poison_non_finite(q, k, v, layout, fp4_lens, out, lse)
     if backend == "cuda":
         raise BackendUnavailableError(f"backend='cuda' cannot run this call: {reason}")
     _warn_fallback(reason)
