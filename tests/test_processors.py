@@ -34,7 +34,7 @@ from nvfp4_dit.tiny_models.diffusers_families import FAMILIES, build  # noqa: E4
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
-CASES = [(f, 64) for f in FAMILIES] + [(f, 128) for f in ("cosmos", "wan", "hunyuan_video", "ltx", "cogvideox",
+CASES = [(f, 64) for f in FAMILIES] + [(f, 128) for f in ("cosmos", "cosmos_2_5", "wan", "hunyuan_video", "ltx", "cogvideox",
                                                            "mochi", "minimax_h3")]
 
 
@@ -360,19 +360,22 @@ def test_pipeline_covers_every_transformer(spy):
     from diffusers import DiffusionPipeline, FlowMatchEulerDiscreteScheduler
 
     class TwoExpertPipeline(DiffusionPipeline):
-        def __init__(self, transformer, transformer_2, scheduler):
-            super().__init__()
-            self.register_modules(transformer=transformer, transformer_2=transformer_2, scheduler=scheduler)
+        """Wan2.2's two experts plus a Cosmos-Transfer-style controlnet (a stand-in model)."""
 
-    a, b = build("wan", head_dim=64), build("wan", head_dim=64, seed=1)
-    pipe = TwoExpertPipeline(a.model, b.model, FlowMatchEulerDiscreteScheduler())
+        def __init__(self, transformer, transformer_2, controlnet, scheduler):
+            super().__init__()
+            self.register_modules(transformer=transformer, transformer_2=transformer_2, controlnet=controlnet,
+                                  scheduler=scheduler)
+
+    a, b, c = build("wan", head_dim=64), build("wan", head_dim=64, seed=1), build("cosmos", head_dim=64)
+    pipe = TwoExpertPipeline(a.model, b.model, c.model, FlowMatchEulerDiscreteScheduler())
     with apply(pipe, backend="reference", min_seq_len=0) as h:
-        assert {n.split(".")[0] for n in h.processors} == {"transformer", "transformer_2"}
-        a.run()
-        b.run()
-    assert len(spy.calls) == 4
+        assert {n.split(".")[0] for n in h.processors} == {"transformer", "transformer_2", "controlnet"}
+        for case in (a, b, c):
+            case.run()
+    assert len(spy.calls) == 5
     assert not any(isinstance(m.processor, dp.NVFP4AttnProcessorBase)
-                   for m in list(a.model.modules()) + list(b.model.modules()) if hasattr(m, "processor"))
+                   for case in (a, b, c) for m in case.model.modules() if hasattr(m, "processor"))
 
 
 # -- nothing held between calls ------------------------------------------------------------------

@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-FAMILIES = ("cosmos", "wan", "wan_i2v", "hunyuan_video", "ltx", "cogvideox", "mochi", "minimax_h3")
+FAMILIES = ("cosmos", "cosmos_2_5", "wan", "wan_i2v", "hunyuan_video", "ltx", "cogvideox", "mochi", "minimax_h3")
 
 
 @dataclass
@@ -37,24 +37,33 @@ def _randn(g, *shape, dtype):
     return torch.randn(*shape, generator=g).to(dtype)
 
 
-def cosmos(head_dim=64, heads=2, dtype=torch.float32, seed=0, text_len=12, frames=2, size=16):
+def cosmos(head_dim=64, heads=2, dtype=torch.float32, seed=0, text_len=12, frames=2, size=16, image_context=0):
+    """Cosmos Predict2; ``image_context=N`` adds Transfer/Predict2.5's N image-context tokens
+    (cross-attention then runs ``CosmosAttnProcessor2_5``)."""
     from diffusers import CosmosTransformer3DModel
 
     torch.manual_seed(seed)
+    extra = dict(img_context_dim_in=8, img_context_num_tokens=image_context,
+                 img_context_dim_out=heads * head_dim) if image_context else {}
     model = CosmosTransformer3DModel(
         in_channels=4, out_channels=4, num_attention_heads=heads, attention_head_dim=head_dim, num_layers=1,
         mlp_ratio=2.0, text_embed_dim=16, adaln_lora_dim=4, max_size=(4, 32, 32), patch_size=(1, 2, 2),
-        rope_scale=(2.0, 1.0, 1.0), concat_padding_mask=False, extra_pos_embed_type="learnable",
+        rope_scale=(2.0, 1.0, 1.0), concat_padding_mask=False, extra_pos_embed_type="learnable", **extra,
     ).to(dtype).eval()
     g = _gen(seed + 1)
+    text = _randn(g, 1, text_len, 16, dtype=dtype)
     inputs = dict(
         hidden_states=_randn(g, 1, 4, frames, size, size, dtype=dtype),
         timestep=torch.tensor([500]),
-        encoder_hidden_states=_randn(g, 1, text_len, 16, dtype=dtype),
+        encoder_hidden_states=(text, _randn(g, 1, image_context, 8, dtype=dtype)) if image_context else text,
         fps=30,
         padding_mask=torch.zeros(1, 1, size, size, dtype=dtype),
     )
-    return TinyCase("cosmos", model, inputs)
+    return TinyCase("cosmos_2_5" if image_context else "cosmos", model, inputs)
+
+
+def cosmos_2_5(**kw):
+    return cosmos(image_context=32, **kw)
 
 
 def wan(head_dim=64, heads=2, dtype=torch.float32, seed=0, text_len=12, frames=2, size=16, i2v=False):
@@ -205,7 +214,7 @@ def minimax_h3(head_dim=64, heads=2, dtype=torch.float32, seed=0, text_len=8, au
 
 
 BUILDERS = {
-    "cosmos": cosmos, "wan": wan, "wan_i2v": wan_i2v, "hunyuan_video": hunyuan_video, "ltx": ltx,
+    "cosmos": cosmos, "cosmos_2_5": cosmos_2_5, "wan": wan, "wan_i2v": wan_i2v, "hunyuan_video": hunyuan_video, "ltx": ltx,
     "cogvideox": cogvideox, "mochi": mochi, "minimax_h3": minimax_h3,
 }
 
