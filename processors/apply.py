@@ -120,6 +120,7 @@ def apply(
     backend: str = "auto",
     layers: Optional[Iterable[LayerSpec]] = None,
     timesteps=None,
+    observe_only: bool = False,
 ) -> NVFP4Handle:
     """Swap NVFP4 attention into a diffusers pipeline or model.
 
@@ -137,6 +138,9 @@ def apply(
             MMA exists, else exact SDPA), "cuda", "reference" (pure-torch FP4 numerics), "sdpa".
         layers: allow-list of module-name patterns (fnmatch) or block indices; None = all.
         timesteps: the sampling schedule, for ``dense_steps`` with a bare model.
+        observe_only: compute every selected call exactly as the unmodified model but route it
+            through the processors, so :func:`~nvfp4_dit.processors.routing.add_observer`
+            observers see it (dense baselines for timing and attention capture).
 
     Returns:
         An :class:`NVFP4Handle`; ``handle.restore()`` or ``with apply(...):`` undoes the swap.
@@ -152,7 +156,7 @@ def apply(
 
     policy = AttentionPolicy(self_attention=self_attention, cross_attention=cross_attention,
                              dense_steps=dense_steps, min_seq_len=min_seq_len, backend=backend,
-                             layers=layers, timesteps=timesteps)
+                             layers=layers, timesteps=timesteps, observe_only=observe_only)
     if isinstance(pipe_or_model, torch.nn.Module):
         models = [("", pipe_or_model)]
     else:

@@ -181,7 +181,7 @@ class NVFP4AttnProcessorBase:
         settings = self.policy.settings_for(self._is_cross(args, kwargs)) if self.enabled else None
         if settings is None:
             return self.original(attn, *args, **kwargs)
-        prev = routing.push_settings(settings)
+        prev = routing.push_settings(settings, self.name, self.policy.current_step)
         try:
             if self.route == ROUTE_DISPATCH:
                 return self._fp4(attn, *args, **kwargs)

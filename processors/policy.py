@@ -74,6 +74,8 @@ class AttentionPolicy:
         backend: the ``nvfp4_dit.attention`` back-end for FP4 calls.
         layers: allow-list of module-name patterns / block indices (None = all).
         timesteps: the sampling schedule, to find the step from the forward's ``timestep``.
+        observe_only: the calls that would run FP4 run exactly as the unmodified model, but
+            still pass the router, so observers (timing, capture) see them.
     """
 
     def __init__(
@@ -86,6 +88,7 @@ class AttentionPolicy:
         backend: str = "auto",
         layers: Optional[Iterable[LayerSpec]] = None,
         timesteps=None,
+        observe_only: bool = False,
     ):
         for name, val in (("self_attention", self_attention), ("cross_attention", cross_attention)):
             if not isinstance(val, bool):
@@ -93,7 +96,9 @@ class AttentionPolicy:
         self.self_attention = self_attention
         self.cross_attention = cross_attention
         self.dense_steps = _check_dense_steps(dense_steps)
-        self.settings = RouteSettings(backend=backend, min_seq_len=min_seq_len)
+        if not isinstance(observe_only, bool):
+            raise TypeError(f"observe_only must be a bool, got {type(observe_only).__name__}")
+        self.settings = RouteSettings(backend=backend, min_seq_len=min_seq_len, observe_only=observe_only)
         self.layers = _check_layers(layers)
         self.timesteps: Optional[tuple[float, ...]] = None
         if timesteps is not None:

@@ -11,6 +11,7 @@ This module does not import diffusers.
 
 from __future__ import annotations
 
+import time
 import warnings
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -40,6 +41,9 @@ class RouteSettings:
 
     backend: str = "auto"
     min_seq_len: int = DEFAULT_MIN_SEQ_LEN
+    # Compute every call exactly as the unmodified model does, still passing it through the
+    # router so observers see it (baselines, capture of a dense run).
+    observe_only: bool = False
 
     def __post_init__(self):
         if not isinstance(self.backend, str) or self.backend not in ROUTE_BACKENDS:
@@ -57,6 +61,9 @@ class _RouteState:
 
     settings: Optional[RouteSettings] = None
     default: RouteSettings = RouteSettings()
+    # Who is calling (for observers): the module path and the (step, total) of the forward.
+    layer: Optional[str] = None
+    step: Optional[tuple] = None
 
 
 _STATE = _RouteState()
@@ -79,19 +86,60 @@ def configure_default(*, backend: Optional[str] = None, min_seq_len: Optional[in
     return prev
 
 
-def push_settings(settings: Optional[RouteSettings]) -> Optional[RouteSettings]:
-    """Make ``settings`` current; returns the previous value for :func:`pop_settings`.
+def push_settings(settings: Optional[RouteSettings], layer: Optional[str] = None, step=None) -> tuple:
+    """Make ``settings`` (and the caller's layer name and step) current; returns the previous
+    values for :func:`pop_settings`.
 
     Two plain functions (used in try/finally) rather than a context manager, so torch.compile
     traces them as ordinary attribute writes.
     """
-    prev = _STATE.settings
-    _STATE.settings = settings
+    prev = (_STATE.settings, _STATE.layer, _STATE.step)
+    _STATE.settings, _STATE.layer, _STATE.step = settings, layer, step
     return prev
 
 
-def pop_settings(prev: Optional[RouteSettings]) -> None:
-    _STATE.settings = prev
+def pop_settings(prev: tuple) -> None:
+    _STATE.settings, _STATE.layer, _STATE.step = prev
+
+
+# ---------------------------------------------------------------------------------------------
+# Observers (timing, capture): called after every routed call while registered
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class CallInfo:
+    """What an observer learns about one routed attention call.
+
+    ``path`` is "fp4" (nvfp4_dit.attention ran with ``backend``) or "exact" (the model's own
+    computation ran; ``reason`` says why: a policy such as "short sequence" / "observe only",
+    or what NVFP4 cannot express).  ``attn_mask`` is the mask with SDPA semantics.
+    """
+
+    layer: Optional[str]
+    step: Optional[tuple]
+    layout: str
+    is_causal: bool
+    scale: Optional[float]
+    enable_gqa: bool
+    attn_mask: Optional[torch.Tensor]
+    path: str
+    reason: Optional[str]
+    backend: str
+    seconds: float
+
+
+_OBSERVERS: list = []
+
+
+def add_observer(fn: Callable) -> None:
+    """Call ``fn(info: CallInfo, query, key, value, out)`` after every routed call (``out`` is the
+    output, or ``(out, lse)`` when the caller asked for the LSE).  Observers add a device sync
+    per call (for the timing); nothing is kept unless the observer keeps it."""
+    _OBSERVERS.append(fn)
+
+
+def remove_observer(fn: Callable) -> None:
+    _OBSERVERS.remove(fn)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -253,8 +301,33 @@ def routed_attention(
     cannot express (with one warning per reason) and for short sequences (silently).
     Returns ``out`` in ``layout``, or ``(out, lse [B, H, Sq] fp32)`` with ``return_lse``.
     """
-    reason, warn = _expressible_reason(query, key, value, layout, attn_mask, dropout_p, is_causal,
-                                       enable_gqa, settings)
+    args = (query, key, value, layout, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
+            settings, exact)
+    if not _OBSERVERS:
+        return _route(*args)[0]
+    sync = query.is_cuda and torch.cuda.is_available()
+    if sync:
+        torch.cuda.synchronize(query.device)
+    t0 = time.perf_counter()
+    res, path, reason = _route(*args)
+    if sync:
+        torch.cuda.synchronize(query.device)
+    info = CallInfo(layer=_STATE.layer, step=_STATE.step, layout=layout, is_causal=bool(is_causal), scale=scale,
+                    enable_gqa=bool(enable_gqa), attn_mask=attn_mask, path=path, reason=reason,
+                    backend=settings.backend, seconds=time.perf_counter() - t0)
+    for fn in list(_OBSERVERS):
+        fn(info, query, key, value, res)
+    return res
+
+
+def _route(query, key, value, layout, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
+           settings, exact):
+    """(result, path, reason) -- see :func:`routed_attention`."""
+    if settings.observe_only:
+        reason, warn = "observe only", False
+    else:
+        reason, warn = _expressible_reason(query, key, value, layout, attn_mask, dropout_p, is_causal,
+                                           enable_gqa, settings)
     km = KeyMask()
     if reason is None and attn_mask is not None:
         b, h, sq, _ = _dims(query, layout)
@@ -266,7 +339,8 @@ def routed_attention(
     if reason is not None:
         if warn:
             _warn_once(reason)
-        return _exact_with_lse(query, key, value, layout, attn_mask, is_causal, scale) if return_lse else exact()
+        res = _exact_with_lse(query, key, value, layout, attn_mask, is_causal, scale) if return_lse else exact()
+        return res, "exact", reason
 
     mask_arg = km.keep if km.keep is not None else km.bias
     op_backend = settings.backend
@@ -277,14 +351,14 @@ def routed_attention(
     except nvfp4_dit.BackendUnavailableError as e:
         # An explicitly requested back-end (cuda / reference) cannot run this call: never break
         # the pipeline, run it exactly.
-        _warn_once(f"backend={op_backend!r} unavailable: {e}")
-        return _exact_with_lse(query, key, value, layout, attn_mask, is_causal, scale) if return_lse else exact()
-    if not return_lse:
-        return res
-    out, lse = res
-    if km.shift is not None:
-        lse = lse + km.shift[:, None, None]
-    return out, lse
+        reason = f"backend={op_backend!r} unavailable: {e}"
+        _warn_once(reason)
+        res = _exact_with_lse(query, key, value, layout, attn_mask, is_causal, scale) if return_lse else exact()
+        return res, "exact", reason
+    if return_lse and km.shift is not None:
+        out, lse = res
+        res = (out, lse + km.shift[:, None, None])
+    return res, "fp4", None
 
 
 def _exact_with_lse(query, key, value, layout, attn_mask, is_causal, scale):

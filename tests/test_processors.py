@@ -435,3 +435,37 @@ def test_cuda_backend_close_to_dense(family, head_dim):
     for o, d, r in zip(fp4, dense, restored):
         assert _rel(o, d) < 0.06
         assert torch.equal(r, d)
+
+
+# -- observers and observe-only --------------------------------------------------------------------
+
+def test_observe_only_is_bit_identical_and_observed(dense_outputs, spy):
+    case, dense = _case_and_dense("hunyuan_video", 64, dense_outputs)
+    seen = []
+
+    def observer(info, q, k, v, out):
+        seen.append((info.layer, info.path, info.reason, tuple(q.shape), info.attn_mask is not None))
+
+    routing.add_observer(observer)
+    try:
+        with apply(case.model, observe_only=True, cross_attention=True, min_seq_len=0) as h:
+            h.set_step(3, 10)
+            out = case.run()
+    finally:
+        routing.remove_observer(observer)
+    assert torch.equal(out[0], dense[0]) and not spy.calls
+    assert [s[0] for s in seen] == ["transformer_blocks.0.attn", "single_transformer_blocks.0.attn"]
+    assert all(s[1] == "exact" and s[2] == "observe only" and s[4] for s in seen)
+
+
+def test_observer_sees_fp4_calls_with_step(spy):
+    case = build("wan", head_dim=64)
+    seen = []
+    routing.add_observer(lambda info, q, k, v, out: seen.append((info.layer, info.step, info.path, info.backend)))
+    try:
+        with apply(case.model, backend="reference", min_seq_len=0) as h:
+            h.set_step(1, 4)
+            case.run()
+    finally:
+        routing._OBSERVERS.clear()
+    assert seen == [("blocks.0.attn1", (1, 4), "fp4", "reference"), ("blocks.1.attn1", (1, 4), "fp4", "reference")]
