@@ -162,6 +162,7 @@ __device__ __forceinline__ void attention_fwd_body(const AttentionFwdParams& p) 
     for (int j = 0; j < T::kNTilesO; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
     float m_run[2] = {-INFINITY, -INFINITY};
     float l_part[2] = {0.0f, 0.0f};
+    float alpha_r[2];
 
     for (int n = 0; n < n_end; ++n) {
       detail::cp_async_wait<kStages - 2>();
@@ -218,25 +219,43 @@ __device__ __forceinline__ void attention_fwd_body(const AttentionFwdParams& p) 
       if (tile_start + T::kBlockN > min(limit_g, limit_g8)) {
         apply_key_mask(s, tile_start, t, limit_g, limit_g8);
       }
-      float mx[2] = {-INFINITY, -INFINITY};
+      // Block maxima of the raw scores per 16 keys (this lane's 8 + its xor-1 partner's); the row
+      // max is the max of a quad's block maxima, and the P' block max is exp2 of the block max.
+      float bmax[4][2];
 #pragma unroll
-      for (int j = 0; j < T::kNTilesS; ++j) {
-        mx[0] = fmaxf(mx[0], fmaxf(s[j][0], s[j][1]));
-        mx[1] = fmaxf(mx[1], fmaxf(s[j][2], s[j][3]));
+      for (int q = 0; q < 4; ++q) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          float x = fmaxf(s[4 * q][2 * r], s[4 * q][2 * r + 1]);
+#pragma unroll
+          for (int a = 1; a < 4; ++a) x = fmaxf(x, fmaxf(s[4 * q + a][2 * r], s[4 * q + a][2 * r + 1]));
+          bmax[q][r] = fmaxf(x, __shfl_xor_sync(0xFFFFFFFFu, x, 1));
+        }
       }
-      float m_use[2];
+      float bias[2];   // exp2 argument of P' = s * c + bias, bias = log2(2688) - m * c
+      bool rescale = false;
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        const float m_new = fmaxf(m_run[r], quad_max(mx[r]));
+        float mx = fmaxf(fmaxf(bmax[0][r], bmax[1][r]), fmaxf(bmax[2][r], bmax[3][r]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 2));
+        const float m_new = fmaxf(m_run[r], mx);
         // A row with no visible key so far keeps m = -inf; use 0 so exp2 gives 0, not NaN.
-        m_use[r] = m_new == -INFINITY ? 0.0f : m_new;
-        const float alpha = exp2f((m_run[r] - m_use[r]) * c);
+        const float m_use = m_new == -INFINITY ? 0.0f : m_new;
+        alpha_r[r] = fast_exp2((m_run[r] - m_use) * c);   // 0 on the first visible tile
+        rescale |= alpha_r[r] != 1.0f;
         m_run[r] = m_new;
-        l_part[r] *= alpha;
+        bias[r] = kLog2PRange - m_use * c;
+      }
+      // Most tiles of a long row leave its max unchanged: skip the O rescale when the whole warp can.
+      if (__any_sync(0xFFFFFFFFu, rescale)) {
 #pragma unroll
-        for (int j = 0; j < T::kNTilesO; ++j) {
-          o[j][2 * r] *= alpha;
-          o[j][2 * r + 1] *= alpha;
+        for (int r = 0; r < 2; ++r) {
+          l_part[r] *= alpha_r[r];
+#pragma unroll
+          for (int j = 0; j < T::kNTilesO; ++j) {
+            o[j][2 * r] *= alpha_r[r];
+            o[j][2 * r + 1] *= alpha_r[r];
+          }
         }
       }
 
@@ -251,12 +270,12 @@ __device__ __forceinline__ void attention_fwd_body(const AttentionFwdParams& p) 
           for (int a = 0; a < 4; ++a) {
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
-              const float x = exp2f((s[4 * q + a][2 * r + e] - m_use[r]) * c + kLog2PRange);
+              const float x = fast_exp2(fmaf(s[4 * q + a][2 * r + e], c, bias[r]));
               pv[2 * a + e] = x;
               l_part[r] += x;
             }
           }
-          preg[q][r] = quantize_p_block(pv, &psf[q][r]);
+          preg[q][r] = quantize_p_block(pv, fast_exp2(fmaf(bmax[q][r], c, bias[r])), &psf[q][r]);
         }
       }
 

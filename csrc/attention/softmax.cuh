@@ -23,20 +23,32 @@ __device__ __forceinline__ float quad_sum(float x) {
   return x + __shfl_xor_sync(0xFFFFFFFFu, x, 2);
 }
 
+// ue4m3 byte (sign 0, never NaN here) -> float, branch-free and exact: its 7 bits shifted into an
+// fp16 are the value times 2^-8 for normals and subnormals alike.
+__device__ __forceinline__ float ue4m3_to_float(uint32_t bits) {
+  return __half2float(__ushort_as_half(static_cast<unsigned short>((bits & 0x7Fu) << 7))) * 256.0f;
+}
+
+// 2^x in one MUFU op (ex2.approx.ftz: ~2 ulp; -inf gives +0). exp2f adds a subnormal rescue
+// (a compare and two multiplies per value) that P' does not need: anything below 2^-126 of
+// 2688 quantises to 0 anyway.
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // Quantise one 16-key block of P' of which this lane holds 8 values (its xor-1 partner holds the
-// other 8, see the K permutation). Scale sf = e4m3_rn_satfinite(max/6), rounded *before*
+// other 8, see the K permutation); block_max is the max of all 16 (exp2 of the block's max
+// score, exp2 being monotonic). Scale sf = e4m3_rn_satfinite(max/6), rounded *before*
 // dividing; data e2m1(P'/sf); sf = 0 gives an all-zero block. Returns the 8 packed nibbles and
-// the scale byte in *sf_out. Multiplying by the correctly rounded reciprocal instead of dividing
-// can differ from P'/sf by 1 ulp, which changes a code only for a P'/sf within 1 ulp of a
-// rounding threshold.
-__device__ __forceinline__ uint32_t quantize_p_block(float (&pv)[8], uint32_t* sf_out) {
-  float bmax = 0.0f;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) bmax = fmaxf(bmax, pv[i]);
-  bmax = fmaxf(bmax, __shfl_xor_sync(0xFFFFFFFFu, bmax, 1));
-  uint32_t sf;
-  const float sf_val = nvfp4::block_scale_value(bmax, &sf);   // e4m3_rn_satfinite(bmax / 6)
-  const float inv = sf_val > 0.0f ? __frcp_rn(sf_val) : 0.0f;
+// the scale byte in *sf_out. Multiplying by the reciprocal instead of dividing can differ from
+// P'/sf by an ulp, which changes a code only for a P'/sf within an ulp of a rounding threshold.
+__device__ __forceinline__ uint32_t quantize_p_block(float (&pv)[8], float block_max, uint32_t* sf_out) {
+  const uint32_t sf = nvfp4::float_to_e4m3(__fdiv_rn(block_max, nvfp4::kE2m1Max));   // e4m3_rn_satfinite(max / 6)
+  const float sf_val = ue4m3_to_float(sf);
+  float inv = 0.0f;
+  if (sf_val > 0.0f) asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(inv) : "f"(sf_val));
 #pragma unroll
   for (int i = 0; i < 8; ++i) pv[i] *= inv;
   *sf_out = sf;
