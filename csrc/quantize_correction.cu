@@ -62,11 +62,12 @@ __global__ void __launch_bounds__(kThreads) qk_correction_kernel(const QkCorrect
   const int64_t n_valid = valid_key_count(p, b);  // keys past kv_lens[b] are padding: k_s = 0
 
   for (int d0 = 0; d0 < DP; d0 += kSliceD) {
-    // Q means: 64 rows x 32 columns, 8 per thread; stored transposed (column-major in m).
+    // Q means: 64 rows x 32 columns, 8 per thread, stored transposed; lanes run along m so the
+    // shared-memory stores are conflict-free (q_mean is small and L2-resident).
 #pragma unroll
     for (int i = 0; i < kTileM * kSliceD / kThreads; ++i) {
       const int idx = threadIdx.x + i * kThreads;
-      const int m = idx / kSliceD, dd = idx % kSliceD;
+      const int m = idx % kTileM, dd = idx / kTileM;
       qs[dd][m] = (m0 + m < n_rows) ? qm_base[int64_t(m) * DP + d0 + dd] : 0.0f;
     }
     // K smoothed on the fly; padded keys and padded head-dim columns are exactly zero.

@@ -33,6 +33,7 @@ import torch
 OP_NAMESPACE = "nvfp4_dit_cuda"
 CACHE_ENV = "NVFP4_DIT_CACHE_DIR"
 ARCH_ENV = "NVFP4_DIT_ARCH"
+ONLY_ENV = "NVFP4_DIT_JIT_ONLY"
 NATIVE_ARCHS = ("sm_120a", "sm_121a")
 EMULATED_ARCHS = ("sm_90a", "sm_80")
 SUPPORTED_ARCHS = NATIVE_ARCHS + EMULATED_ARCHS
@@ -61,9 +62,20 @@ def csrc_dir() -> Path:
 
 
 def translation_units(root: Optional[Path] = None) -> list[Path]:
-    """Top-level ``*.cu`` and ``*.cpp`` files of the sources folder, sorted."""
+    """Top-level ``*.cu`` and ``*.cpp`` files of the sources folder, sorted.
+
+    ``NVFP4_DIT_JIT_ONLY=a.cu,b.cpp`` restricts the set (a development knob for faster builds of
+    one area; the restricted library has only that area's ops).
+    """
     root = csrc_dir() if root is None else root
-    return sorted(p for p in root.iterdir() if p.is_file() and p.suffix in _SOURCE_SUFFIXES)
+    tus = sorted(p for p in root.iterdir() if p.is_file() and p.suffix in _SOURCE_SUFFIXES)
+    only = [n.strip() for n in os.environ.get(ONLY_ENV, "").split(",") if n.strip()]
+    if only:
+        missing = sorted(set(only) - {p.name for p in tus})
+        if missing:
+            raise ExtensionBuildError(f"{ONLY_ENV} names sources that do not exist: {missing}")
+        tus = [p for p in tus if p.name in only]
+    return tus
 
 
 def arch_for_capability(major: int, minor: int) -> str:
@@ -162,7 +174,7 @@ def source_hash(arch: str, root: Optional[Path] = None, nvcc_version: str = "") 
             h.update(b"\0")
             h.update(p.read_bytes())
             h.update(b"\0")
-    settings = [arch, *gencode_flags(arch), *_CUDA_FLAGS, *_CXX_FLAGS, torch.__version__,
+    settings = [arch, os.environ.get(ONLY_ENV, ""), *gencode_flags(arch), *_CUDA_FLAGS, *_CXX_FLAGS, torch.__version__,
                 str(torch.version.cuda), nvcc_version, sys.version.split()[0]]
     h.update("\n".join(settings).encode())
     return h.hexdigest()

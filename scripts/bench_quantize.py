@@ -1,0 +1,191 @@
+"""Benchmark the fused NVFP4 preprocessing against its peers, measured in the same run.
+
+For B=1, H=40, D=128, bf16 NHD inputs at S = 8k, 32k, 77k and 118.8k tokens:
+
+* fused: ``nvfp4_dit.cuda_quantize.quantize_qkv_cuda`` (2 kernels + 1 memset);
+* copy: a device-to-device copy moving the same number of bytes (the bandwidth ceiling);
+* torch-ops: ``nvfp4_dit.format.quantize_qkv`` on the GPU (the plain-PyTorch preprocessing);
+* correction: every chunk of ``qm . (k - km)^T`` under the default 1 GiB budget, as a fraction of
+  the time of exact attention (``F.scaled_dot_product_attention``, the stand-in for the kernel).
+
+"Bytes" = the inputs read once plus every output written (the fused path's minimum traffic); the
+copy moves half that many bytes (read + write = the same traffic). Peak memory is the allocator's
+peak above what was allocated before the call. Prints a markdown table, writes JSON and a PNG.
+
+    python scripts/bench_quantize.py --out bench_out
+    python scripts/bench_quantize.py --plot-only bench_out/bench_quantize.json   # redraw the PNG
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from nvfp4_dit import cuda_quantize as cq  # noqa: E402
+from nvfp4_dit import format as fmt  # noqa: E402
+
+GiB = float(1 << 30)
+
+
+def cuda_time(fn, iters: int, warmup: int = 1) -> float:
+    """Median seconds of ``fn()`` over ``iters`` runs, by CUDA events."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def peak_bytes(fn) -> int:
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    result = fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    del result
+    return peak
+
+
+def output_bytes(qq) -> int:
+    return sum(getattr(qq, f).nbytes for f in ("q_data", "q_sf", "k_data", "k_sf", "vt_data", "vt_sf", "q_mean",
+                                                "k_mean", "q_dot_km"))
+
+
+def run_corrections(qq) -> None:
+    for _ in cq.iter_qk_corrections(qq):
+        pass
+
+
+def bench_one(seq: int, heads: int, dim: int, iters: int) -> dict:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(1, seq, heads, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+               for _ in range(3))
+    in_bytes = 3 * q.nbytes
+
+    def fused():
+        return cq.quantize_qkv_cuda(q, k, v, layout="NHD")
+
+    qq = fused()
+    traffic = in_bytes + output_bytes(qq)
+    t_fused = cuda_time(fused, iters, warmup=2)
+    mem_fused = peak_bytes(fused)
+
+    src = torch.empty(traffic // 2, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    t_copy = cuda_time(lambda: dst.copy_(src), iters, warmup=2)
+    del src, dst
+
+    def torch_ops():
+        return fmt.quantize_qkv(q, k, v, layout="NHD")
+
+    t_torch = cuda_time(torch_ops, max(2, iters // 5), warmup=1)
+    mem_torch = peak_bytes(torch_ops)
+    torch.cuda.empty_cache()
+
+    t_corr = cuda_time(lambda: run_corrections(qq), max(2, iters // 5), warmup=1)
+    mem_corr = peak_bytes(lambda: run_corrections(qq))
+    n_chunks = len(cq.correction_chunks(qq.num_q_blocks, 1, heads, qq.k_data.shape[2]))
+
+    qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
+    t_sdpa = cuda_time(lambda: F.scaled_dot_product_attention(qh, kh, vh), 2, warmup=1)
+    del qq
+    torch.cuda.empty_cache()
+    return dict(seq=seq, heads=heads, dim=dim, traffic_bytes=traffic, t_fused=t_fused, t_copy=t_copy,
+                t_torch=t_torch, t_corr=t_corr, t_sdpa=t_sdpa, mem_fused=mem_fused, mem_torch=mem_torch,
+                mem_corr=mem_corr, corr_chunks=n_chunks)
+
+
+def table(rows: list[dict]) -> str:
+    head = ("| S | bytes (GB) | fused GB/s | copy GB/s | fused / copy | torch-ops GB/s | fused speed-up vs torch-ops "
+            "| peak mem fused (GiB) | peak mem torch-ops (GiB) | correction ms (chunks) | SDPA ms | correction / SDPA "
+            "| peak mem correction (GiB) |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        gb = r["traffic_bytes"] / 1e9
+        lines.append(
+            f"| {r['seq']:,} | {gb:.2f} | {gb / r['t_fused']:.0f} | {gb / r['t_copy']:.0f} | "
+            f"{r['t_copy'] / r['t_fused']:.0%} | {gb / r['t_torch']:.0f} | {r['t_torch'] / r['t_fused']:.1f}x | "
+            f"{r['mem_fused'] / GiB:.2f} | {r['mem_torch'] / GiB:.2f} | {r['t_corr'] * 1e3:.1f} ({r['corr_chunks']}) | "
+            f"{r['t_sdpa'] * 1e3:.0f} | {r['t_corr'] / r['t_sdpa']:.1%} | {r['mem_corr'] / GiB:.2f} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no PNG (redraw later with --plot-only)", file=sys.stderr)
+        return False
+    seqs = [r["seq"] / 1000 for r in rows]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for key, label in (("t_copy", "device copy (ceiling)"), ("t_fused", "fused CUDA"), ("t_torch", "torch ops")):
+        ax1.plot(seqs, [r["traffic_bytes"] / r[key] / 1e9 for r in rows], marker="o", label=label)
+    ax1.set_xlabel("tokens (thousands), B=1 H=40 D=128 bf16")
+    ax1.set_ylabel("effective GB/s (inputs + outputs)")
+    ax1.set_title("NVFP4 preprocessing bandwidth")
+    ax1.legend()
+    ax1.grid(alpha=0.3)
+    ax2.plot(seqs, [r["t_copy"] / r["t_fused"] * 100 for r in rows], marker="o", label="fused / copy bandwidth (%)")
+    ax2.plot(seqs, [r["t_corr"] / r["t_sdpa"] * 100 for r in rows], marker="s", label="correction / SDPA time (%)")
+    ax2.axhline(80, ls="--", c="gray", lw=0.8)
+    ax2.set_xlabel("tokens (thousands)")
+    ax2.set_ylabel("%")
+    ax2.set_title("ratios (dashed: 80% target)")
+    ax2.legend()
+    ax2.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return True
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seqs", type=int, nargs="+", default=[8192, 32768, 77_000, 118_800])
+    parser.add_argument("--heads", type=int, default=40)
+    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--out", type=Path, default=Path("bench_out"))
+    parser.add_argument("--plot-only", type=Path, help="redraw the table and PNG from a JSON of an earlier run")
+    args = parser.parse_args()
+    if args.plot_only:
+        rows = json.loads(args.plot_only.read_text())["rows"]
+        print(table(rows))
+        plot(rows, args.plot_only.with_suffix(".png"))
+        return 0
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return 1
+    rows = []
+    for seq in args.seqs:
+        rows.append(bench_one(seq, args.heads, args.dim, args.iters))
+        print(f"S={seq}: done", file=sys.stderr, flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__)
+    (args.out / "bench_quantize.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    print(f"{meta['device']}, torch {meta['torch']}")
+    print(table(rows))
+    plot(rows, args.out / "bench_quantize.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

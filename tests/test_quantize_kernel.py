@@ -1,0 +1,316 @@
+"""The fused CUDA quantize kernel against nvfp4_dit.format, and the chunked correction.
+
+Bytes and scales must equal format.quantize_qkv exactly. The means are reductions whose
+summation order differs, so they are compared with a tolerance, and the exact comparison feeds the
+kernel's own means into format.quantize_qkv (its q_mean / k_mean_override arguments).
+
+CPU tests: the kernel's fast per-element arithmetic (csrc/quantize_math.cuh) equals the reference
+formulation exhaustively on the host; the correction chunking obeys its budget.
+"""
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from nvfp4_dit import cuda_quantize as cq
+from nvfp4_dit import format as fmt
+
+CSRC = Path(__file__).resolve().parents[1] / "csrc"
+BYTE_FIELDS = ("q_data", "q_sf", "k_data", "k_sf", "vt_data", "vt_sf")
+
+# ---------------------------------------------------------------------------------------------
+# Host checks of quantize_math.cuh
+# ---------------------------------------------------------------------------------------------
+
+HOST_PROGRAM = r"""
+#include "quantize_math.cuh"
+#include <cmath>
+#include <cstdio>
+int main() {
+  long bad_enc = 0, bad_div = 0, n_div = 0;
+  // Every fp32 value in [0, 8] (and the saturating tail) through the magic-add encoder.
+  for (uint32_t u = 0; u <= 0x41000000u; ++u) {
+    const float a = nvfp4::bits_float(u);
+    if ((nvfp4::float_to_e2m1_sw(a) & 7u) != nvfp4_dit::e2m1_magnitude_code(a)) ++bad_enc;
+  }
+  const float big[] = {8.5f, 100.0f, 3.0e38f, INFINITY};
+  for (float a : big) if (nvfp4_dit::e2m1_magnitude_code(a) != 7u) ++bad_enc;
+  // Every finite positive e4m3 scale, around every e2m1 decision threshold, and a random spread.
+  const float th[7] = {0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0f};
+  uint32_t s = 12345u;
+  for (uint32_t b = 1; b < 0x7F; ++b) {
+    const float sf = nvfp4::e4m3_to_float(b), rcp = 1.0f / sf;
+    for (int t = 0; t < 7; ++t) {
+      const int64_t center = nvfp4::float_bits(th[t] * sf);
+      for (int64_t d = -40000; d <= 40000; ++d) {
+        const float a = nvfp4::bits_float(uint32_t(center + d));
+        ++n_div;
+        if (nvfp4::float_bits(a / sf) != nvfp4::float_bits(nvfp4_dit::divide_by_scale(a, sf, rcp))) ++bad_div;
+      }
+    }
+    for (int i = 0; i < 200000; ++i) {
+      s = s * 1664525u + 1013904223u;
+      const float a = nvfp4::bits_float(s & 0x7FFFFFFFu);
+      const float q = a / sf;
+      // Finite quotients above the underflow range (below it both encode to 0).
+      if (!std::isfinite(a) || !std::isfinite(q) || q < 1e-30f) continue;
+      ++n_div;
+      if (nvfp4::float_bits(q) != nvfp4::float_bits(nvfp4_dit::divide_by_scale(a, sf, rcp))) ++bad_div;
+    }
+  }
+  printf("%ld %ld %ld\n", bad_enc, bad_div, n_div);
+  return 0;
+}
+"""
+
+
+def test_fast_element_math_equals_reference_on_host(tmp_path):
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("nvcc not found")
+    src = tmp_path / "qmath.cu"
+    src.write_text(HOST_PROGRAM)
+    exe = tmp_path / "qmath"
+    subprocess.run([nvcc, "-std=c++17", "-O2", f"-I{CSRC}", str(src), "-o", str(exe)], check=True,
+                   capture_output=True)
+    bad_enc, bad_div, n_div = map(int, subprocess.run([str(exe)], capture_output=True, text=True,
+                                                      check=True).stdout.split())
+    assert bad_enc == 0, f"{bad_enc} fp32 values encode differently from float_to_e2m1_sw"
+    assert n_div > 90_000_000
+    assert bad_div == 0, f"{bad_div} of {n_div} quotients differ from IEEE division"
+
+
+# ---------------------------------------------------------------------------------------------
+# Correction chunking and budget (CPU)
+# ---------------------------------------------------------------------------------------------
+
+def test_budget_default_env_and_argument(monkeypatch):
+    monkeypatch.delenv(cq.BUDGET_ENV, raising=False)
+    assert cq.correction_budget_bytes() == 1 << 30
+    monkeypatch.setenv(cq.BUDGET_ENV, "256M")
+    assert cq.correction_budget_bytes() == 256 << 20
+    monkeypatch.setenv(cq.BUDGET_ENV, "1.5GiB")
+    assert cq.correction_budget_bytes() == 3 << 29
+    monkeypatch.setenv(cq.BUDGET_ENV, "12345")
+    assert cq.correction_budget_bytes() == 12345
+    assert cq.correction_budget_bytes(4096) == 4096  # the argument wins over the environment
+    assert cq.correction_budget_bytes("2K") == 2048
+    monkeypatch.setenv(cq.BUDGET_ENV, "lots")
+    with pytest.raises(ValueError, match=cq.BUDGET_ENV):
+        cq.correction_budget_bytes()
+    with pytest.raises(ValueError, match="positive"):
+        cq.correction_budget_bytes(0)
+    with pytest.raises(TypeError):
+        cq.correction_budget_bytes(1.5)
+
+
+@pytest.mark.parametrize("seq, heads, batch, budget", [
+    (118_800, 40, 1, 1 << 30), (75_600, 40, 2, 1 << 30), (4096, 4, 2, 1 << 30),
+    (118_800, 40, 1, 64 << 20), (300_000, 48, 2, 1 << 20)])
+def test_chunks_cover_all_blocks_within_budget(seq, heads, batch, budget):
+    skp = fmt.round_up(seq, 128)
+    nblk = skp // 128
+    chunks = cq.correction_chunks(nblk, batch, heads, skp, budget)
+    assert chunks[0][0] == 0 and chunks[-1][1] == nblk
+    assert all(a < b for a, b in chunks) and all(chunks[i][1] == chunks[i + 1][0] for i in range(len(chunks) - 1))
+    per_block = cq.correction_bytes_per_block(batch, heads, skp)
+    sizes = [b - a for a, b in chunks]
+    if per_block <= budget:
+        assert max(sizes) * per_block <= budget
+    else:
+        assert max(sizes) == 1  # a single block row is the smallest unit the kernel takes
+    if max(sizes) >= 64:
+        assert all(s % 64 == 0 for s in sizes[:-1])
+
+
+def test_full_correction_would_exceed_int32():
+    # The reason for chunking and int64 offsets: 118,800 tokens x 40 heads.
+    skp = fmt.round_up(118_800, 128)
+    assert 40 * (skp // 128) * skp > 2 ** 31
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: bytes equal format.py
+# ---------------------------------------------------------------------------------------------
+
+def _make(shape_hnd, layout, dtype, gen, block_structure=True):
+    """Random [B, H, S, D] data with per-head offsets and, optionally, per-128-block offsets in
+    the layout's memory order; returns the tensor as the caller would pass it."""
+    b, h, s, d = shape_hnd
+    x = torch.randn(b, h, s, d, device="cuda", generator=gen)
+    x += torch.randn(b, h, 1, d, device="cuda", generator=gen) * 2
+    if block_structure:
+        nb = (s + 127) // 128
+        blk = torch.randn(b, h, nb, d, device="cuda", generator=gen)
+        x += blk.repeat_interleave(128, dim=2)[:, :, :s]
+    x = x.to(dtype)
+    return x.transpose(1, 2).contiguous() if layout == "NHD" else x.contiguous()
+
+
+def _assert_matches_format(qq, q, k, v, layout, kv_lens):
+    ref = fmt.quantize_qkv(q, k, v, layout=layout, kv_lens=kv_lens, q_mean=qq.q_mean, k_mean_override=qq.k_mean)
+    for name in BYTE_FIELDS:
+        got, want = getattr(qq, name), getattr(ref, name)
+        assert got.shape == want.shape and got.dtype == want.dtype, (name, got.shape, want.shape)
+        diff = (got != want).sum().item()
+        assert diff == 0, f"{name}: {diff} of {got.numel()} bytes differ"
+    d = qq.head_dim
+    qh, kh = fmt.to_hnd(q, layout), fmt.to_hnd(k, layout)
+    qm_ref = fmt.q_block_means(qh)
+    km_ref = fmt.k_mean(kh, kv_lens)
+    assert torch.all(qq.q_mean[..., d:] == 0) and torch.all(qq.k_mean[..., d:] == 0)
+    torch.testing.assert_close(qq.q_mean[..., :d], qm_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(qq.k_mean[..., :d], km_ref, rtol=1e-5, atol=1e-5)
+    # q . km with the same km: only the summation order differs.
+    scale = (qh.float().abs() * qq.k_mean[..., :d].abs().repeat_interleave(qh.shape[1] // kh.shape[1], 1)[:, :, None]).sum(-1)
+    assert torch.all((qq.q_dot_km - ref.q_dot_km).abs() <= 1e-5 * scale + 1e-6)
+    return ref
+
+
+def _run_case(b, h, hkv, sq, sk, d, layout, dtype, kv_lens=None, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q = _make((b, h, sq, d), layout, dtype, gen)
+    k = _make((b, hkv, sk, d), layout, dtype, gen, block_structure=False)
+    v = _make((b, hkv, sk, d), layout, dtype, gen, block_structure=False)
+    lens = None if kv_lens is None else torch.tensor(kv_lens, device="cuda", dtype=torch.int32)
+    qq = cq.quantize_qkv_cuda(q, k, v, layout=layout, kv_lens=lens)
+    ref = _assert_matches_format(qq, q, k, v, layout, lens)
+    return qq, ref, (q, k, v, lens)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_bytes_equal_format_4096(layout, dtype, d):
+    kv_lens = [4096, 3001] if dtype == torch.float16 else None
+    _run_case(2, 4, 2, 4096, 4096, d, layout, dtype, kv_lens=kv_lens)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("b, h, hkv, sq, sk, d, layout, dtype, kv_lens", [
+    (1, 3, 1, 1000, 777, 72, "HND", torch.float32, None),     # D padded to 128, ragged lengths
+    (2, 2, 2, 1, 300, 40, "NHD", torch.bfloat16, [0, 45]),     # one query row, D padded to 64, empty batch
+    (1, 8, 2, 257, 4133, 128, "NHD", torch.float16, [4100]),  # GQA 4:1, tails inside a 32-key group
+])
+def test_bytes_equal_format_ragged(b, h, hkv, sq, sk, d, layout, dtype, kv_lens):
+    qq, ref, (q, k, v, lens) = _run_case(b, h, hkv, sq, sk, d, layout, dtype, kv_lens=kv_lens, seed=1)
+    # The chunked correction equals format.qk_correction (same means) up to summation order.
+    want = fmt.qk_correction(ref)
+    got = cq.qk_correction_cuda(qq)
+    bound = fmt.qk_correction(_abs_copy(ref)) * 1e-5 + 1e-6
+    assert got.shape == want.shape and torch.all((got - want).abs() <= bound)
+
+
+def _abs_copy(ref):
+    """ref with |q_mean| and |k_smoothed|: qk_correction of it bounds the summation error."""
+    import dataclasses
+
+    return dataclasses.replace(ref, q_mean=ref.q_mean.abs(), k_smoothed=ref.k_smoothed.abs())
+
+
+@pytest.mark.cuda
+def test_non_unit_strides_and_specials():
+    """Strided views (no copy; D not unit-stride) and NaN, inf, -0, huge values."""
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    b, s, h, d = 2, 700, 2, 64
+    # NHD views whose D axis has stride H (the scalar-load path) and a batch stride with a gap.
+    base = torch.randn(b, s, d, h + 1, device="cuda", generator=gen).to(torch.bfloat16)
+    q = base[..., :h].transpose(2, 3)
+    assert q.stride(-1) != 1
+    k = torch.randn(b, s, d, h, device="cuda", generator=gen).to(torch.bfloat16).transpose(2, 3)
+    v = (torch.randn(b, s, d, h, device="cuda", generator=gen) * 3).to(torch.bfloat16).transpose(2, 3)
+    q[0, 5, 0, 3] = float("nan")
+    q[0, 200, 1, 17] = float("inf")
+    q[1, 300, 0, :16] = -0.0
+    k[0, 17, 1, 40] = -float("inf")
+    v[1, 33, 0, 7] = float("nan")
+    v[0, 64, 1, :] = 1e4  # saturates the 448 scale: codes clamp to 6
+    k[1, 100, 0, 20] = 3e38
+    qq = cq.quantize_qkv_cuda(q, k, v, layout="NHD")
+    ref = fmt.quantize_qkv(q, k, v, layout="NHD", q_mean=qq.q_mean, k_mean_override=qq.k_mean)
+    for name in BYTE_FIELDS:
+        diff = (getattr(qq, name) != getattr(ref, name)).sum().item()
+        assert diff == 0, f"{name}: {diff} bytes differ"
+    # The same data as contiguous tensors takes the vector-load path and gives the same bytes.
+    qq2 = cq.quantize_qkv_cuda(q.contiguous(), k.contiguous(), v.contiguous(), layout="NHD")
+    for name in BYTE_FIELDS:
+        assert torch.equal(getattr(qq, name), getattr(qq2, name)), name
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("b, s, h, d, layout, dtype, kv_lens", [
+    (2, 75_600, 2, 128, "NHD", torch.bfloat16, None),          # Wan 720p length, CFG batch
+    (1, 118_800 + 256, 2, 64, "HND", torch.float16, [118_900]),  # HunyuanVideo length + text
+])
+def test_bytes_equal_format_long(b, s, h, d, layout, dtype, kv_lens):
+    _run_case(b, h, h, s, s, d, layout, dtype, kv_lens=kv_lens, seed=2)
+
+
+@pytest.mark.cuda
+def test_beyond_int32_correction_and_bytes():
+    """H=40 at 118,800+256 tokens: B*H*S^2/128 > 2^31. The quantized bytes are exact, one
+    correction launch over all 4.4e9 entries is right at sampled points (including the last),
+    and the budgeted chunks reproduce it bit for bit."""
+    b, h, s, d = 1, 40, 118_800 + 256, 128
+    qq, ref, (q, k, v, lens) = _run_case(b, h, h, s, s, d, "NHD", torch.bfloat16, seed=4)
+    del ref
+    torch.cuda.empty_cache()
+    nblk, skp = qq.num_q_blocks, qq.k_data.shape[2]
+    assert b * h * nblk * skp > 2 ** 31
+    full = cq.qk_correction_cuda(qq)
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    n = 20000
+    hh = torch.randint(0, h, (n,), device="cuda", generator=gen)
+    mm = torch.randint(0, nblk, (n,), device="cuda", generator=gen)
+    jj = torch.randint(0, skp, (n,), device="cuda", generator=gen)
+    hh[:3] = h - 1
+    mm[:3] = nblk - 1
+    jj[:3] = torch.tensor([s - 1, s, skp - 1], device="cuda")  # last key, first and last padded key
+    kh = fmt.to_hnd(k, "NHD")
+    qm = qq.q_mean[0, hh, mm].double()                                      # [n, Dp]
+    valid = (jj < s)[:, None]
+    ks = torch.where(valid, kh[0, hh, jj.clamp_max(s - 1)].double() - qq.k_mean[0, hh].double(), 0.0)
+    want = (qm * ks).sum(-1)
+    bound = (qm.abs() * ks.abs()).sum(-1) * 1e-5 + 1e-6
+    got = full[0, hh, mm, jj].double()
+    assert torch.all((got - want).abs() <= bound), (got - want).abs().max()
+    assert torch.all(got[1:3] == 0)
+    budget = 1 << 30
+    # Peak memory of the chunked path alone (the comparisons below allocate temporaries).
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    chunks = [(b0, b1) for b0, b1, _ in cq.iter_qk_corrections(qq, budget=budget)]
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() - before <= budget
+    assert chunks[0][0] == 0 and chunks[-1][1] == nblk and len(chunks) > 1
+    for b0, b1, delta in cq.iter_qk_corrections(qq, budget=budget):
+        assert torch.equal(delta, full[:, :, b0:b1]), (b0, b1)
+
+
+@pytest.mark.cuda
+def test_input_errors_name_the_argument():
+    x = torch.randn(1, 128, 2, 64, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="head dim 160"):
+        y = torch.randn(1, 128, 2, 160, device="cuda", dtype=torch.bfloat16)
+        cq.quantize_qkv_cuda(y, y, y)
+    with pytest.raises(TypeError, match="k must be"):
+        cq.quantize_qkv_cuda(x, x.to(torch.int32), x)
+    with pytest.raises(ValueError, match="multiple of k/v heads"):
+        cq.quantize_qkv_cuda(torch.randn(1, 128, 3, 64, device="cuda"), torch.randn(1, 128, 2, 64, device="cuda"),
+                             torch.randn(1, 128, 2, 64, device="cuda"))
+    with pytest.raises(ValueError, match="kv_lens"):
+        cq.quantize_qkv_cuda(x, x, x, kv_lens=torch.tensor([1, 2], device="cuda"))
+    with pytest.raises(ValueError, match="layout"):
+        cq.quantize_qkv_cuda(x, x, x, layout="BSHD")
+    with pytest.raises(ValueError, match="CUDA"):
+        cq.quantize_qkv_cuda(x.cpu(), x.cpu(), x.cpu())
+    qq = cq.quantize_qkv_cuda(x, x, x)
+    with pytest.raises(ValueError, match="block_start"):
+        cq.qk_correction_cuda(qq, 0, 5)
+    with pytest.raises(ValueError, match="out must be"):
+        cq.qk_correction_cuda(qq, out=torch.empty(1, 2, 1, 64, device="cuda"))
