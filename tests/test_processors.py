@@ -425,9 +425,7 @@ def test_no_tensors_held_after_a_step(monkeypatch):
 @pytest.mark.cuda
 @pytest.mark.parametrize("family,head_dim", CASES)
 def test_cuda_backend_close_to_dense(family, head_dim):
-    case = build(family, head_dim=head_dim, dtype=torch.bfloat16)
-    case.model.to("cuda")
-    case.inputs = {k: v.to("cuda") if isinstance(v, torch.Tensor) else v for k, v in case.inputs.items()}
+    case = build(family, head_dim=head_dim, dtype=torch.bfloat16).to("cuda")
     dense = case.run()
     with apply(case.model, backend="cuda", cross_attention=True, min_seq_len=0):
         fp4 = case.run()

@@ -24,6 +24,19 @@ class TinyCase:
     # Tensors of the output to compare (some models return several).
     outputs: Callable = field(default=lambda res: [res[0]])
 
+    def to(self, device) -> "TinyCase":
+        """Move the model and every tensor input (tuples included) to ``device``."""
+        def move(x):
+            if isinstance(x, torch.Tensor):
+                return x.to(device)
+            if isinstance(x, tuple):
+                return tuple(move(y) for y in x)
+            return x
+
+        self.model.to(device)
+        self.inputs = {k: move(v) for k, v in self.inputs.items()}
+        return self
+
     def run(self) -> list[torch.Tensor]:
         with torch.no_grad():
             return self.outputs(self.model(**self.inputs, return_dict=False))
