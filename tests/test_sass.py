@@ -17,6 +17,7 @@ def test_expected_mma_count_follows_the_warp_layout():
     # 512 m16n8k64 per 128x128 CTA tile at D=128 over 8 warps.
     assert check_sass.expected_mma_per_warp(128) * 8 == 512
     assert check_sass.expected_mma_per_warp(64) * 8 == 256
+    assert check_sass.expected_mma_in_sass(128) == 96 and check_sass.expected_mma_in_sass(64) == 48
 
 
 @pytest.mark.skipif(check_sass.find_tool("nvcc") is None, reason="needs nvcc")

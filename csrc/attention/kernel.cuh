@@ -75,6 +75,12 @@ __device__ __forceinline__ void attention_fwd_body(const AttentionFwdParams& p) 
   constexpr int kKC = T::kKChunks;
   constexpr int kQRowBytes = kHeadDim / 2;
   constexpr int kSfRow = kHeadDim / 16;
+  // Tiles loaded ahead. The PV of tile n runs in iteration n+1, so a stage is busy for two
+  // iterations after it is consumed: prefetch distance = stages - 2.
+  constexpr int kPrefetch = kStages - 2;
+  static_assert(kPrefetch >= 1, "the software-pipelined PV needs at least 3 stages");
+  constexpr int kPVSteps = 2 * kHeadDim / 16;   // (64-key chunks) x (pairs of n8 tiles of D)
+  static_assert(kPVSteps % 8 == 0, "PV steps are spread over the 8 P blocks of a tile");
 
   extern __shared__ __align__(128) uint8_t smem[];
   const uint32_t smem_base = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
@@ -130,9 +136,9 @@ __device__ __forceinline__ void attention_fwd_body(const AttentionFwdParams& p) 
       }
     };
 
-    // Prologue: the first kStages-1 tiles in flight while Q goes to registers.
+    // Prologue: the first kPrefetch tiles in flight while Q goes to registers.
 #pragma unroll
-    for (int s = 0; s < kStages - 1; ++s) {
+    for (int s = 0; s < kPrefetch; ++s) {
       if (s < n_end) load_stage(s, s);
       detail::cp_async_commit();
     }
@@ -162,19 +168,49 @@ __device__ __forceinline__ void attention_fwd_body(const AttentionFwdParams& p) 
     for (int j = 0; j < T::kNTilesO; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
     float m_run[2] = {-INFINITY, -INFINITY};
     float l_part[2] = {0.0f, 0.0f};
-    float alpha_r[2];
+    // FP4(P) of the previous tile (the PV A fragments and their SF_A words), consumed one tile
+    // late so its MMAs overlap this tile's softmax.
+    uint32_t pa_prev[2][4] = {};
+    uint32_t sfp_prev[2] = {};
+
+    // One PV step: ldmatrix.x4 of V^T (two n8 tiles of D) and two MMAs; kPVSteps per tile.
+    auto pv_step = [&](int step, uint32_t sb_v, const uint8_t* sp_v) {
+      const int kc = step / (kHeadDim / 16);          // 64-key chunk
+      const int rest = step % (kHeadDim / 16);
+      const int qd = rest >> 1, jj = rest & 1;         // 32-row group of D, pair of n8 tiles
+      const uint32_t sfb = *reinterpret_cast<const uint32_t*>(sp_v + T::kOffVSf + (32 * qd + 8 * t + g) * T::kVSfRowBytes + 4 * kc);
+      const int mat = lane >> 3;
+      const int row = (4 * qd + 2 * jj + (mat >> 1)) * 8 + (lane & 7);
+      uint32_t r[4];
+      detail::ldmatrix_x4(r, sb_v + T::kOffV + T::template swizzle<T::kVRowBytes>(row, 2 * kc + (mat & 1)));
+      const uint32_t b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]};
+      if (jj == 0) {
+        Mma::template mma<0, 0>(o[4 * qd + 0], pa_prev[kc], b0, sfp_prev[kc], sfb);
+        Mma::template mma<0, 1>(o[4 * qd + 1], pa_prev[kc], b1, sfp_prev[kc], sfb);
+      } else {
+        Mma::template mma<0, 2>(o[4 * qd + 2], pa_prev[kc], b0, sfp_prev[kc], sfb);
+        Mma::template mma<0, 3>(o[4 * qd + 3], pa_prev[kc], b1, sfp_prev[kc], sfb);
+      }
+    };
 
     for (int n = 0; n < n_end; ++n) {
-      detail::cp_async_wait<kStages - 2>();
-      __syncthreads();   // tile n visible to all; every warp is done with tile n-1's stage
+      detail::cp_async_wait<kPrefetch - 1>();
+      // Tile n is visible to all, and every warp has finished iteration n-1, which read stages
+      // n-1 (K) and n-2 (V): the stage of tile n+kPrefetch = n-2 (mod 4) is free.
+      __syncthreads();
       {
-        const int nn = n + kStages - 1;
+        const int nn = n + kPrefetch;
         if (nn < n_end) load_stage(nn % kStages, nn);
         detail::cp_async_commit();
       }
       const int stage = n % kStages;
       const uint32_t sb = smem_base + stage * T::kStageBytes;
       const uint8_t* sp = smem + stage * T::kStageBytes;
+      // On the first tile P(prev) is all zero (codes and scales): point it at this tile's
+      // initialised stage so the MMAs add exact zeros, and the loop body stays branch-free.
+      const int stage_prev = n > 0 ? (n + kStages - 1) % kStages : stage;
+      const uint32_t sb_prev = smem_base + stage_prev * T::kStageBytes;
+      const uint8_t* sp_prev = smem + stage_prev * T::kStageBytes;
 
       // ---- S = delta + FP4(Q) FP4(K)^T -------------------------------------------------------
       float s[T::kNTilesS][4];
@@ -232,7 +268,7 @@ __device__ __forceinline__ void attention_fwd_body(const AttentionFwdParams& p) 
           bmax[q][r] = fmaxf(x, __shfl_xor_sync(0xFFFFFFFFu, x, 1));
         }
       }
-      float bias[2];   // exp2 argument of P' = s * c + bias, bias = log2(2688) - m * c
+      float bias[2], alpha[2];   // P' = exp2(s * c + bias), bias = log2(2688) - m * c
       bool rescale = false;
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
@@ -241,30 +277,23 @@ __device__ __forceinline__ void attention_fwd_body(const AttentionFwdParams& p) 
         const float m_new = fmaxf(m_run[r], mx);
         // A row with no visible key so far keeps m = -inf; use 0 so exp2 gives 0, not NaN.
         const float m_use = m_new == -INFINITY ? 0.0f : m_new;
-        alpha_r[r] = fast_exp2((m_run[r] - m_use) * c);   // 0 on the first visible tile
-        rescale |= alpha_r[r] != 1.0f;
+        alpha[r] = fast_exp2((m_run[r] - m_use) * c);   // 0 on the first visible tile
+        rescale |= alpha[r] != 1.0f;
         m_run[r] = m_new;
         bias[r] = kLog2PRange - m_use * c;
-      }
-      // Most tiles of a long row leave its max unchanged: skip the O rescale when the whole warp can.
-      if (__any_sync(0xFFFFFFFFu, rescale)) {
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          l_part[r] *= alpha_r[r];
-#pragma unroll
-          for (int j = 0; j < T::kNTilesO; ++j) {
-            o[j][2 * r] *= alpha_r[r];
-            o[j][2 * r + 1] *= alpha_r[r];
-          }
-        }
+        l_part[r] *= alpha[r];
       }
 
-      // ---- P' and its two-level quantisation, straight into the PV A fragments -----------------
+      // ---- P' of tile n and its two-level quantisation, interleaved with O += P(n-1) V(n-1) ----
+      // The PV MMAs of the previous tile are independent of this softmax, so the tensor pipe
+      // works while the ALUs quantise (the order below is the issue order).
       uint32_t preg[4][2], psf[4][2];
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
+#pragma unroll
+          for (int i = 0; i < kPVSteps / 8; ++i) pv_step((2 * q + r) * (kPVSteps / 8) + i, sb_prev, sp_prev);
           float pv[8];
 #pragma unroll
           for (int a = 0; a < 4; ++a) {
@@ -278,38 +307,37 @@ __device__ __forceinline__ void attention_fwd_body(const AttentionFwdParams& p) 
           preg[q][r] = quantize_p_block(pv, fast_exp2(fmaf(bmax[q][r], c, bias[r])), &psf[q][r]);
         }
       }
-
-      // ---- O += FP4(P) FP4(V) ------------------------------------------------------------------
+      // O now holds everything up to tile n-1 in the frame of the previous max: move it to this
+      // tile's max. Most tiles of a long row leave the max alone; skip when the whole warp can.
+      if (__any_sync(0xFFFFFFFFu, rescale)) {
+#pragma unroll
+        for (int j = 0; j < T::kNTilesO; ++j) {
+          o[j][0] *= alpha[0];
+          o[j][1] *= alpha[0];
+          o[j][2] *= alpha[1];
+          o[j][3] *= alpha[1];
+        }
+      }
 #pragma unroll
       for (int kc = 0; kc < 2; ++kc) {
-        const uint32_t pa[4] = {preg[2 * kc][0], preg[2 * kc][1], preg[2 * kc + 1][0], preg[2 * kc + 1][1]};
+        pa_prev[kc][0] = preg[2 * kc][0];
+        pa_prev[kc][1] = preg[2 * kc][1];
+        pa_prev[kc][2] = preg[2 * kc + 1][0];
+        pa_prev[kc][3] = preg[2 * kc + 1][1];
         // SF_A with thread-id-a = 0: lane 4g+0 needs row g's 4 block scales, lane 4g+1 row g+8's.
         // This lane holds blocks kb = t>>1 (group 2kc) and 2 + (t>>1) (group 2kc+1); lane t^2
         // holds the other two.
         const int rsel = t & 1;
         const uint32_t mine = (rsel ? psf[2 * kc][1] : psf[2 * kc][0]) | ((rsel ? psf[2 * kc + 1][1] : psf[2 * kc + 1][0]) << 16);
         const uint32_t peer = __shfl_xor_sync(0xFFFFFFFFu, mine, 2);
-        const uint32_t sfp = mine | (peer << 8);
-#pragma unroll
-        for (int qd = 0; qd < kHeadDim / 32; ++qd) {
-          const uint32_t sfb = *reinterpret_cast<const uint32_t*>(sp + T::kOffVSf + (32 * qd + 8 * t + g) * T::kVSfRowBytes + 4 * kc);
-#pragma unroll
-          for (int jj = 0; jj < 2; ++jj) {
-            const int mat = lane >> 3;
-            const int row = (4 * qd + 2 * jj + (mat >> 1)) * 8 + (lane & 7);
-            uint32_t r[4];
-            detail::ldmatrix_x4(r, sb + T::kOffV + T::template swizzle<T::kVRowBytes>(row, 2 * kc + (mat & 1)));
-            const uint32_t b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]};
-            if (jj == 0) {
-              Mma::template mma<0, 0>(o[4 * qd + 0], pa, b0, sfp, sfb);
-              Mma::template mma<0, 1>(o[4 * qd + 1], pa, b1, sfp, sfb);
-            } else {
-              Mma::template mma<0, 2>(o[4 * qd + 2], pa, b0, sfp, sfb);
-              Mma::template mma<0, 3>(o[4 * qd + 3], pa, b1, sfp, sfb);
-            }
-          }
-        }
+        sfp_prev[kc] = mine | (peer << 8);
       }
+    }
+    // The last tile's PV (its stage is still resident: no load was issued past n_end).
+    if (n_end > 0) {
+      const int stage_last = (n_end - 1) % kStages;
+#pragma unroll
+      for (int i = 0; i < kPVSteps; ++i) pv_step(i, smem_base + stage_last * T::kStageBytes, smem + stage_last * T::kStageBytes);
     }
     detail::cp_async_wait<0>();
     __syncthreads();   // the next work item's prologue reuses the stages

@@ -13,7 +13,7 @@ struct AttentionTraits {
   static constexpr int kBlockN = 128;       // keys per tile
   static constexpr int kWarps = 8;          // every warp owns 16 Q rows
   static constexpr int kThreads = kWarps * 32;
-  static constexpr int kStages = 3;         // cp.async K/V pipeline depth
+  static constexpr int kStages = 4;         // cp.async stages: 2 tiles ahead + current + previous (its PV)
   static constexpr int kKChunks = kHeadDim / 64;   // k64 chunks of the QK^T MMA
   static constexpr int kNTilesS = kBlockN / 8;     // n8 tiles of the score tile (16)
   static constexpr int kNTilesO = kHeadDim / 8;    // n8 tiles of the output (8 or 16)
