@@ -81,11 +81,7 @@ def _nvfp4_attention(
             query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
             forward_op=nvfp4_forward_op, backward_op=nvfp4_backward_op, _parallel_config=_parallel_config,
         )
-    res = _route_nhd(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse)
-    if return_lse:
-        out, lse = res
-        return out, lse.permute(0, 2, 1)
-    return res
+    return nvfp4_forward_op(None, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse)
 
 
 def _route_nhd(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse):

@@ -240,7 +240,9 @@ def test_masked_calls_match_exact(mask_kind, spy):
 
 # -- torch.compile --------------------------------------------------------------------------------
 
-def test_compiled_wan_blocks_fullgraph_with_backend(monkeypatch):
+def _compiled_vs_eager(monkeypatch, context):
+    """Wan's blocks under ``context(model)``: eager output, then compile_repeated_blocks(fullgraph=True);
+    returns (eager, compiled, back-ends the op ran during the compiled forward)."""
     import nvfp4_dit.ops as ops
 
     runs = []
@@ -248,33 +250,29 @@ def test_compiled_wan_blocks_fullgraph_with_backend(monkeypatch):
     monkeypatch.setattr(ops, "_run", lambda *a: runs.append(a[-1]) or orig_run(*a))
     torch._dynamo.reset()
     case = build("wan", head_dim=64)
+    try:
+        with context(case.model):
+            eager = case.run()
+            runs.clear()
+            case.model.compile_repeated_blocks(fullgraph=True, backend="aot_eager")
+            compiled = case.run()
+    finally:
+        torch._dynamo.reset()
+    return eager, compiled, runs
+
+
+def test_compiled_wan_blocks_fullgraph_with_backend(monkeypatch):
     routing.configure_default(backend="reference", min_seq_len=0)
-    with backend.use_backend(case.model):
-        eager = case.run()
-        runs.clear()
-        case.model.compile_repeated_blocks(fullgraph=True, backend="aot_eager")
-        compiled = case.run()
+    eager, compiled, runs = _compiled_vs_eager(monkeypatch, backend.use_backend)
     assert runs == ["reference"] * 4
     torch.testing.assert_close(compiled[0], eager[0], rtol=1e-5, atol=1e-5)
-    torch._dynamo.reset()
 
 
 def test_compiled_wan_block_fullgraph_with_apply(monkeypatch):
-    import nvfp4_dit.ops as ops
-
-    runs = []
-    orig_run = ops._run
-    monkeypatch.setattr(ops, "_run", lambda *a: runs.append(a[-1]) or orig_run(*a))
-    torch._dynamo.reset()
-    case = build("wan", head_dim=64)
-    with apply(case.model, backend="reference", min_seq_len=0):
-        eager = case.run()
-        runs.clear()
-        case.model.compile_repeated_blocks(fullgraph=True, backend="aot_eager")
-        compiled = case.run()
+    eager, compiled, runs = _compiled_vs_eager(
+        monkeypatch, lambda model: apply(model, backend="reference", min_seq_len=0))
     assert runs == ["reference"] * 2  # self-attention of both blocks; cross stays dense
     torch.testing.assert_close(compiled[0], eager[0], rtol=1e-5, atol=1e-5)
-    torch._dynamo.reset()
 
 
 # -- context parallelism (ring) -------------------------------------------------------------------
