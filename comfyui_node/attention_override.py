@@ -182,10 +182,10 @@ class NVFP4AttentionOverride:
 
         try:
             return self.run(plan)
-        except nvfp4_dit.BackendUnavailableError as error:
-            # An explicitly chosen back-end that cannot run this call (e.g. "cuda" on a CPU tensor,
-            # or a padding mask the kernel cannot take): keep the user's pipeline running.
-            _warn_once("unavailable:" + str(error), str(error))
+        except (nvfp4_dit.BackendUnavailableError, ValueError, TypeError) as error:
+            # An explicitly chosen back-end that cannot run this call (e.g. "cuda" on a CPU tensor, or a
+            # padding mask the kernel cannot take), or inputs the op rejects: keep the pipeline running.
+            _warn_once(f"op:{type(error).__name__}:{error}", f"nvfp4_dit.attention declined the call ({error})")
             return self.decline(func, args, kwargs)
 
     def decline(self, func: Callable, args: tuple, kwargs: dict):
@@ -207,12 +207,16 @@ class NVFP4AttentionOverride:
         q, k, v, heads = arguments["q"], arguments["k"], arguments["v"], arguments["heads"]
         if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
             return None
+        if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1:
+            return None
         if q.dtype not in (torch.float16, torch.bfloat16, torch.float32) or not (q.dtype == k.dtype == v.dtype):
             _warn_once(f"dtype:{q.dtype}", f"attention in {q.dtype}")
             return None
         if q.device != k.device or q.device != v.device:
             return None
 
+        if q.ndim < 3 or k.ndim != q.ndim or v.ndim != q.ndim or not (q.shape[0] == k.shape[0] == v.shape[0]):
+            return None
         skip_reshape = bool(arguments.get("skip_reshape", False))
         enable_gqa = bool(extra.get("enable_gqa", False))
         if skip_reshape:
@@ -224,7 +228,7 @@ class NVFP4AttentionOverride:
                 return None
             q4, k4, v4, layout = q, k, v, "HND"
         else:
-            if q.ndim != 3 or k.ndim != 3 or v.ndim != 3 or not isinstance(heads, int) or heads < 1:
+            if q.ndim != 3 or k.ndim != 3 or v.ndim != 3:
                 return None
             batch, queries, width = q.shape
             if width % heads:
@@ -238,8 +242,6 @@ class NVFP4AttentionOverride:
             k4 = k.reshape(batch, keys, kv_heads, head_dim)
             v4 = v.reshape(batch, keys, kv_heads, head_dim)
             layout = "NHD"
-        if k.shape[0] != batch or v.shape[0] != batch:
-            return None
         if kv_heads != heads and not (enable_gqa and heads % kv_heads == 0):
             return None  # ComfyUI's own back-ends reject this too; let them raise their error.
         if head_dim > _MAX_HEAD_DIM:

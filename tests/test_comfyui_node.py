@@ -446,19 +446,32 @@ def tiny_cases(comfyui):
     return {name: comfyui_env.tiny_case(comfyui, name) for name in TINY_MODELS}
 
 
-def _unpatched_reference(comfyui, case):
-    """The unpatched model's output, and a log of the attention calls it makes."""
-    spy = case.patcher.clone()
-    log = AttentionLog(spy)
-    return comfyui_env.sample(comfyui, spy, case), log.calls
+class UnpatchedRuns:
+    """Each tiny model's unpatched output and the attention calls it makes, sampled once per module."""
+
+    def __init__(self, comfyui, cases):
+        self.comfyui, self.cases, self.runs = comfyui, cases, {}
+
+    def __getitem__(self, name):
+        if name not in self.runs:
+            spy = self.cases[name].patcher.clone()
+            log = AttentionLog(spy)
+            self.runs[name] = (comfyui_env.sample(self.comfyui, spy, self.cases[name]), log.calls)
+        return self.runs[name]
+
+
+@pytest.fixture(scope="module")
+def unpatched(comfyui, tiny_cases):
+    return UnpatchedRuns(comfyui, tiny_cases)
 
 
 @pytest.mark.comfyui
 @pytest.mark.parametrize("name", TINY_MODELS)
-def test_forced_dense_is_bit_identical_and_leaves_the_original_alone(comfyui, tiny_cases, op_calls, name):
+def test_forced_dense_is_bit_identical_and_leaves_the_original_alone(comfyui, tiny_cases, unpatched, op_calls,
+                                                                    name):
     case = tiny_cases[name]
+    expected, reference_calls = unpatched[name]
     before = comfyui_env.sample(comfyui, case.patcher, case)
-    expected, reference_calls = _unpatched_reference(comfyui, case)
     assert torch.equal(before, expected)
     # Every step dense: the node's override sees every call and hands each to ComfyUI's function.
     patched = _patch_with_node(comfyui, case.patcher, dense_first_steps=3)
@@ -477,9 +490,9 @@ def test_forced_dense_is_bit_identical_and_leaves_the_original_alone(comfyui, ti
 
 @pytest.mark.comfyui
 @pytest.mark.parametrize("name", TINY_MODELS)
-def test_every_eligible_call_runs_in_the_op(comfyui, tiny_cases, op_calls, name):
+def test_every_eligible_call_runs_in_the_op(comfyui, tiny_cases, unpatched, op_calls, name):
     case = tiny_cases[name]
-    expected, reference_calls = _unpatched_reference(comfyui, case)
+    expected, reference_calls = unpatched[case.name]
     self_attention = [c for c in reference_calls if c["lq"] == c["lk"]]
     cross_attention = [c for c in reference_calls if c["lq"] != c["lk"]]
     assert self_attention and (cross_attention or name == "hunyuan_video")  # Hunyuan attends jointly
@@ -503,9 +516,9 @@ def test_every_eligible_call_runs_in_the_op(comfyui, tiny_cases, op_calls, name)
 
 @pytest.mark.comfyui
 @pytest.mark.parametrize("name", TINY_MODELS)
-def test_fp4_reference_numerics_inside_the_model(comfyui, tiny_cases, op_calls, name):
+def test_fp4_reference_numerics_inside_the_model(comfyui, tiny_cases, unpatched, op_calls, name):
     case = tiny_cases[name]
-    expected, _ = _unpatched_reference(comfyui, case)
+    expected, _ = unpatched[case.name]
     patched = _patch_with_node(comfyui, case.patcher, backend="reference")
     out = comfyui_env.sample(comfyui, patched, case)
     assert op_calls and all(c["backend"] == "reference" for c in op_calls)
@@ -517,9 +530,9 @@ def test_fp4_reference_numerics_inside_the_model(comfyui, tiny_cases, op_calls, 
 
 
 @pytest.mark.comfyui
-def test_dense_steps_follow_the_schedule_comfyui_passes(comfyui, tiny_cases, op_calls):
+def test_dense_steps_follow_the_schedule_comfyui_passes(comfyui, tiny_cases, unpatched, op_calls):
     case = tiny_cases["wan"]
-    _, reference_calls = _unpatched_reference(comfyui, case)
+    _, reference_calls = unpatched[case.name]
     per_step = len([c for c in reference_calls if c["lq"] == c["lk"]]) // 3
     for first, last, fp4_steps in ((1, 0, 2), (0, 1, 2), (1, 1, 1), (2, 1, 0)):
         op_calls.clear()
@@ -536,9 +549,9 @@ def test_dense_steps_follow_the_schedule_comfyui_passes(comfyui, tiny_cases, op_
 
 
 @pytest.mark.comfyui
-def test_chains_an_override_already_on_the_model(comfyui, tiny_cases, op_calls):
+def test_chains_an_override_already_on_the_model(comfyui, tiny_cases, unpatched, op_calls):
     case = tiny_cases["wan"]
-    expected, reference_calls = _unpatched_reference(comfyui, case)
+    expected, reference_calls = unpatched[case.name]
     earlier = case.patcher.clone()
     earlier_log = AttentionLog(earlier)  # stands in for another attention patch node (sage, flash)
     patched = _patch_with_node(comfyui, earlier)
@@ -768,3 +781,25 @@ def check_api_workflow(graph: dict, object_info: dict, name: str) -> None:
                         f"{name}: {class_type}.{input_name} wants {wanted}, gets {outputs[slot]}")
         missing = set(spec.get("required", {})) - set(node["inputs"])
         assert not missing, f"{name}: {class_type} node {node_id} lacks required inputs {sorted(missing)}"
+
+
+def test_heads_must_be_a_positive_int_in_both_layouts(gen):
+    override = NVFP4AttentionOverride(AttentionPolicy(backend="sdpa", **OPEN))
+    for skip_reshape in (False, True):
+        q, k, v = qkv(gen, skip_reshape)
+        for heads in (2.0, True, 0):
+            func = RecordingFunc()
+            assert override(func, q, k, v, heads, skip_reshape=skip_reshape) == "from-func"
+
+
+def test_inputs_the_op_rejects_are_declined(gen, caplog):
+    q, k, v = qkv(gen, False)
+    func = RecordingFunc()
+    override = NVFP4AttentionOverride(AttentionPolicy(backend="sdpa", **OPEN))
+    ao._warned.clear()
+    with caplog.at_level(logging.WARNING, logger="nvfp4_dit.comfyui"):
+        # A negative softmax scale passes ComfyUI's back-ends; nvfp4_dit.attention rejects it (ValueError).
+        assert override(func, q, k, v, 2, scale=-0.5) == "from-func"
+        assert override(func, q, k, v, 2, scale=-0.5) == "from-func"
+    assert len(func.calls) == 2 and func.calls[0][1]["scale"] == -0.5
+    assert len(caplog.records) == 1 and "scale" in caplog.records[0].getMessage()
