@@ -180,7 +180,9 @@ class NVFP4AttnProcessorBase:
     def _forward(self, attn, args, kwargs):
         settings = self.policy.settings_for(self._is_cross(args, kwargs)) if self.enabled else None
         if settings is None:
-            return self.original(attn, *args, **kwargs)
+            if not routing._OBSERVERS:
+                return self.original(attn, *args, **kwargs)
+            settings = routing.POLICY_DENSE  # observed, still exact
         prev = routing.push_settings(settings, self.name, self.policy.current_step)
         try:
             if self.route == ROUTE_DISPATCH:

@@ -44,6 +44,7 @@ class RouteSettings:
     # Compute every call exactly as the unmodified model does, still passing it through the
     # router so observers see it (baselines, capture of a dense run).
     observe_only: bool = False
+    observe_reason: str = "observe only"  # the CallInfo.reason observers see for those calls
 
     def __post_init__(self):
         if not isinstance(self.backend, str) or self.backend not in ROUTE_BACKENDS:
@@ -129,12 +130,19 @@ class CallInfo:
 
 
 _OBSERVERS: list = []
+# What an NVFP4 processor routes a dense-by-policy call through while observers are registered.
+POLICY_DENSE = RouteSettings(backend="sdpa", min_seq_len=0, observe_only=True, observe_reason="dense by policy")
 
 
 def add_observer(fn: Callable) -> None:
     """Call ``fn(info: CallInfo, query, key, value, out)`` after every routed call (``out`` is the
     output, or ``(out, lse)`` when the caller asked for the LSE).  Observers add a device sync
-    per call (for the timing); nothing is kept unless the observer keeps it."""
+    per call (for the timing); nothing is kept unless the observer keeps it.
+
+    While an observer is registered, NVFP4 processors also route their dense-by-policy calls
+    (reason "dense by policy"), computed exactly; for dispatch-based models that exact path is
+    diffusers' native SDPA backend, i.e. what they run by default.
+    """
     _OBSERVERS.append(fn)
 
 
@@ -324,7 +332,7 @@ def _route(query, key, value, layout, attn_mask, dropout_p, is_causal, scale, en
            settings, exact):
     """(result, path, reason) -- see :func:`routed_attention`."""
     if settings.observe_only:
-        reason, warn = "observe only", False
+        reason, warn = settings.observe_reason, False
     else:
         reason, warn = _expressible_reason(query, key, value, layout, attn_mask, dropout_p, is_causal,
                                            enable_gqa, settings)

@@ -466,4 +466,6 @@ def test_observer_sees_fp4_calls_with_step(spy):
             case.run()
     finally:
         routing._OBSERVERS.clear()
-    assert seen == [("blocks.0.attn1", (1, 4), "fp4", "reference"), ("blocks.1.attn1", (1, 4), "fp4", "reference")]
+    # Dense-by-policy calls (cross-attention) are observed too, computed exactly.
+    assert seen == [("blocks.0.attn1", (1, 4), "fp4", "reference"), ("blocks.0.attn2", (1, 4), "exact", "sdpa"),
+                    ("blocks.1.attn1", (1, 4), "fp4", "reference"), ("blocks.1.attn2", (1, 4), "exact", "sdpa")]

@@ -1,0 +1,299 @@
+"""Shared pieces of the video tools (generate_video.py, capture_attention.py, report.py).
+
+* the generation arguments every tool takes (model, prompt, size, steps, seed, dtype, offload,
+  and the NVFP4 policy: back-end, dense steps, cross-attention, min_seq_len, layers);
+* loading a pipeline: a hub id or local path through ``DiffusionPipeline.from_pretrained``, or,
+  with no ``--model``, the built-in tiny random video DiT (``nvfp4_dit/tiny_models``);
+* :class:`RunRecorder`: per-step DiT time, attention time and share, sequence lengths per
+  attention call, peak memory -- from forward hooks on the denoisers and a router observer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import resource
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from nvfp4_dit.processors import apply, routing  # noqa: E402
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def parse_pair(text: str) -> tuple[int, int]:
+    try:
+        a, b = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected FIRST,LAST (two ints), got {text!r}") from None
+    if a < 0 or b < 0:
+        raise argparse.ArgumentTypeError(f"dense steps must be >= 0, got {text!r}")
+    return a, b
+
+
+def add_generation_args(ap: argparse.ArgumentParser) -> None:
+    g = ap.add_argument_group("model and sampling")
+    g.add_argument("--model", default=None,
+                   help="diffusers pipeline: hub id or local folder (Wan 2.1/2.2, Cosmos Predict2/2.5, HunyuanVideo, "
+                        "LTX-Video, CogVideoX, Mochi). Default: the built-in tiny random video DiT (CPU, seconds)")
+    g.add_argument("--tiny-config", default=None, help="config JSON of the tiny model (default: the shipped one)")
+    g.add_argument("--prompt", default="a red fox running through fresh snow, cinematic")
+    g.add_argument("--negative-prompt", default=None)
+    g.add_argument("--image", default=None, help="conditioning image (path or URL) for image-to-video pipelines")
+    g.add_argument("--height", type=int, default=None, help="default: the pipeline's (tiny: 128)")
+    g.add_argument("--width", type=int, default=None)
+    g.add_argument("--frames", type=int, default=None, help="number of frames (tiny: 17)")
+    g.add_argument("--steps", type=int, default=None, help="denoising steps (tiny: 8)")
+    g.add_argument("--guidance-scale", type=float, default=None)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--dtype", choices=("auto", *DTYPES), default="auto", help="auto: bf16 on CUDA, fp32 on CPU")
+    g.add_argument("--device", default="auto", help="auto: cuda if available, else cpu")
+    g.add_argument("--cpu-offload", choices=("none", "model", "sequential"), default="none",
+                   help="enable_model_cpu_offload / enable_sequential_cpu_offload (CUDA only)")
+    a = ap.add_argument_group("NVFP4 attention policy")
+    a.add_argument("--backend", choices=("auto", "cuda", "reference", "sdpa"), default=None,
+                   help="nvfp4_dit.attention back-end for FP4 calls. Default: auto on CUDA (the kernel where the "
+                        "native FP4 MMA exists), reference (FP4 numerics in PyTorch) on CPU")
+    a.add_argument("--dense-steps", type=parse_pair, default=(1, 1), metavar="FIRST,LAST",
+                   help="first/last denoising steps that run dense attention (default 1,1)")
+    a.add_argument("--cross-attention", action="store_true", help="FP4 for cross-attention too (default: dense)")
+    a.add_argument("--min-seq-len", type=int, default=routing.DEFAULT_MIN_SEQ_LEN,
+                   help=f"calls with fewer query or key tokens stay dense (default {routing.DEFAULT_MIN_SEQ_LEN})")
+    a.add_argument("--layers", default=None, help="comma-separated allow-list of module patterns, e.g. 'blocks.*.attn1'")
+
+
+def resolve_device(args) -> torch.device:
+    if args.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(args.device)
+
+
+def resolve_dtype(args, device: torch.device) -> torch.dtype:
+    if args.dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[args.dtype]
+
+
+def resolve_backend(args, device: torch.device) -> str:
+    if args.backend is not None:
+        return args.backend
+    return "auto" if device.type == "cuda" else "reference"
+
+
+def load_pipeline(args, device: torch.device, dtype: torch.dtype):
+    """(pipeline, defaults for the call, model name)."""
+    if args.model is None:
+        from nvfp4_dit.tiny_models.pipeline import build_tiny_pipeline
+
+        pipe = build_tiny_pipeline(args.tiny_config, dtype=dtype)
+        pipe.to(device)
+        defaults = dict(pipe.tiny_config["defaults"])
+        return pipe, defaults, "tiny-wan-t2v (built-in, random weights)"
+    from diffusers import DiffusionPipeline
+
+    pipe = DiffusionPipeline.from_pretrained(args.model, dtype=dtype)
+    if args.cpu_offload == "model":
+        pipe.enable_model_cpu_offload()
+    elif args.cpu_offload == "sequential":
+        pipe.enable_sequential_cpu_offload()
+    else:
+        pipe.to(device)
+    return pipe, {"fps": 16}, args.model
+
+
+def call_kwargs(pipe, args, defaults: dict, generator, callback) -> dict:
+    """Keyword arguments for ``pipe(...)``, filtered by what its ``__call__`` accepts."""
+    want = {
+        "prompt": args.prompt,
+        "negative_prompt": args.negative_prompt,
+        "height": args.height or defaults.get("height"),
+        "width": args.width or defaults.get("width"),
+        "num_frames": args.frames or defaults.get("num_frames"),
+        "num_inference_steps": args.steps or defaults.get("num_inference_steps"),
+        "guidance_scale": args.guidance_scale if args.guidance_scale is not None else defaults.get("guidance_scale"),
+        "generator": generator,
+        "output_type": "np",
+        "callback_on_step_end": callback,
+        "callback_on_step_end_tensor_inputs": ["latents"],
+    }
+    if args.image:
+        from diffusers.utils import load_image
+
+        want["image"] = load_image(args.image)
+    params = inspect.signature(pipe.__call__).parameters
+    return {k: v for k, v in want.items() if v is not None and k in params}
+
+
+def frames_of(output):
+    """The first video of a pipeline output as a float array [F, H, W, C] in [0, 1]."""
+    frames = output.frames if hasattr(output, "frames") else output[0]
+    frames = frames[0] if getattr(frames, "ndim", 0) == 5 or isinstance(frames, list) else frames
+    if isinstance(frames, torch.Tensor):
+        frames = frames.float().cpu().numpy()
+    return frames
+
+
+def _peak_memory(device: torch.device) -> dict:
+    if device.type == "cuda":
+        return {"kind": "cuda_max_allocated", "bytes": int(torch.cuda.max_memory_allocated(device))}
+    # ru_maxrss is KiB on Linux; a process-wide peak (it cannot be reset between runs).
+    return {"kind": "cpu_max_rss", "bytes": int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024}
+
+
+class RunRecorder:
+    """Times the denoiser forwards and every routed attention call of one pipeline run.
+
+    Needs an :func:`nvfp4_dit.apply` handle on the pipeline (its policy gives the step), so use
+    ``apply(..., observe_only=True)`` for a dense baseline.  Each attention call adds a device
+    sync for its timing (on CUDA), so absolute step times are a little pessimistic; the share is
+    what to read.
+    """
+
+    def __init__(self, pipe, handle, device: torch.device):
+        self.pipe, self.handle, self.device = pipe, handle, device
+        self.forwards = defaultdict(lambda: {"forwards": 0, "dit_seconds": 0.0, "dense": False})
+        self.calls: list[dict] = []
+        self.latents = None
+        self._hooks = []
+        self._t0 = None
+        self._fwd_start = None
+
+    def _sync(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _step(self) -> int:
+        s = self.handle.policy.current_step
+        return s[0] if s is not None else -1
+
+    def _pre(self, module, args, kwargs):
+        self._sync()
+        self._fwd_start = time.perf_counter()
+
+    def _post(self, module, args, kwargs, output):
+        self._sync()
+        rec = self.forwards[self._step()]
+        rec["forwards"] += 1
+        rec["dit_seconds"] += time.perf_counter() - self._fwd_start
+        rec["dense"] = bool(self.handle.policy.step_dense)
+
+    def _observe(self, info, q, k, v, out):
+        qs = q.shape
+        layout_hnd = info.layout == "HND"
+        self.calls.append({
+            "step": info.step[0] if info.step else -1,
+            "layer": info.layer,
+            "q_len": int(qs[2] if layout_hnd else qs[1]),
+            "k_len": int(k.shape[2] if layout_hnd else k.shape[1]),
+            "heads": int(qs[1] if layout_hnd else qs[2]),
+            "head_dim": int(qs[3]),
+            "batch": int(qs[0]),
+            "path": info.path,
+            "reason": info.reason,
+            "ms": round(info.seconds * 1e3, 4),
+        })
+
+    def callback(self, pipe, step_index, timestep, callback_kwargs):
+        if "latents" in callback_kwargs:
+            self.latents = callback_kwargs["latents"]
+        return callback_kwargs
+
+    def __enter__(self):
+        from nvfp4_dit.processors.apply import _denoisers
+
+        for _, model in _denoisers(self.pipe):
+            self._hooks.append(model.register_forward_pre_hook(self._pre, with_kwargs=True))
+            self._hooks.append(model.register_forward_hook(self._post, with_kwargs=True))
+        routing.add_observer(self._observe)
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self._t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        self.total_seconds = time.perf_counter() - self._t0
+        routing.remove_observer(self._observe)
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        self.peak_memory = _peak_memory(self.device)
+        return False
+
+    def summary(self) -> dict:
+        att = defaultdict(float)
+        paths = defaultdict(lambda: defaultdict(int))
+        for c in self.calls:
+            att[c["step"]] += c["ms"] / 1e3
+            paths[c["step"]][c["path"]] += 1
+        steps = []
+        for s in sorted(self.forwards):
+            r = self.forwards[s]
+            a = att.get(s, 0.0)
+            steps.append({"step": s, "forwards": r["forwards"], "dit_seconds": round(r["dit_seconds"], 5),
+                          "attention_seconds": round(a, 5),
+                          "attention_share": round(a / r["dit_seconds"], 4) if r["dit_seconds"] else None,
+                          "dense_step": r["dense"], "fp4_calls": paths[s]["fp4"], "exact_calls": paths[s]["exact"]})
+        seqs = {}
+        for c in self.calls:
+            seqs.setdefault(c["layer"], {"q_len": c["q_len"], "k_len": c["k_len"], "heads": c["heads"],
+                                         "head_dim": c["head_dim"]})
+        dit = sum(s["dit_seconds"] for s in steps)
+        return {
+            "total_seconds": round(self.total_seconds, 4),
+            "dit_seconds": round(dit, 4),
+            "attention_seconds": round(sum(att.values()), 4),
+            "attention_share": round(sum(att.values()) / dit, 4) if dit else None,
+            "peak_memory": self.peak_memory,
+            "steps": steps,
+            "sequence_lengths": seqs,
+            "attention_calls": self.calls,
+        }
+
+
+def policy_kwargs(args, backend: str) -> dict:
+    """Keyword arguments for nvfp4_dit.apply from the policy arguments."""
+    layers = [s.strip() for s in args.layers.split(",")] if args.layers else None
+    return dict(backend=backend, dense_steps=tuple(args.dense_steps), cross_attention=args.cross_attention,
+                min_seq_len=args.min_seq_len, layers=layers)
+
+
+def run_once(pipe, args, defaults: dict, mode: str, backend: str, device: torch.device) -> tuple[object, dict, Optional[torch.Tensor]]:
+    """One pipeline run with ``mode`` "nvfp4" or "sdpa" (dense, observed).
+
+    Returns (pipeline output, recorder summary, final latents or None)."""
+    if mode == "nvfp4":
+        handle = apply(pipe, **policy_kwargs(args, backend))
+    else:
+        handle = apply(pipe, observe_only=True, cross_attention=True, min_seq_len=0)
+    generator = torch.Generator("cpu").manual_seed(args.seed)
+    try:
+        with RunRecorder(pipe, handle, device) as rec:
+            out = pipe(**call_kwargs(pipe, args, defaults, generator, rec.callback))
+    finally:
+        handle.restore()
+    return out, rec.summary(), rec.latents
+
+
+def compare_metrics(lat_a, lat_b, frames_a, frames_b) -> dict:
+    """Latent cosine / rel-L2 and frame PSNR (dB, frames in [0, 1]) of run b against run a."""
+    import numpy as np
+
+    res = {}
+    if lat_a is not None and lat_b is not None:
+        a, b = lat_a.double().flatten().cpu(), lat_b.double().flatten().cpu()
+        res["latent_cos"] = float(torch.nn.functional.cosine_similarity(a, b, dim=0))
+        res["latent_rel_l2"] = float((a - b).norm() / a.norm())
+        rng = float(a.max() - a.min()) or 1.0
+        mse = float(((a - b) ** 2).mean())
+        res["latent_psnr_db"] = float("inf") if mse == 0 else 10 * float(np.log10(rng ** 2 / mse))
+    fa, fb = np.asarray(frames_a, dtype=np.float64), np.asarray(frames_b, dtype=np.float64)
+    mse = float(((fa - fb) ** 2).mean())
+    res["frames_psnr_db"] = float("inf") if mse == 0 else 10 * float(np.log10(1.0 / mse))
+    return res
