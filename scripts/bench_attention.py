@@ -5,6 +5,8 @@ One run times, at B1 H40 D128 and S = 8k, 32k, 77k, causal and not:
   * ``nvfp4 kernel``: the attention kernel alone on pre-quantised inputs with the whole
     correction precomputed (native FP4 MMA on sm_120/121, the fp16 emulation on sm_80/90);
   * ``nvfp4 e2e``: ``nvfp4_dit.cuda_backend.attention`` (quantise + correction chunks + kernel);
+  * ``nvfp4 quantize+correction``: the preprocessing of the e2e path alone (fused CUDA quantiser
+    when present, and every correction chunk);
   * ``sdpa flash`` / ``sdpa cudnn``: torch SDPA in bf16 with that back-end forced;
   * ``sageattn3`` / ``sageattention``: when importable.
 Prints a markdown table (ms and TFLOP/s, 4*B*H*Sq*Sk*D flops, halved when causal) and writes a
@@ -109,7 +111,13 @@ def main() -> int:
                 op(qq.q_data, qq.q_sf, qq.k_data, qq.k_sf, qq.vt_data, qq.vt_sf, delta, qq.q_dot_km, None, out,
                    None, s, s, 0, qq.num_q_blocks, scale, causal, native)
 
-            results = {"nvfp4 kernel": time_ms(kernel_only, reps)}
+            def preprocess():
+                qq2, chunks = cuda_backend.quantize(q, k, v, layout="HND", kv_lens=None)
+                for _ in chunks:
+                    pass
+
+            results = {"nvfp4 kernel": time_ms(kernel_only, reps),
+                       "nvfp4 quantize+correction": time_ms(preprocess, reps)}
             results["nvfp4 e2e"] = time_ms(lambda: cuda_backend.attention(
                 q, k, v, layout="HND", causal=causal, scale=None, kv_lens=None, return_lse=False), reps)
             for be in ("flash", "cudnn"):

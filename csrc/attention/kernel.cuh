@@ -47,6 +47,18 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t smem_addr
                : "r"(smem_addr));
 }
 
+// One ldmatrix.x4 = the B fragments of two n8 tiles (kPair 0: tiles 0,1; 1: tiles 2,3 of a
+// 32-column group, thread-id-b = tile index), then their two MMAs into acc[2kPair], acc[2kPair+1].
+template <class Mma, int kPair>
+__device__ __forceinline__ void ldsm_mma_pair(float (*acc)[4], const uint32_t (&a)[4], uint32_t sfa, uint32_t sfb,
+                                              uint32_t smem_addr) {
+  uint32_t r[4];
+  ldmatrix_x4(r, smem_addr);
+  const uint32_t b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]};
+  Mma::template mma<0, 2 * kPair>(acc[2 * kPair], a, b0, sfa, sfb);
+  Mma::template mma<0, 2 * kPair + 1>(acc[2 * kPair + 1], a, b1, sfa, sfb);
+}
+
 __device__ __forceinline__ uint32_t ld_global_u32(const uint8_t* p) {
   return *reinterpret_cast<const uint32_t*>(p);
 }
@@ -181,15 +193,11 @@ __device__ __forceinline__ void attention_fwd_body(const AttentionFwdParams& p) 
       const uint32_t sfb = *reinterpret_cast<const uint32_t*>(sp_v + T::kOffVSf + (32 * qd + 8 * t + g) * T::kVSfRowBytes + 4 * kc);
       const int mat = lane >> 3;
       const int row = (4 * qd + 2 * jj + (mat >> 1)) * 8 + (lane & 7);
-      uint32_t r[4];
-      detail::ldmatrix_x4(r, sb_v + T::kOffV + T::template swizzle<T::kVRowBytes>(row, 2 * kc + (mat & 1)));
-      const uint32_t b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]};
+      const uint32_t addr = sb_v + T::kOffV + T::template swizzle<T::kVRowBytes>(row, 2 * kc + (mat & 1));
       if (jj == 0) {
-        Mma::template mma<0, 0>(o[4 * qd + 0], pa_prev[kc], b0, sfp_prev[kc], sfb);
-        Mma::template mma<0, 1>(o[4 * qd + 1], pa_prev[kc], b1, sfp_prev[kc], sfb);
+        detail::ldsm_mma_pair<Mma, 0>(&o[4 * qd], pa_prev[kc], sfp_prev[kc], sfb, addr);
       } else {
-        Mma::template mma<0, 2>(o[4 * qd + 2], pa_prev[kc], b0, sfp_prev[kc], sfb);
-        Mma::template mma<0, 3>(o[4 * qd + 3], pa_prev[kc], b1, sfp_prev[kc], sfb);
+        detail::ldsm_mma_pair<Mma, 1>(&o[4 * qd], pa_prev[kc], sfp_prev[kc], sfb, addr);
       }
     };
 
@@ -236,15 +244,11 @@ __device__ __forceinline__ void attention_fwd_body(const AttentionFwdParams& p) 
           for (int jj = 0; jj < 2; ++jj) {
             const int mat = lane >> 3;
             const int row = (4 * q + 2 * jj + (mat >> 1)) * 8 + (lane & 7);
-            uint32_t r[4];
-            detail::ldmatrix_x4(r, sb + T::kOffK + T::template swizzle<T::kKRowBytes>(row, 2 * kc + (mat & 1)));
-            const uint32_t b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]};
+            const uint32_t addr = sb + T::kOffK + T::template swizzle<T::kKRowBytes>(row, 2 * kc + (mat & 1));
             if (jj == 0) {
-              Mma::template mma<0, 0>(s[4 * q + 0], qa[kc], b0, qsf[kc], sfb);
-              Mma::template mma<0, 1>(s[4 * q + 1], qa[kc], b1, qsf[kc], sfb);
+              detail::ldsm_mma_pair<Mma, 0>(&s[4 * q], qa[kc], qsf[kc], sfb, addr);
             } else {
-              Mma::template mma<0, 2>(s[4 * q + 2], qa[kc], b0, qsf[kc], sfb);
-              Mma::template mma<0, 3>(s[4 * q + 3], qa[kc], b1, qsf[kc], sfb);
+              detail::ldsm_mma_pair<Mma, 1>(&s[4 * q], qa[kc], qsf[kc], sfb, addr);
             }
           }
         }

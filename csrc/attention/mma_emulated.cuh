@@ -16,6 +16,8 @@
 #include <cstdint>
 #include <cuda_fp16.h>
 
+#include "mma_selectors.cuh"
+
 namespace nvfp4_attn {
 
 namespace emu {
@@ -65,9 +67,7 @@ struct MmaEmulated {
   template <int kTidA, int kTidB>
   static __device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4],
                                              const uint32_t (&b)[2], uint32_t sfa, uint32_t sfb) {
-    // Table 37 of the PTX ISA for scale_vec::4X; the hardware checks these only as immediates.
-    static_assert(kTidA == 0 || kTidA == 1, "thread-id-a must be 0 or 1 for scale_vec::4X");
-    static_assert(kTidB >= 0 && kTidB <= 3, "thread-id-b must be in 0..3");
+    static_assert(ScaleSelectors4X<kTidA, kTidB>::kValid, "selector rules");
     const int lane = threadIdx.x & 31;
     const int quad = lane & ~3;
     const int t = lane & 3;

@@ -10,6 +10,8 @@
 #pragma once
 #include <cstdint>
 
+#include "mma_selectors.cuh"
+
 namespace nvfp4_attn {
 
 #if defined(__CUDA_ARCH__) && (defined(__CUDA_ARCH_FEAT_SM120_ALL) || defined(__CUDA_ARCH_FEAT_SM121_ALL))
@@ -30,8 +32,7 @@ struct MmaSm120a {
   template <int kTidA, int kTidB>
   static __device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4],
                                              const uint32_t (&b)[2], uint32_t sfa, uint32_t sfb) {
-    static_assert(kTidA == 0 || kTidA == 1, "thread-id-a must be 0 or 1 for scale_vec::4X");
-    static_assert(kTidB >= 0 && kTidB <= 3, "thread-id-b must be in 0..3");
+    static_assert(ScaleSelectors4X<kTidA, kTidB>::kValid, "selector rules");
 #if defined(NVFP4_ATTN_NATIVE_MMA)
     asm volatile(
         "mma.sync.aligned.m16n8k64.row.col.kind::mxf4nvf4.block_scale.scale_vec::4X"
