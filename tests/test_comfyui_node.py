@@ -803,3 +803,40 @@ def test_inputs_the_op_rejects_are_declined(gen, caplog):
         assert override(func, q, k, v, 2, scale=-0.5) == "from-func"
     assert len(func.calls) == 2 and func.calls[0][1]["scale"] == -0.5
     assert len(caplog.records) == 1 and "scale" in caplog.records[0].getMessage()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("skip_reshape", [False, True])
+@pytest.mark.parametrize("lk", [300, 77])
+def test_override_runs_the_kernel_on_gpu(skip_reshape, lk):
+    from nvfp4_dit import cuda_backend
+
+    reason = cuda_backend.load()
+    assert reason is None, reason
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    shape_q = (2, 2, 300, 128) if skip_reshape else (2, 300, 256)
+    shape_k = (2, 2, lk, 128) if skip_reshape else (2, lk, 256)
+    q = torch.randn(shape_q, generator=gen, device="cuda").bfloat16()
+    k = torch.randn(shape_k, generator=gen, device="cuda").bfloat16()
+    v = torch.randn(shape_k, generator=gen, device="cuda").bfloat16()
+    mask = torch.zeros(2, 1, 1, lk, device="cuda")
+    mask[1, ..., lk - 20:] = -math.inf  # suffix padding: the kernel takes it as kv_lens
+    func = RecordingFunc()
+    override = NVFP4AttentionOverride(AttentionPolicy(backend="cuda", **OPEN))
+    out = override(func, q, k, v, 2, mask=mask, skip_reshape=skip_reshape, skip_output_reshape=skip_reshape)
+    assert func.calls == [], "the call should run in the kernel"
+    layout = "HND" if skip_reshape else "NHD"
+    q4, k4, v4 = (t if skip_reshape else t.reshape(2, t.shape[1], 2, 128) for t in (q, k, v))
+    direct = nvfp4_dit.attention(q4, k4, v4, layout=layout, scale=128 ** -0.5, attn_mask=mask[:, 0, 0] == 0,
+                                 backend="cuda")
+    assert torch.equal(out, direct if skip_reshape else direct.reshape(2, 300, 256))
+    expected = exact(q.float(), k.float(), v.float(), 2, skip_reshape, skip_reshape, mask=mask)
+    cos = F.cosine_similarity(out.double().flatten(), expected.double().flatten(), dim=0).item()
+    assert cos >= 0.98, cos
+    # "auto" runs the kernel only where the FP4 MMA is native; elsewhere ComfyUI's function.
+    auto = NVFP4AttentionOverride(AttentionPolicy(backend="auto", **OPEN))
+    result = auto(func, q, k, v, 2, mask=mask, skip_reshape=skip_reshape, skip_output_reshape=skip_reshape)
+    if cuda_backend.is_native(torch.cuda.get_device_capability()):
+        assert torch.equal(result, out) and func.calls == []
+    else:
+        assert result == "from-func"
