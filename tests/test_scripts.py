@@ -1,0 +1,112 @@
+"""The user tools on the built-in tiny random video DiT (CPU, reference FP4 numerics)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("diffusers")
+pytest.importorskip("safetensors")
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+
+import capture_attention  # noqa: E402
+import generate_video  # noqa: E402
+import replay_attention  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+
+
+@pytest.mark.parametrize("module", [generate_video, capture_attention, replay_attention])
+def test_help(module, capsys):
+    with pytest.raises(SystemExit) as e:
+        module.main(["--help"])
+    assert e.value.code == 0
+    assert "usage" in capsys.readouterr().out
+
+
+def test_generate_video_compare_writes_mp4_and_json(tmp_path):
+    imageio = pytest.importorskip("imageio")
+    pytest.importorskip("imageio_ffmpeg")
+    out = tmp_path / "video.mp4"
+    rc = generate_video.main(["--attention", "compare", "--steps", "4", "--dense-steps", "1,1", "--out", str(out),
+                              "--device", "cpu"])
+    assert rc == 0
+    for path in (out, tmp_path / "video_sdpa.mp4"):
+        reader = imageio.get_reader(str(path), "ffmpeg")
+        frames = [f for f in reader]
+        reader.close()
+        assert len(frames) == 17 and frames[0].shape == (128, 128, 3)
+    report = json.loads(out.with_suffix(".json").read_text())
+    assert report["backend"] == "reference" and set(report["runs"]) == {"sdpa", "nvfp4"}
+    run = report["runs"]["nvfp4"]
+    assert [s["step"] for s in run["steps"]] == [0, 1, 2, 3]
+    assert [s["dense_step"] for s in run["steps"]] == [True, False, False, True]
+    # CFG: 2 forwards per step, 2 blocks x (self + cross) attention calls each.
+    assert all(s["forwards"] == 2 and s["fp4_calls"] + s["exact_calls"] == 8 for s in run["steps"])
+    assert [s["fp4_calls"] for s in run["steps"]] == [0, 4, 4, 0]  # self-attention FP4, cross dense
+    assert all(0 < s["attention_share"] < 1 for s in run["steps"])
+    assert run["sequence_lengths"]["transformer.blocks.0.attn1"] == {"q_len": 320, "k_len": 320, "heads": 2,
+                                                                     "head_dim": 64}
+    assert run["sequence_lengths"]["transformer.blocks.0.attn2"]["k_len"] == 32
+    assert run["peak_memory"]["bytes"] > 0
+    assert all(c["path"] == "exact" for c in report["runs"]["sdpa"]["attention_calls"])
+    cmp = report["compare"]
+    assert 0.99 < cmp["latent_cos"] < 1.0 and cmp["frames_psnr_db"] > 30
+
+
+def test_capture_and_replay_reproduce_live_outputs(tmp_path):
+    from safetensors import safe_open
+
+    path = tmp_path / "cap.safetensors"
+    rc = capture_attention.main(["--attention", "nvfp4", "--steps", "3", "--dense-steps", "1,0",
+                                 "--capture-layers", "transformer.blocks.1.*", "--capture-steps", "0,2",
+                                 "--out", str(path), "--device", "cpu"])
+    assert rc == 0
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata()
+        assert meta["format"] == capture_attention.FORMAT
+        assert len(list(f.keys())) == 4 * 8  # q, k, v, out of 8 calls (2 steps x 2 forwards x 2 layers)
+    calls, _ = capture_attention.load_capture(path)
+    assert {(c["step"], c["layer"]) for c in calls} == {
+        (s, f"transformer.blocks.1.attn{i}") for s in (0, 2) for i in (1, 2)}
+    paths = {(c["step"], c["layer"].rsplit(".", 1)[1]): c["path"] for c in calls}
+    assert paths[(2, "attn1")] == "fp4" and paths[(0, "attn1")] == "exact" and paths[(2, "attn2")] == "exact"
+
+    rows = replay_attention.replay(calls, ["sdpa", "reference"], torch.device("cpu"))
+    assert rows and all(r["live_bit_exact"] for r in rows)
+    assert all(r["rel_l2"] < 1e-5 for r in rows if r["backend"] == "sdpa")
+    assert all(0 < r["rel_l2"] < 0.25 and r["cos"] > 0.99 for r in rows if r["backend"] == "reference")
+
+    png, js = tmp_path / "replay.png", tmp_path / "replay.json"
+    assert replay_attention.main([str(path), "--backends", "sdpa,reference", "--png", str(png),
+                                  "--json", str(js)]) == 0
+    assert png.stat().st_size > 0 and len(json.loads(js.read_text())) == len(rows)
+
+
+def test_replay_detects_a_changed_output(tmp_path):
+    """The bit-exact check can fail: perturb one captured output and the replay says so."""
+    path = tmp_path / "cap.safetensors"
+    assert capture_attention.main(["--steps", "2", "--capture-layers", "transformer.blocks.0.attn1",
+                                   "--capture-steps", "1", "--max-calls", "1", "--out", str(path),
+                                   "--device", "cpu"]) == 0
+    calls, _ = capture_attention.load_capture(path)
+    assert len(calls) == 1 and calls[0]["path"] == "exact"
+    calls[0]["out"] = calls[0]["out"].clone()
+    calls[0]["out"].view(-1)[0] += 1e-3
+    rows = replay_attention.replay(calls, ["sdpa"], torch.device("cpu"))
+    assert not rows[0]["live_bit_exact"]
+
+
+def test_load_capture_rejects_other_files(tmp_path):
+    from safetensors.torch import save_file
+
+    p = tmp_path / "x.safetensors"
+    save_file({"a": torch.zeros(1)}, str(p), metadata={"format": "other"})
+    with pytest.raises(ValueError, match="not an nvfp4_dit attention capture"):
+        capture_attention.load_capture(p)
