@@ -224,18 +224,19 @@ class NVFP4AttentionOverride:
                 return None
             batch, _, queries, head_dim = q.shape
             kv_heads, keys = k.shape[1], k.shape[2]
-            if q.shape[1] != heads or v.shape[:3] != k.shape[:3] or k.shape[3] != head_dim or v.shape[3] != head_dim:
+            if (q.shape[1] != heads or kv_heads == 0 or head_dim == 0 or v.shape[:3] != k.shape[:3]
+                    or k.shape[3] != head_dim or v.shape[3] != head_dim):
                 return None
             q4, k4, v4, layout = q, k, v, "HND"
         else:
             if q.ndim != 3 or k.ndim != 3 or v.ndim != 3:
                 return None
             batch, queries, width = q.shape
-            if width % heads:
+            if width % heads or width == 0:
                 return None
             head_dim = width // heads
             keys = k.shape[1]
-            if k.shape[-1] % head_dim or v.shape[:2] != k.shape[:2] or v.shape[-1] != k.shape[-1]:
+            if k.shape[-1] == 0 or k.shape[-1] % head_dim or v.shape[:2] != k.shape[:2] or v.shape[-1] != k.shape[-1]:
                 return None
             kv_heads = k.shape[-1] // head_dim
             q4 = q.reshape(batch, queries, heads, head_dim)
@@ -289,7 +290,7 @@ class NVFP4AttentionOverride:
         batch, heads, queries, head_dim = plan["batch"], plan["heads"], plan["queries"], plan["head_dim"]
         if plan["layout"] == "NHD":  # out [B, Lq, H, D]
             if plan["skip_output_reshape"]:
-                return out.permute(0, 2, 1, 3)
+                return out.permute(0, 2, 1, 3).contiguous()  # what ComfyUI's back-ends return
             return out.reshape(batch, queries, heads * head_dim)
         # out [B, H, Lq, D]
         if plan["skip_output_reshape"]:

@@ -106,7 +106,7 @@ def test_layouts_in_and_out_match_exact_attention(gen, skip_reshape, skip_output
                    transformer_options={}, _inside_attn_wrapper=True)
     assert func.calls == []
     expected = exact(q, k, v, 2, skip_reshape, skip_output_reshape)
-    assert out.shape == expected.shape
+    assert out.shape == expected.shape and out.is_contiguous()
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
@@ -301,7 +301,11 @@ def test_unknown_keywords_and_odd_inputs_are_declined(gen):
     q3, k3, v3 = qkv(gen, True, d=160)
     assert override(func, q3, k3, v3, 2, skip_reshape=True) == "from-func"  # head_dim > 128
     assert override(func, q, k, v, 3) == "from-func"  # 128 channels do not split into 3 heads
-    assert len(func.calls) == 5
+    assert override(func, q, k[..., :0], v[..., :0], 2, enable_gqa=True) == "from-func"  # no key channels
+    q0, k0, v0 = qkv(gen, True, d=0)
+    assert override(func, q0, k0, v0, 2, skip_reshape=True) == "from-func"
+    assert override(func, q0[..., :0], k0[:, :0], v0[:, :0], 2, skip_reshape=True, enable_gqa=True) == "from-func"
+    assert len(func.calls) == 8
 
 
 def test_an_unavailable_explicit_backend_falls_back(gen, caplog):
