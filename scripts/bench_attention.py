@@ -29,6 +29,9 @@ from nvfp4_dit import cuda_backend  # noqa: E402
 from nvfp4_dit import format as fmt  # noqa: E402
 
 
+PREPROCESSING = ("nvfp4 quantize+correction",)
+
+
 def time_ms(fn, reps: int, warmup: int = 1) -> float:
     for _ in range(warmup):
         fn()
@@ -72,6 +75,48 @@ def sage_fns(q, k, v, causal):
     except Exception:
         pass
     return fns
+
+
+def write_report(rows, *, name, arch, mode, b, h, d, out):
+    """Print the markdown table, write it to ``out.md`` and a bar chart to ``out.png``."""
+    lines = [f"# NVFP4 attention benchmark: {name} ({arch}), nvfp4 = {mode}", "",
+             f"B={b} H={h} D={d}, bf16 inputs; TFLOP/s counts 4*B*H*S^2*D (halved when causal).", "",
+             "| S | causal | implementation | ms | TFLOP/s | vs sdpa flash |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        ref = next((x["ms"] for x in rows if x["s"] == r["s"] and x["causal"] == r["causal"]
+                    and x["impl"] == "sdpa flash"), None)
+        pre = r["tflops"] is None
+        ratio = f"{ref / r['ms']:.2f}x" if ref and not pre else "-"
+        tflops = "-" if pre else f"{r['tflops']:.1f}"
+        lines.append(f"| {r['s']} | {r['causal']} | {r['impl']} | {r['ms']:.3f} | {tflops} | {ratio} |")
+    table = "\n".join(lines)
+    print(table)
+    Path(out + ".md").write_text(table + "\n")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+        for ax, causal in zip(axes, (False, True)):
+            impls = sorted({r["impl"] for r in rows if r["tflops"] is not None})
+            seqs = sorted({r["s"] for r in rows})
+            width = 0.8 / len(impls)
+            for i, impl in enumerate(impls):
+                vals = [next((r["tflops"] for r in rows if r["s"] == s and r["causal"] == causal and r["impl"] == impl), 0)
+                        for s in seqs]
+                ax.bar([j + i * width for j in range(len(seqs))], vals, width, label=impl)
+            ax.set_xticks([j + 0.4 - width / 2 for j in range(len(seqs))], [f"{s // 1000}k" for s in seqs])
+            ax.set_title(f"causal={causal}")
+            ax.set_xlabel("sequence length")
+        axes[0].set_ylabel("TFLOP/s")
+        axes[0].legend(fontsize=8)
+        fig.suptitle(f"{name}: nvfp4 = {mode}, B{b} H{h} D{d}")
+        fig.tight_layout()
+        fig.savefig(out + ".png", dpi=120)
+    except ImportError:
+        print("matplotlib not installed: no PNG")
 
 
 def main() -> int:
@@ -131,50 +176,18 @@ def main() -> int:
                 except Exception as exc:
                     print(f"{nm} failed: {exc}")
             for nm, ms in results.items():
-                rows.append(dict(s=s, causal=causal, impl=nm, ms=ms, tflops=f / ms / 1e9))
+                # The preprocessing row is a time, not attention: no TFLOP/s, no ratio to SDPA.
+                rows.append(dict(s=s, causal=causal, impl=nm, ms=ms,
+                                 tflops=None if nm in PREPROCESSING else f / ms / 1e9))
             ref = results.get("sdpa flash")
             print(f"S={s} causal={causal}: " + ", ".join(
-                f"{nm} {ms:.2f} ms ({f / ms / 1e9:.0f} TF/s{'' if not ref else f', x{ref / ms:.2f} vs flash'})"
+                f"{nm} {ms:.2f} ms" + ("" if nm in PREPROCESSING else
+                                       f" ({f / ms / 1e9:.0f} TF/s{'' if not ref else f', x{ref / ms:.2f} vs flash'})")
                 for nm, ms in results.items()), flush=True)
         del qq, delta, q, k, v, out
         torch.cuda.empty_cache()
 
-    lines = [f"# NVFP4 attention benchmark: {name} (sm_{cc[0]}{cc[1]}), nvfp4 = {mode}", "",
-             f"B={b} H={h} D={d}, bf16 inputs; TFLOP/s counts 4*B*H*S^2*D (halved when causal).", "",
-             "| S | causal | implementation | ms | TFLOP/s | vs sdpa flash |", "|---|---|---|---|---|---|"]
-    for r in rows:
-        ref = next((x["ms"] for x in rows if x["s"] == r["s"] and x["causal"] == r["causal"]
-                    and x["impl"] == "sdpa flash"), None)
-        ratio = f"{ref / r['ms']:.2f}x" if ref else "-"
-        lines.append(f"| {r['s']} | {r['causal']} | {r['impl']} | {r['ms']:.3f} | {r['tflops']:.1f} | {ratio} |")
-    table = "\n".join(lines)
-    print(table)
-    Path(args.out + ".md").write_text(table + "\n")
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
-        for ax, causal in zip(axes, (False, True)):
-            impls = sorted({r["impl"] for r in rows})
-            seqs = sorted({r["s"] for r in rows})
-            width = 0.8 / len(impls)
-            for i, impl in enumerate(impls):
-                vals = [next((r["tflops"] for r in rows if r["s"] == s and r["causal"] == causal and r["impl"] == impl), 0)
-                        for s in seqs]
-                ax.bar([j + i * width for j in range(len(seqs))], vals, width, label=impl)
-            ax.set_xticks([j + 0.4 - width / 2 for j in range(len(seqs))], [f"{s // 1000}k" for s in seqs])
-            ax.set_title(f"causal={causal}")
-            ax.set_xlabel("sequence length")
-        axes[0].set_ylabel("TFLOP/s")
-        axes[0].legend(fontsize=8)
-        fig.suptitle(f"{name}: nvfp4 = {mode}, B{b} H{h} D{d}")
-        fig.tight_layout()
-        fig.savefig(args.out + ".png", dpi=120)
-    except ImportError:
-        print("matplotlib not installed: no PNG")
+    write_report(rows, name=name, arch=f"sm_{cc[0]}{cc[1]}", mode=mode, b=b, h=h, d=d, out=args.out)
     return 0
 
 
