@@ -12,7 +12,8 @@ Checks, per kernel instantiation:
   * ptxas: 0 bytes of spill stores/loads and no stack frame; SASS: no local loads/stores.
 Prints a markdown table; exit status 1 if a check fails.
 
-Needs nvcc, and cuobjdump + nvdisasm (PyPI ``nvidia-cuda-cuobjdump``, ``nvidia-cuda-nvdisasm``).
+Needs nvcc, and cuobjdump + nvdisasm (PATH, PyPI ``nvidia-cuda-cuobjdump`` /
+``nvidia-cuda-nvdisasm``, or the copies in torch's ``triton`` wheel).
 """
 
 from __future__ import annotations
@@ -53,13 +54,18 @@ def expected_mma_in_sass(head_dim: int) -> int:
 
 
 def find_tool(name: str) -> str | None:
+    """``name`` on PATH, else from a PyPI wheel: nvidia-cuda-* (nvidia/*/bin) or triton, which
+    torch installs on Linux and which ships cuobjdump and nvdisasm (triton/backends/nvidia/bin)."""
     found = shutil.which(name)
     if found:
         return found
     for base in sys.path:
-        for cand in glob.glob(os.path.join(base, "nvidia", "**", "bin", name), recursive=True):
-            if os.access(cand, os.X_OK):
-                return cand
+        patterns = (os.path.join(base, "nvidia", "**", "bin", name),
+                    os.path.join(base, "triton", "backends", "nvidia", "bin", name))
+        for pattern in patterns:
+            for cand in glob.glob(pattern, recursive=True):
+                if os.access(cand, os.X_OK):
+                    return cand
     return None
 
 
