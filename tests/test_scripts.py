@@ -18,11 +18,12 @@ sys.path.insert(0, str(SCRIPTS))
 import capture_attention  # noqa: E402
 import generate_video  # noqa: E402
 import replay_attention  # noqa: E402
+import report  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
 
-@pytest.mark.parametrize("module", [generate_video, capture_attention, replay_attention])
+@pytest.mark.parametrize("module", [generate_video, capture_attention, replay_attention, report])
 def test_help(module, capsys):
     with pytest.raises(SystemExit) as e:
         module.main(["--help"])
@@ -110,3 +111,15 @@ def test_load_capture_rejects_other_files(tmp_path):
     save_file({"a": torch.zeros(1)}, str(p), metadata={"format": "other"})
     with pytest.raises(ValueError, match="not an nvfp4_dit attention capture"):
         capture_attention.load_capture(p)
+
+
+def test_report_writes_markdown_with_figures(tmp_path):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "rep"
+    assert report.main(["--quick", "--out", str(out), "--device", "cpu", "--skip", "families,generation"]) == 0
+    md = (out / "report.md").read_text()
+    assert "## 1. Op accuracy" in md and "| RoPE Q/K |" in md
+    assert "## 4. Per-layer replay" in md and "reproduced bit-exactly by the replay: yes" in md
+    assert "Needs a CUDA GPU" in md or "## 5. Kernel benchmark" in md
+    for png in ("accuracy.png", "replay.png"):
+        assert f"({png})" in md and (out / png).stat().st_size > 1000
