@@ -174,14 +174,12 @@ def section_replay(out: Path, device: str, backend: str, quick: bool) -> list[st
     return lines
 
 
-def section_bench(out: Path, device: str, quick: bool) -> list[str]:
+def section_bench(out: Path, device: str, seqs: str) -> list[str]:
     head = ["## 5. Kernel benchmark", ""]
     if device != "cuda":
         return head + ["Needs a CUDA GPU: `python scripts/report.py --device cuda`.", ""]
     stem = out / "bench"
-    cmd = [sys.executable, str(HERE / "bench_attention.py"), "--out", str(stem)]
-    if quick:
-        cmd += ["--seqs", "8192"]
+    cmd = [sys.executable, str(HERE / "bench_attention.py"), "--out", str(stem), "--seqs", seqs]
     res = subprocess.run(cmd, capture_output=True, text=True)
     md = Path(str(stem) + ".md")
     if res.returncode != 0 or not md.exists():
@@ -195,6 +193,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="out/report", help="folder for report.md and its PNGs (default out/report)")
     ap.add_argument("--device", default="auto", help="auto: cuda if available, else cpu")
     ap.add_argument("--quick", action="store_true", help="smaller inputs and fewer steps (CI)")
+    ap.add_argument("--bench-seqs", default=None, help="sequence lengths for the benchmark (default 8192,32768; "
+                    "--quick: 8192)")
     ap.add_argument("--skip", default="", help="comma-separated sections to skip: accuracy,families,generation,replay,bench")
     args = ap.parse_args(argv)
 
@@ -214,7 +214,7 @@ def main(argv=None) -> int:
         ("families", lambda: section_families(out, device, backend)),
         ("generation", lambda: section_generation(out, device, backend, args.quick)),
         ("replay", lambda: section_replay(out, device, backend, args.quick)),
-        ("bench", lambda: section_bench(out, device, args.quick)),
+        ("bench", lambda: section_bench(out, device, args.bench_seqs or ("8192" if args.quick else "8192,32768"))),
     ]
     for name, fn in sections:
         if name in skip:
