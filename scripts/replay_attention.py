@@ -79,9 +79,11 @@ def run_backend(call, q, k, v, mask, backend, *, return_lse, observe_only=False)
         exact=lambda: live_exact(call, q, k, v, mask))
 
 
-def replay(calls, backends, device) -> list[dict]:
+def replay(calls, backends, device, progress: bool = False) -> list[dict]:
+    from tqdm.auto import tqdm
+
     rows = []
-    for call in calls:
+    for call in tqdm(calls, desc="replay", unit="call", disable=not progress):
         q, k, v = (call[n].to(device) for n in ("q", "k", "v"))
         mask = call["mask"].to(device) if call.get("mask") is not None else None
         live = run_backend(call, q, k, v, mask, call["backend"], return_lse=False,
@@ -151,7 +153,7 @@ def main(argv=None) -> int:
             ap.error(f"unknown back-end {b!r}; choose from {routing.ROUTE_BACKENDS}")
     calls, meta = load_capture(args.capture)
     print(f"{len(calls)} calls from {meta.get('model')} ({meta.get('attention')} run), replayed on {device}")
-    rows = replay(calls, backends, device)
+    rows = replay(calls, backends, device, progress=True)
     print("\n| call | layer | step | q x k | back-end | cos | rel-L2 | alpha | mean abs LSE err | live path | live bit-exact |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
