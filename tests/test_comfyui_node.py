@@ -528,9 +528,10 @@ def test_fp4_reference_numerics_inside_the_model(comfyui, tiny_cases, unpatched,
     assert op_calls and all(c["backend"] == "reference" for c in op_calls)
     assert torch.isfinite(out).all()
     assert not torch.equal(out, expected)
-    # FP4 attention perturbs the denoiser a little; the sampled latent stays close to the exact one.
+    # FP4 attention perturbs the denoiser a little; the sampled latent stays close to the exact one
+    # (measured 4e-5 .. 3e-4 for these tiny models, whose attention is a small part of each block).
     error = (out - expected).norm() / expected.norm()
-    assert error < 0.1, float(error)
+    assert error < 1e-2, float(error)
 
 
 @pytest.mark.comfyui
