@@ -154,8 +154,9 @@ def remove_observer(fn: Callable) -> None:
 # Fallback reporting
 # ---------------------------------------------------------------------------------------------
 
-class NVFP4FallbackWarning(UserWarning):
-    """Issued once per reason when an attention call runs exact attention instead of NVFP4."""
+class NVFP4FallbackWarning(nvfp4_dit.FallbackWarning):
+    """Issued once per reason when an attention call runs exact attention instead of NVFP4
+    (a subclass of the op's ``nvfp4_dit.FallbackWarning``, so one filter covers both)."""
 
 
 _warned: set[str] = set()
