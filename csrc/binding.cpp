@@ -76,7 +76,7 @@ std::vector<at::Tensor> quantize_qkv(const at::Tensor& q, const at::Tensor& k, c
   at::Tensor k_mean = at::empty({b, hkv, dp}, f32);
   at::Tensor q_dot_km = at::empty({b, h, sq}, f32);
   at::Tensor partial = at::empty({nvfp4_dit::quantize_qkv_workspace_floats(b, hkv, sk, dp)}, f32);
-  at::Tensor arrivals = at::zeros({b * hkv}, q.options().dtype(at::kInt));
+  at::Tensor counters = at::zeros({nvfp4_dit::quantize_qkv_workspace_counters(b, hkv)}, q.options().dtype(at::kInt));
 
   const at::Tensor lens = checked_kv_lens(kv_lens, b, q.device(), "quantize_qkv");
 
@@ -106,7 +106,7 @@ std::vector<at::Tensor> quantize_qkv(const at::Tensor& q, const at::Tensor& k, c
   p.k_mean = k_mean.data_ptr<float>();
   p.q_dot_km = q_dot_km.data_ptr<float>();
   p.k_partial_sums = partial.data_ptr<float>();
-  p.k_chunk_arrivals = reinterpret_cast<uint32_t*>(arrivals.data_ptr<int32_t>());
+  p.work_counters = reinterpret_cast<uint32_t*>(counters.data_ptr<int32_t>());
   const cudaError_t err = nvfp4_dit::launch_quantize_qkv(p, c10::cuda::getCurrentCUDAStream().stream());
   TORCH_CHECK(err == cudaSuccess, "nvfp4_dit_cuda::quantize_qkv: launch failed: ", cudaGetErrorString(err));
   return {q_data, q_sf, k_data, k_sf, vt_data, vt_sf, q_mean, k_mean, q_dot_km};

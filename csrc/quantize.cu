@@ -1,18 +1,18 @@
 // Fused NVFP4 preprocessing of Q, K and V (see quantize.cuh for the contract).
 //
-// Two kernel launches, the fewest the reductions allow without a grid-wide barrier:
-//   1. key_mean_kernel: the per-(b, kv-head) K mean over the valid keys. Each CTA sums a chunk of
-//      kKeyMeanChunk keys; the last CTA of a head to arrive adds the chunk sums in a fixed order
-//      (deterministic) and writes km.
-//   2. quantize_qkv_kernel: one CTA per 128-row tile of Q, K or V^T. A Q tile reduces its own
-//      block mean, subtracts it, quantizes and writes q . km; a K tile subtracts km and writes its
-//      rows permuted; a V tile transposes through shared memory and quantizes along tokens.
-//      Padding rows/columns are written as zero data with zero scales.
-// K tiles run first and in reverse head order, so the last heads reduced by launch 1 are still
-// in L2 when launch 2 reads them again.
+// One kernel launch (after the caller's memset of a small counter workspace). Each CTA draws a
+// ticket and runs that work item; tickets are ordered so that every dependency has a lower one:
+//   1. K-mean chunks: each sums kKeyMeanChunk keys of one (b, kv-head); the last chunk of a head
+//      to arrive adds the chunk sums in a fixed order (deterministic), writes km and raises that
+//      head's ready flag.
+//   2. V^T tiles: transposed through shared memory and quantized along tokens (no km needed, so
+//      they cover the time the means take).
+//   3. K tiles: wait for km (never in practice), subtract it and write rows permuted.
+//   4. Q tiles: reduce the tile's own 128-row block mean, subtract it, quantize, write q . km.
+// Padding rows/columns are written as zero data with zero scales; keys past kv_lens are padding.
 //
-// Every offset is int64. No fast-math: the scale division is IEEE, the data division is the
-// correctly rounded Markstein sequence of quantize_math.cuh, so the bytes equal format.py's.
+// Every offset is int64. No fast-math: the scale and data divisions are correctly rounded
+// (quantize_math.cuh, checked exhaustively on the host), so the bytes equal format.py's.
 #include <cuda_fp16.h>
 
 #include "nvfp4_format.cuh"
@@ -116,24 +116,44 @@ __device__ __forceinline__ float max_nan(float a, float b) {
   return r;
 }
 
-__device__ __forceinline__ void quantize_block16(const float (&v)[16], uint32_t& lo, uint32_t& hi,
-                                                 uint32_t& sf_bits) {
+// Per-CTA tables indexed by a scale byte (0..0x7F): its value and RN(1 / value), so a block's
+// scale needs no decode and no IEEE reciprocal (the fast division of quantize_math.cuh).
+struct ScaleTables {
+  float value[128];
+  float rcp[128];
+};
+
+__device__ __forceinline__ void fill_scale_tables(ScaleTables& t) {
+  if (threadIdx.x < 128) {
+    const float sf = nvfp4::e4m3_to_float(threadIdx.x);
+    t.value[threadIdx.x] = sf;
+    t.rcp[threadIdx.x] = sf > 0.0f ? __frcp_rn(sf) : 0.0f;  // 0x7F (NaN) gives NaN; 0 is unused
+  }
+}
+
+// The caller has synchronised the CTA since fill_scale_tables.
+__device__ __forceinline__ void quantize_block16(const float (&v)[16], const ScaleTables& tables, uint32_t& lo,
+                                                 uint32_t& hi, uint32_t& sf_bits) {
   float amax = 0.0f;
 #pragma unroll
   for (int e = 0; e < 16; ++e) amax = max_nan(amax, fabsf(v[e]));  // a NaN makes the scale NaN
-  const float sf = nvfp4::block_scale_value(amax, &sf_bits);
   lo = hi = 0;
-  if (!(sf > 0.0f)) return;  // zero scale: all-zero block; NaN scale: x / NaN encodes as 0
-  float quot[16];
-  if (isinf(amax)) {
-#pragma unroll
-    for (int e = 0; e < 16; ++e) quot[e] = __fdiv_rn(fabsf(v[e]), sf);
-  } else {
-    const float rcp = __frcp_rn(sf);
+  float quot[16];  // |v| / sf, correctly rounded, below 7
+  if (amax <= kUnsaturatedAmax) {  // false for NaN and inf
+    sf_bits = nvfp4::float_to_e4m3(amax_over_6(amax));
+    if (sf_bits == 0) return;  // zero scale: an all-zero block
+    const float sf = tables.value[sf_bits], rcp = tables.rcp[sf_bits];
 #pragma unroll
     for (int e = 0; e < 16; ++e) quot[e] = divide_by_scale(fabsf(v[e]), sf, rcp);
+  } else {
+    // The IEEE path for saturated scales, inf and NaN; clamping at 6 is what e2m1 saturation does.
+    const float sf = nvfp4::block_scale_value(amax, &sf_bits);
+    if (!(sf > 0.0f)) return;  // NaN scale: x / NaN encodes as 0
+#pragma unroll
+    for (int e = 0; e < 16; ++e) quot[e] = fminf(__fdiv_rn(fabsf(v[e]), sf), nvfp4::kE2m1Max);
   }
 #if NVFP4_NATIVE_E2M1_CVT
+  // The hardware conversion rounds the signed quotient (nearest even, satfinite, sign kept).
   float lo8[8], hi8[8];
 #pragma unroll
   for (int e = 0; e < 8; ++e) {
@@ -143,14 +163,17 @@ __device__ __forceinline__ void quantize_block16(const float (&v)[16], uint32_t&
   lo = nvfp4::pack8_e2m1(lo8);
   hi = nvfp4::pack8_e2m1(hi8);
 #else
+  uint32_t code_lo[8], code_hi[8];
+  float v_lo[8], v_hi[8];
 #pragma unroll
   for (int e = 0; e < 8; ++e) {
-    // The sign follows signbit(x / sf) = signbit(x), -0 included (format.e2m1_encode).
-    const uint32_t c0 = e2m1_magnitude_code(quot[e]) | ((__float_as_uint(v[e]) >> 28) & 8u);
-    const uint32_t c1 = e2m1_magnitude_code(quot[e + 8]) | ((__float_as_uint(v[e + 8]) >> 28) & 8u);
-    lo |= c0 << (4 * e);
-    hi |= c1 << (4 * e);
+    code_lo[e] = e2m1_magnitude_code_below7(quot[e]);
+    code_hi[e] = e2m1_magnitude_code_below7(quot[e + 8]);
+    v_lo[e] = v[e];
+    v_hi[e] = v[e + 8];
   }
+  lo = pack8_codes_signs(code_lo, v_lo);
+  hi = pack8_codes_signs(code_hi, v_hi);
 #endif
 }
 
@@ -166,19 +189,24 @@ __device__ __forceinline__ int k_row_perm(int t) {
 
 
 ////////////////////////////////////////////////////////////////////////////////////////////////
-// Launch 1: K mean
+// Work items 1: the K mean, kKeyMeanChunk keys per item
 
-template <InputDtype DT, int DP, bool VEC>
-__global__ void __launch_bounds__(kThreads) key_mean_kernel(const QuantizeQkvParams p) {
+// Work counters (one zeroed workspace): [0] the ticket dispenser, then per (b, kv-head) the
+// chunk arrivals and the km-ready flag.
+__device__ __forceinline__ uint32_t* arrivals(const QuantizeQkvParams& p) { return p.work_counters + 1; }
+__device__ __forceinline__ uint32_t* km_ready(const QuantizeQkvParams& p) {
+  return p.work_counters + 1 + p.batch * p.heads_kv;
+}
+
+template <InputDtype DT, int DP, bool VEC, typename Shared>
+__device__ __forceinline__ void key_mean_item(const QuantizeQkvParams& p, Shared& sm, int64_t item) {
   using Raw = typename InputTraits<DT>::Raw;
   constexpr int kColGroups = DP / 16;             // threads per row, 16 columns each
   constexpr int kRowsPerPass = kThreads / kColGroups;
-  __shared__ float red[kWarps][DP];
-  __shared__ bool last_arrival;
-
-  const int64_t bh = blockIdx.y;  // b * Hkv + kvh
+  const int64_t n_chunks = quantize_qkv_k_chunks(p.seq_k);
+  const int64_t bh = item / n_chunks;  // b * Hkv + kvh
+  const int64_t chunk = item % n_chunks;
   const int64_t b = bh / p.heads_kv, h = bh % p.heads_kv;
-  const int64_t chunk = blockIdx.x;
   const int64_t n_valid = valid_key_count(p, b);
   const int cg = threadIdx.x % kColGroups;
   const int r0 = threadIdx.x / kColGroups;
@@ -190,6 +218,7 @@ __global__ void __launch_bounds__(kThreads) key_mean_kernel(const QuantizeQkvPar
   const int64_t key0 = chunk * kKeyMeanChunk;
   constexpr int kUnroll = 4;  // loads in flight per thread
   for (int pass = 0; pass < kKeyMeanChunk / kRowsPerPass; pass += kUnroll) {
+    if (key0 + pass * kRowsPerPass >= n_valid) break;  // uniform across the CTA
     Block16<DT> blk[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
@@ -210,26 +239,25 @@ __global__ void __launch_bounds__(kThreads) key_mean_kernel(const QuantizeQkvPar
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   if (lane < kColGroups)
 #pragma unroll
-    for (int e = 0; e < 16; ++e) red[warp][lane * 16 + e] = sum[e];
+    for (int e = 0; e < 16; ++e) sm.red[warp][lane * 16 + e] = sum[e];
   __syncthreads();
 
-  const int64_t n_chunks = quantize_qkv_k_chunks(p.seq_k);
   float* partial = p.k_partial_sums + bh * n_chunks * DP;
   if (threadIdx.x < DP) {
     float s = 0.0f;
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) s += red[w][threadIdx.x];
+    for (int w = 0; w < kWarps; ++w) s += sm.red[w][threadIdx.x];
     partial[chunk * DP + threadIdx.x] = s;
   }
   // Publish the chunk sum, then count arrivals; the last CTA of this head finishes the mean.
   __threadfence();
   __syncthreads();
   if (threadIdx.x == 0) {
-    const uint32_t prev = atomicAdd(p.k_chunk_arrivals + bh, 1u);
-    last_arrival = prev == static_cast<uint32_t>(n_chunks - 1);
+    const uint32_t prev = atomicAdd(arrivals(p) + bh, 1u);
+    sm.flag = prev == static_cast<uint32_t>(n_chunks - 1);
   }
   __syncthreads();
-  if (!last_arrival) return;
+  if (!sm.flag) return;
   __threadfence();
   if (threadIdx.x < DP) {
     float s = 0.0f;
@@ -237,11 +265,29 @@ __global__ void __launch_bounds__(kThreads) key_mean_kernel(const QuantizeQkvPar
     // Zero when a batch has no valid keys (format.k_mean clamps the count to 1).
     p.k_mean[bh * DP + threadIdx.x] = __fdiv_rn(s, float(n_valid > 0 ? n_valid : 1));
   }
-  if (threadIdx.x == 0) p.k_chunk_arrivals[bh] = 0;  // leave the workspace as it was found
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) atomicExch(km_ready(p) + bh, 1u);
+}
+
+// Block until km of (b, kv-head) bh is written. The mean items hold lower tickets than every
+// item that waits, and a ticket is only drawn by a running CTA, so they are running or done:
+// the wait always ends (in practice it never spins: the V^T tiles run in between).
+__device__ __forceinline__ void wait_key_mean(const QuantizeQkvParams& p, int64_t bh) {
+  if (threadIdx.x == 0) {
+    const uint32_t* flag = km_ready(p) + bh;
+    uint32_t ready;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(ready) : "l"(flag) : "memory");
+    while (!ready) {
+      __nanosleep(200);
+      asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(ready) : "l"(flag) : "memory");
+    }
+  }
+  __syncthreads();
 }
 
 ////////////////////////////////////////////////////////////////////////////////////////////////
-// Launch 2: Q, K and V^T tiles
+// Work items 2: Q, K and V^T tiles
 
 template <int DP>
 struct SharedStorage {
@@ -251,6 +297,9 @@ struct SharedStorage {
   };
   float mean[DP];  // q block mean (Q tiles) or km (K tiles)
   float km[DP];    // km for q . km (Q tiles)
+  ScaleTables tables;
+  uint32_t ticket;
+  bool flag;       // last chunk of a K mean
 };
 
 // Rows of a Q or K tile: thread (row r0 + kRowsPerPass * pass, column block cb).
@@ -276,7 +325,8 @@ __device__ __forceinline__ void q_tile(const QuantizeQkvParams& p, SharedStorage
   const int64_t rows_left = p.seq_q - row0;
   const int valid_rows = rows_left <= 0 ? 0 : (rows_left >= kTileRows ? kTileRows : int(rows_left));
 
-  if (threadIdx.x < DP) sm.km[threadIdx.x] = p.k_mean[(b * p.heads_kv + kvh) * DP + threadIdx.x];
+  wait_key_mean(p, b * p.heads_kv + kvh);
+  if (threadIdx.x < DP) sm.km[threadIdx.x] = __ldcg(p.k_mean + (b * p.heads_kv + kvh) * DP + threadIdx.x);
 
   const Raw* base = static_cast<const Raw*>(p.q.ptr) + row_offset(p.q, b, h, row0);
   Block16<DT> x[Map::kPasses];
@@ -329,7 +379,7 @@ __device__ __forceinline__ void q_tile(const QuantizeQkvParams& p, SharedStorage
         v[e] = xe - sm.mean[cb * 16 + e];
         dot = fmaf(xe, sm.km[cb * 16 + e], dot);
       }
-      quantize_block16(v, lo, hi, sf_bits);
+      quantize_block16(v, sm.tables, lo, hi, sf_bits);
     }
     store_u64(data + r * (DP / 2) + cb * 8, lo, hi);
     sf[r * (DP / 16) + cb] = static_cast<uint8_t>(sf_bits);
@@ -363,7 +413,8 @@ __device__ __forceinline__ void k_tile(const QuantizeQkvParams& p, SharedStorage
     x[ps].zero();
     if (r < valid_rows) load_block16<DT, VEC>(x[ps], base + r * p.k.stride_s, p.k.stride_d, cb * 16, int(p.head_dim));
   }
-  if (threadIdx.x < DP) sm.mean[threadIdx.x] = p.k_mean[bh * DP + threadIdx.x];
+  wait_key_mean(p, bh);
+  if (threadIdx.x < DP) sm.mean[threadIdx.x] = __ldcg(p.k_mean + bh * DP + threadIdx.x);
   __syncthreads();
 
   uint8_t* data = p.k_data + (bh * p.seq_k_padded + row0) * (DP / 2);
@@ -376,7 +427,7 @@ __device__ __forceinline__ void k_tile(const QuantizeQkvParams& p, SharedStorage
       float v[16];
 #pragma unroll
       for (int e = 0; e < 16; ++e) v[e] = x[ps].get(e) - sm.mean[cb * 16 + e];
-      quantize_block16(v, lo, hi, sf_bits);
+      quantize_block16(v, sm.tables, lo, hi, sf_bits);
     }
     const int stored = k_row_perm(r);
     store_u64(data + stored * (DP / 2) + cb * 8, lo, hi);
@@ -392,17 +443,20 @@ __device__ __forceinline__ void v_tile(const QuantizeQkvParams& p, SharedStorage
                                ? kVTileBytes / (DP * int(sizeof(Raw)))
                                : kTileRows;
   constexpr int kBlocksPerCol = kSubRows / 16;          // 16-token blocks per d in a sub-tile
-  constexpr int kThreadsPerCol = kThreads / DP;          // threads sharing one d
-  constexpr int kBlocksPerThread = kBlocksPerCol / kThreadsPerCol;
-  static_assert(kBlocksPerThread >= 1 && kBlocksPerCol % kThreadsPerCol == 0, "V tile split");
+  constexpr int kCols = 4 / int(sizeof(Raw));            // columns per 32-bit shared word
+  constexpr int kColGroups = DP / kCols;
+  constexpr int kThreadsPerGroup = kThreads / kColGroups;  // threads sharing one column group
+  constexpr int kBlocksPerThread = kBlocksPerCol / kThreadsPerGroup;
+  static_assert((kBlocksPerThread == 1 || kBlocksPerThread == 2) && kBlocksPerCol % kThreadsPerGroup == 0,
+                "V tile split");
   constexpr int kChunksPerRow = DP * int(sizeof(Raw)) / 16;  // 16-byte chunks of one token row
 
   const int64_t n_blocks = p.seq_k_padded / kTileRows;
   const int64_t blk = tile % n_blocks;
   const int64_t bh = tile / n_blocks;
   const int64_t b = bh / p.heads_kv, h = bh % p.heads_kv;
-  const int d = threadIdx.x % DP;
-  const int part = threadIdx.x / DP;
+  const int cg = threadIdx.x % kColGroups;
+  const int part = threadIdx.x / kColGroups;
   const int64_t n_valid = valid_key_count(p, b);  // keys past kv_lens[b] are zero padding
   Raw* stile = reinterpret_cast<Raw*>(sm.v_tile);
   const Raw* base = static_cast<const Raw*>(p.v.ptr) + row_offset(p.v, b, h, 0);
@@ -427,53 +481,76 @@ __device__ __forceinline__ void v_tile(const QuantizeQkvParams& p, SharedStorage
     }
     __syncthreads();
 
-    uint32_t words[2 * kBlocksPerThread];
-    uint32_t sfs = 0;
+    // Each thread reads one 32-bit word per token: kCols adjacent columns (two 16-bit or one
+    // fp32 element; a warp reads 128 contiguous bytes of a token row, conflict-free), and
+    // quantizes kBlocksPerThread consecutive 16-token blocks of each of those columns.
+    uint32_t words[kCols][2 * kBlocksPerThread];
+    uint32_t sfs[kCols] = {};
+    const uint32_t* swords = reinterpret_cast<const uint32_t*>(sm.v_tile);
 #pragma unroll
     for (int i = 0; i < kBlocksPerThread; ++i) {
       const int tb = part * kBlocksPerThread + i;
-      float v[16];
+      float v[kCols][16];
 #pragma unroll
-      for (int e = 0; e < 16; ++e) v[e] = InputTraits<DT>::to_float(stile[(tb * 16 + e) * DP + d]);
-      uint32_t sf_bits;
-      quantize_block16(v, words[2 * i], words[2 * i + 1], sf_bits);
-      sfs |= sf_bits << (8 * i);
-    }
-    // This thread's blocks are contiguous along tokens: 8 bytes of data and 1 scale byte each.
-    const int64_t tb0 = tok0 / 16 + part * kBlocksPerThread;
-    uint8_t* data = p.vt_data + ((bh * DP + d) * p.seq_k_padded) / 2 + tb0 * 8;
-    uint8_t* sf = p.vt_sf + ((bh * DP + d) * p.seq_k_padded) / 16 + tb0;
+      for (int e = 0; e < 16; ++e) {
+        const uint32_t w = swords[(tb * 16 + e) * (DP / kCols) + cg];
+        if constexpr (kCols == 2) {
+          v[0][e] = InputTraits<DT>::to_float(w & 0xFFFFu);
+          v[1][e] = InputTraits<DT>::to_float(w >> 16);
+        } else {
+          v[0][e] = InputTraits<DT>::to_float(w);
+        }
+      }
 #pragma unroll
-    for (int i = 0; i < kBlocksPerThread; i += 2) {
-      if (i + 1 < kBlocksPerThread) {
-        *reinterpret_cast<uint4*>(data + i * 8) = make_uint4(words[2 * i], words[2 * i + 1], words[2 * i + 2], words[2 * i + 3]);
-      } else {
-        store_u64(data + i * 8, words[2 * i], words[2 * i + 1]);
+      for (int c = 0; c < kCols; ++c) {
+        uint32_t sf_bits;
+        quantize_block16(v[c], sm.tables, words[c][2 * i], words[c][2 * i + 1], sf_bits);
+        sfs[c] |= sf_bits << (8 * i);
       }
     }
-    if constexpr (kBlocksPerThread == 4) *reinterpret_cast<uint32_t*>(sf) = sfs;
-    else if constexpr (kBlocksPerThread == 2) *reinterpret_cast<uint16_t*>(sf) = static_cast<uint16_t>(sfs);
-    else
+    // Per column, this thread's blocks are contiguous along tokens: 8 data bytes, 1 scale each.
+    const int64_t tb0 = tok0 / 16 + part * kBlocksPerThread;
 #pragma unroll
-      for (int i = 0; i < kBlocksPerThread; ++i) sf[i] = static_cast<uint8_t>(sfs >> (8 * i));
+    for (int c = 0; c < kCols; ++c) {
+      const int64_t row = bh * DP + cg * kCols + c;
+      uint8_t* data = p.vt_data + (row * p.seq_k_padded) / 2 + tb0 * 8;
+      uint8_t* sf = p.vt_sf + (row * p.seq_k_padded) / 16 + tb0;
+      if constexpr (kBlocksPerThread == 2) {
+        *reinterpret_cast<uint4*>(data) = make_uint4(words[c][0], words[c][1], words[c][2], words[c][3]);
+        *reinterpret_cast<uint16_t*>(sf) = static_cast<uint16_t>(sfs[c]);
+      } else {
+        store_u64(data, words[c][0], words[c][1]);
+        *sf = static_cast<uint8_t>(sfs[c]);
+      }
+    }
   }
 }
 
 template <InputDtype DT, int DP, bool VEC>
-__global__ void __launch_bounds__(kThreads) quantize_qkv_kernel(const QuantizeQkvParams p) {
+__global__ void __launch_bounds__(kThreads, 4) quantize_qkv_kernel(const QuantizeQkvParams p) {
   __shared__ __align__(16) SharedStorage<DP> sm;
-  const int64_t k_tiles = p.batch * p.heads_kv * (p.seq_k_padded / kTileRows);
-  int64_t tile = blockIdx.x;
-  if (tile < k_tiles) {
-    k_tile<DT, DP, VEC>(p, sm, k_tiles - 1 - tile);
+  fill_scale_tables(sm.tables);  // every item synchronises before its first block
+  // Items in ticket order: K-mean chunks, V^T tiles (independent of km), K tiles, Q tiles.
+  if (threadIdx.x == 0) sm.ticket = atomicAdd(p.work_counters, 1u);
+  __syncthreads();
+  int64_t item = sm.ticket;
+  const int64_t mean_items = p.batch * p.heads_kv * quantize_qkv_k_chunks(p.seq_k);
+  const int64_t kv_tiles = p.batch * p.heads_kv * (p.seq_k_padded / kTileRows);
+  if (item < mean_items) {
+    key_mean_item<DT, DP, VEC>(p, sm, item);
     return;
   }
-  tile -= k_tiles;
-  if (tile < k_tiles) {
-    v_tile<DT, DP, VEC>(p, sm, tile);
+  item -= mean_items;
+  if (item < kv_tiles) {
+    v_tile<DT, DP, VEC>(p, sm, item);
     return;
   }
-  q_tile<DT, DP, VEC>(p, sm, tile - k_tiles);
+  item -= kv_tiles;
+  if (item < kv_tiles) {
+    k_tile<DT, DP, VEC>(p, sm, item);
+    return;
+  }
+  q_tile<DT, DP, VEC>(p, sm, item - kv_tiles);
 }
 
 bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; }
@@ -487,15 +564,11 @@ bool vector_loads_ok(const StridedInput& t, int64_t elem_bytes, int64_t head_dim
 
 template <InputDtype DT, int DP, bool VEC>
 cudaError_t launch_typed(const QuantizeQkvParams& p, cudaStream_t stream) {
-  const int64_t n_chunks = quantize_qkv_k_chunks(p.seq_k);
   const int64_t kv_heads = p.batch * p.heads_kv;
-  if (kv_heads > 65535) return cudaErrorInvalidConfiguration;
-  key_mean_kernel<DT, DP, VEC><<<dim3(unsigned(n_chunks), unsigned(kv_heads)), kThreads, 0, stream>>>(p);
-  cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess) return err;
-  const int64_t tiles = 2 * kv_heads * (p.seq_k_padded / kTileRows) + p.batch * p.heads_q * (p.seq_q_padded / kTileRows);
-  if (tiles > 0x7FFFFFFFLL) return cudaErrorInvalidConfiguration;
-  quantize_qkv_kernel<DT, DP, VEC><<<unsigned(tiles), kThreads, 0, stream>>>(p);
+  const int64_t items = kv_heads * quantize_qkv_k_chunks(p.seq_k) + 2 * kv_heads * (p.seq_k_padded / kTileRows) +
+                        p.batch * p.heads_q * (p.seq_q_padded / kTileRows);
+  if (items > 0x7FFFFFFFLL) return cudaErrorInvalidConfiguration;
+  quantize_qkv_kernel<DT, DP, VEC><<<unsigned(items), kThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
 

@@ -55,12 +55,12 @@ struct QuantizeQkvParams {
   float* k_mean;     // [B, Hkv, Dp]
   float* q_dot_km;   // [B, H, Sq]
 
-  // Workspace of the K-mean reduction (see quantize_qkv_workspace_floats).
-  float* k_partial_sums;      // [B * Hkv, k_chunks, Dp]
-  uint32_t* k_chunk_arrivals;  // [B * Hkv], zero on entry, zero again on exit
+  // Workspace of the K-mean reduction and the work-item order (see quantize_qkv_workspace_*).
+  float* k_partial_sums;    // [B * Hkv, k_chunks, Dp], no initial value needed
+  uint32_t* work_counters;  // [1 + 2 * B * Hkv], zero on entry
 };
 
-// Keys reduced by one CTA of the K-mean kernel.
+// Keys reduced by one K-mean work item.
 constexpr int64_t kKeyMeanChunk = 2048;
 
 __host__ __device__ inline int64_t quantize_qkv_k_chunks(int64_t seq_k) {
@@ -73,8 +73,13 @@ __host__ __device__ inline int64_t quantize_qkv_workspace_floats(int64_t batch, 
   return batch * heads_kv * quantize_qkv_k_chunks(seq_k) * head_dim_padded;
 }
 
-// Two kernel launches on `stream`: the K-mean reduction, then one fused kernel that quantizes
-// every Q, K and V^T tile (and writes the Q block means and q . km). Returns the launch error.
+// 32-bit counters of work_counters (zero them before every launch).
+__host__ __device__ inline int64_t quantize_qkv_workspace_counters(int64_t batch, int64_t heads_kv) {
+  return 1 + 2 * batch * heads_kv;
+}
+
+// One kernel launch on `stream` that reduces the K means and quantizes every Q, K and V^T tile
+// (and writes the Q block means and q . km). Returns the launch error.
 cudaError_t launch_quantize_qkv(const QuantizeQkvParams& params, cudaStream_t stream);
 
 struct QkCorrectionParams {

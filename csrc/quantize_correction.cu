@@ -5,8 +5,10 @@
 // kernel consumes each chunk. K is read in its input dtype straight from its strides and
 // smoothed on the fly, so no fp32 copy of k - km is ever materialised.
 //
-// One launch per chunk: an fp32 register-tiled GEMM, CTA tile 64 Q blocks x 128 keys, the head
-// dim in slices of 32 through shared memory, 4 x 8 outputs per thread. Every offset is int64.
+// One launch per chunk: an fp32 register-tiled GEMM (exact fp32 FMAs, no TF32), CTA tile 64 Q
+// blocks x 128 keys with 128 threads of 8 x 8 outputs each, the head dim in slices of 16 through
+// two shared-memory stages (the next slice's global loads are in flight while the current one is
+// multiplied). Every offset is int64.
 #include <cuda_fp16.h>
 
 #include "quantize.cuh"
@@ -15,91 +17,164 @@
 namespace nvfp4_dit {
 namespace {
 
-constexpr int kThreads = 256;
+constexpr int kThreads = 128;
 constexpr int kTileM = 64;    // Q blocks per CTA
-constexpr int kTileN = 128;   // keys per CTA
-constexpr int kSliceD = 32;   // head-dim slice held in shared memory
+constexpr int kTileN = 128;   // keys per CTA (one per thread when loading)
+constexpr int kSliceD = 16;   // head-dim slice per pipeline stage (two stages in shared memory)
 constexpr int kPadN = 4;      // keeps float4 alignment, breaks the row-to-row bank pattern
 
 template <InputDtype DT>
-__device__ __forceinline__ float load_as_float(const void* base, int64_t offset) {
-  if constexpr (DT == InputDtype::kBFloat16) {
-    return __uint_as_float(static_cast<uint32_t>(static_cast<const uint16_t*>(base)[offset]) << 16);
-  } else if constexpr (DT == InputDtype::kFloat16) {
-    return __half2float(static_cast<const __half*>(base)[offset]);
+struct KElem;
+template <>
+struct KElem<InputDtype::kBFloat16> {
+  using Raw = uint16_t;
+  static __device__ __forceinline__ float to_float(uint32_t bits) { return __uint_as_float(bits << 16); }
+};
+template <>
+struct KElem<InputDtype::kFloat16> {
+  using Raw = uint16_t;
+  static __device__ __forceinline__ float to_float(uint32_t bits) {
+    return __half2float(__ushort_as_half(static_cast<unsigned short>(bits)));
+  }
+};
+template <>
+struct KElem<InputDtype::kFloat32> {
+  using Raw = uint32_t;
+  static __device__ __forceinline__ float to_float(uint32_t bits) { return __uint_as_float(bits); }
+};
+
+// One thread's share of a slice, held in registers between the global load and the shared store
+// (software pipelining: the next slice is in flight while the current one is multiplied).
+template <InputDtype DT>
+struct SliceRegs {
+  using Raw = typename KElem<DT>::Raw;
+  static constexpr int kKWords = kSliceD * int(sizeof(Raw)) / 4;  // 16 key elements
+  float4 qm[2];            // 8 consecutive q_mean values of one Q block
+  uint32_t k[kKWords];     // 16 consecutive head-dim elements of one key, input encoding
+};
+
+template <InputDtype DT, int DP, bool VEC_LOAD>
+__device__ __forceinline__ void load_slice(SliceRegs<DT>& r, const QkCorrectionParams& p, const float* qm_row,
+                                           bool m_valid, const typename KElem<DT>::Raw* k_row, bool key_valid,
+                                           int d0) {
+  using Raw = typename KElem<DT>::Raw;
+  const int dq = (threadIdx.x / kTileM) * 8;  // this thread's 8 columns of the q_mean slice
+  const float4 zero4 = make_float4(0.f, 0.f, 0.f, 0.f);
+  r.qm[0] = m_valid ? *reinterpret_cast<const float4*>(qm_row + d0 + dq) : zero4;
+  r.qm[1] = m_valid ? *reinterpret_cast<const float4*>(qm_row + d0 + dq + 4) : zero4;
+  if constexpr (VEC_LOAD) {
+    const uint4* src = reinterpret_cast<const uint4*>(k_row + d0);
+#pragma unroll
+    for (int i = 0; i < SliceRegs<DT>::kKWords / 4; ++i) {
+      const uint4 t = key_valid ? __ldg(src + i) : make_uint4(0, 0, 0, 0);
+      r.k[4 * i] = t.x;
+      r.k[4 * i + 1] = t.y;
+      r.k[4 * i + 2] = t.z;
+      r.k[4 * i + 3] = t.w;
+    }
   } else {
-    return static_cast<const float*>(base)[offset];
+#pragma unroll
+    for (int e = 0; e < kSliceD; ++e) {
+      const int d = d0 + e;
+      const uint32_t x = (key_valid && d < p.head_dim) ? static_cast<uint32_t>(k_row[d * p.k.stride_d]) : 0u;
+      if constexpr (sizeof(Raw) == 2) {
+        if (e & 1) r.k[e >> 1] |= x << 16;
+        else r.k[e >> 1] = x;
+      } else {
+        r.k[e] = x;
+      }
+    }
   }
 }
 
-template <InputDtype DT, int DP, bool VEC_STORE>
-__global__ void __launch_bounds__(kThreads) qk_correction_kernel(const QkCorrectionParams p) {
-  __shared__ __align__(16) float qs[kSliceD][kTileM];
-  __shared__ __align__(16) float ks[kSliceD][kTileN + kPadN];
+template <InputDtype DT>
+__device__ __forceinline__ float slice_k(const SliceRegs<DT>& r, int e) {
+  using Raw = typename KElem<DT>::Raw;
+  if constexpr (sizeof(Raw) == 2) {
+    const uint32_t w = r.k[e >> 1];
+    return KElem<DT>::to_float((e & 1) ? (w >> 16) : (w & 0xFFFFu));
+  } else {
+    return __uint_as_float(r.k[e]);
+  }
+}
 
-  const int64_t n_tile = blockIdx.x;
-  const int64_t m_tile = blockIdx.y;
+template <InputDtype DT, int DP, bool VEC_LOAD, bool VEC_STORE>
+__global__ void __launch_bounds__(kThreads) qk_correction_kernel(const QkCorrectionParams p) {
+  using Raw = typename KElem<DT>::Raw;
+  __shared__ __align__(16) float qs[2][kSliceD][kTileM];
+  __shared__ __align__(16) float ks[2][kSliceD][kTileN + kPadN];
+  __shared__ float km_s[DP];
+
+  const int64_t key0 = int64_t(blockIdx.x) * kTileN;
+  const int64_t m0 = int64_t(blockIdx.y) * kTileM;
   const int64_t bh = blockIdx.z;  // b * H + h
   const int64_t b = bh / p.heads_q, h = bh % p.heads_q;
   const int64_t kvh = h / (p.heads_q / p.heads_kv);
   const int64_t n_rows = p.block_end - p.block_begin;
-  const int64_t key0 = n_tile * kTileN;
-  const int64_t m0 = m_tile * kTileM;
+  const int64_t n_valid = valid_key_count(p, b);  // keys past kv_lens[b] are padding: k_s = 0
 
+  for (int d = threadIdx.x; d < DP; d += kThreads) km_s[d] = p.k_mean[(b * p.heads_kv + kvh) * DP + d];
+
+  // Loader roles: q_mean row (threadIdx.x % 64) and column half (threadIdx.x / 64); key threadIdx.x.
+  const int lm = threadIdx.x % kTileM, lq = (threadIdx.x / kTileM) * 8;
+  const bool m_valid = m0 + lm < n_rows;
+  const float* qm_row = p.q_mean + (bh * p.num_q_blocks + p.block_begin + m0 + lm) * DP;
+  const int64_t key = key0 + threadIdx.x;
+  const bool key_valid = key < n_valid;
+  const Raw* k_row = static_cast<const Raw*>(p.k.ptr) + b * p.k.stride_b + kvh * p.k.stride_h +
+                     (key_valid ? key : 0) * p.k.stride_s;
+
+  // Compute roles: 8 Q blocks (tm) x 8 keys (tn*4 + j and 64 + tn*4 + j).
   const int tn = threadIdx.x % 16, tm = threadIdx.x / 16;
-  float acc[4][8];
+  float acc[8][8];
 #pragma unroll
-  for (int i = 0; i < 4; ++i)
+  for (int i = 0; i < 8; ++i)
 #pragma unroll
     for (int j = 0; j < 8; ++j) acc[i][j] = 0.0f;
 
-  const float* qm_base = p.q_mean + (bh * p.num_q_blocks + p.block_begin + m0) * DP;
-  const float* km = p.k_mean + (b * p.heads_kv + kvh) * DP;
-  const int64_t k_row0 = b * p.k.stride_b + kvh * p.k.stride_h;
-  // K loader: thread -> key (threadIdx.x % 128), half of the slice (threadIdx.x / 128).
-  const int lk = threadIdx.x % kTileN, lhalf = threadIdx.x / kTileN;
-  const int64_t key = key0 + lk;
-  const int64_t n_valid = valid_key_count(p, b);  // keys past kv_lens[b] are padding: k_s = 0
+  SliceRegs<DT> regs;
+  __syncthreads();  // km_s
+  auto store_slice = [&](int buf, int d0) {
+    const float qv[8] = {regs.qm[0].x, regs.qm[0].y, regs.qm[0].z, regs.qm[0].w,
+                         regs.qm[1].x, regs.qm[1].y, regs.qm[1].z, regs.qm[1].w};
+#pragma unroll
+    for (int e = 0; e < 8; ++e) qs[buf][lq + e][lm] = qv[e];
+#pragma unroll
+    for (int e = 0; e < kSliceD; ++e) {
+      // Padded keys (and the padded head-dim columns, where km is 0) stay exactly zero.
+      ks[buf][e][threadIdx.x] = key_valid ? slice_k<DT>(regs, e) - km_s[d0 + e] : 0.0f;
+    }
+  };
 
-  for (int d0 = 0; d0 < DP; d0 += kSliceD) {
-    // Q means: 64 rows x 32 columns, 8 per thread, stored transposed; lanes run along m so the
-    // shared-memory stores are conflict-free (q_mean is small and L2-resident).
-#pragma unroll
-    for (int i = 0; i < kTileM * kSliceD / kThreads; ++i) {
-      const int idx = threadIdx.x + i * kThreads;
-      const int m = idx % kTileM, dd = idx / kTileM;
-      qs[dd][m] = (m0 + m < n_rows) ? qm_base[int64_t(m) * DP + d0 + dd] : 0.0f;
-    }
-    // K smoothed on the fly; padded keys and padded head-dim columns are exactly zero.
-#pragma unroll
-    for (int e = 0; e < 16; ++e) {
-      const int dd = lhalf * 16 + e;
-      const int d = d0 + dd;
-      float x = 0.0f;
-      if (key < n_valid && d < p.head_dim)
-        x = load_as_float<DT>(p.k.ptr, k_row0 + key * p.k.stride_s + d * p.k.stride_d) - km[d];
-      ks[dd][lk] = x;
-    }
-    __syncthreads();
+  load_slice<DT, DP, VEC_LOAD>(regs, p, qm_row, m_valid, k_row, key_valid, 0);
+  store_slice(0, 0);
+  __syncthreads();
+  constexpr int kSlices = DP / kSliceD;
+#pragma unroll 1
+  for (int s = 0; s < kSlices; ++s) {
+    const int buf = s & 1;
+    if (s + 1 < kSlices) load_slice<DT, DP, VEC_LOAD>(regs, p, qm_row, m_valid, k_row, key_valid, (s + 1) * kSliceD);
 #pragma unroll
     for (int kk = 0; kk < kSliceD; ++kk) {
-      const float4 a = *reinterpret_cast<const float4*>(&qs[kk][tm * 4]);
-      const float4 b0 = *reinterpret_cast<const float4*>(&ks[kk][tn * 4]);
-      const float4 b1 = *reinterpret_cast<const float4*>(&ks[kk][64 + tn * 4]);
-      const float av[4] = {a.x, a.y, a.z, a.w};
+      const float4 a0 = *reinterpret_cast<const float4*>(&qs[buf][kk][tm * 8]);
+      const float4 a1 = *reinterpret_cast<const float4*>(&qs[buf][kk][tm * 8 + 4]);
+      const float4 b0 = *reinterpret_cast<const float4*>(&ks[buf][kk][tn * 4]);
+      const float4 b1 = *reinterpret_cast<const float4*>(&ks[buf][kk][64 + tn * 4]);
+      const float av[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
       const float bv[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
 #pragma unroll
-      for (int i = 0; i < 4; ++i)
+      for (int i = 0; i < 8; ++i)
 #pragma unroll
         for (int j = 0; j < 8; ++j) acc[i][j] = fmaf(av[i], bv[j], acc[i][j]);
     }
+    if (s + 1 < kSlices) store_slice(buf ^ 1, (s + 1) * kSliceD);
     __syncthreads();
   }
 
   float* out = p.delta + b * p.delta_stride_b + h * p.delta_stride_h;
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int64_t m = m0 + tm * 4 + i;
+  for (int i = 0; i < 8; ++i) {
+    const int64_t m = m0 + tm * 8 + i;
     if (m >= n_rows) continue;
     float* row = out + m * p.delta_stride_blk + key0;
 #pragma unroll
@@ -121,10 +196,18 @@ cudaError_t launch_typed(const QkCorrectionParams& p, cudaStream_t stream) {
   const int64_t rows = p.block_end - p.block_begin;
   const dim3 grid(unsigned(p.seq_k_padded / kTileN), unsigned((rows + kTileM - 1) / kTileM),
                   unsigned(p.batch * p.heads_q));
-  const bool vec = (reinterpret_cast<uintptr_t>(p.delta) & 15u) == 0 && p.delta_stride_b % 4 == 0 &&
-                   p.delta_stride_h % 4 == 0 && p.delta_stride_blk % 4 == 0;
-  if (vec) qk_correction_kernel<DT, DP, true><<<grid, kThreads, 0, stream>>>(p);
-  else qk_correction_kernel<DT, DP, false><<<grid, kThreads, 0, stream>>>(p);
+  const bool vec_store = (reinterpret_cast<uintptr_t>(p.delta) & 15u) == 0 && p.delta_stride_b % 4 == 0 &&
+                         p.delta_stride_h % 4 == 0 && p.delta_stride_blk % 4 == 0;
+  constexpr int64_t per16 = 16 / int64_t(sizeof(typename KElem<DT>::Raw));
+  const bool vec_load = p.head_dim == DP && p.k.stride_d == 1 && (reinterpret_cast<uintptr_t>(p.k.ptr) & 15u) == 0 &&
+                        p.k.stride_b % per16 == 0 && p.k.stride_h % per16 == 0 && p.k.stride_s % per16 == 0;
+  if (vec_load) {
+    if (vec_store) qk_correction_kernel<DT, DP, true, true><<<grid, kThreads, 0, stream>>>(p);
+    else qk_correction_kernel<DT, DP, true, false><<<grid, kThreads, 0, stream>>>(p);
+  } else {
+    if (vec_store) qk_correction_kernel<DT, DP, false, true><<<grid, kThreads, 0, stream>>>(p);
+    else qk_correction_kernel<DT, DP, false, false><<<grid, kThreads, 0, stream>>>(p);
+  }
   return cudaGetLastError();
 }
 

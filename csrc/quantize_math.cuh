@@ -77,6 +77,52 @@ NVFP4_DIT_HD uint32_t e2m1_magnitude_code(float a) {
   return (sum & 7u) + (exp_bits >> 22) - 254u;
 }
 
+// The same for 0 <= a < 7 without the saturation: a block's quotients stay below 6.4 unless its
+// scale saturated at 448 (amax > 6 * 464), and the kernel sends those blocks to the clamped path.
+// The sum a + 2^(22+e) lies in [2^(22+e), 2^(23+e)), so its exponent field is 149 + e and
+// (sum >> 22) = 2 * (149 + e).
+NVFP4_DIT_HD uint32_t e2m1_magnitude_code_below7(float a) {
+  const float at_least_one = a > 1.0f ? a : 1.0f;
+  const uint32_t exp_bits = nvfp4::float_bits(at_least_one) & 0x7F800000u;
+  const uint32_t sum = nvfp4::float_bits(rn_add(a, nvfp4::bits_float(exp_bits + (22u << 23))));
+  return (sum & 7u) + (sum >> 22) - 298u;
+}
+
+// Quotients above this are only reached when the block scale saturated (or amax is inf).
+constexpr float kUnsaturatedAmax = 6.0f * 464.0f;
+
+// amax / 6 rounded (block_scale_value's IEEE division) for finite 0 <= amax <= kUnsaturatedAmax:
+// Markstein with RN(1/6). Underflowing results (amax < 2^-120) are far below the smallest
+// e4m3 scale and encode as 0 either way.
+constexpr float kRcp6 = 0.16666667163372039794921875f;  // RN(1/6)
+NVFP4_DIT_HD float amax_over_6(float amax) { return divide_by_scale(amax, 6.0f, kRcp6); }
+
+NVFP4_DIT_HD uint32_t byte_perm(uint32_t a, uint32_t b, uint32_t selector) {
+#ifdef __CUDA_ARCH__
+  return __byte_perm(a, b, selector);
+#else
+  const uint64_t bytes = (uint64_t(b) << 32) | a;
+  uint32_t out = 0;
+  for (int i = 0; i < 4; ++i) out |= uint32_t((bytes >> (8 * ((selector >> (4 * i)) & 7u))) & 0xFFu) << (8 * i);
+  return out;
+#endif
+}
+
+// Eight e2m1 magnitude codes (0..7) and the values they came from -> one word of nibbles,
+// element i in bits [4i+3:4i], sign bit = signbit(v[i]) (format.e2m1_encode; -0 included).
+// The signs are gathered bytewise: the top byte of v[2j+1] lands in byte j (sign at bit 8j+7),
+// that of v[2j] likewise and shifted down by 4 (bit 8j+3).
+NVFP4_DIT_HD uint32_t pack8_codes_signs(const uint32_t (&code)[8], const float (&v)[8]) {
+  uint32_t mag = code[7];
+#pragma unroll
+  for (int i = 6; i >= 0; --i) mag = (mag << 4) + code[i];
+  const uint32_t odd = byte_perm(byte_perm(nvfp4::float_bits(v[1]), nvfp4::float_bits(v[3]), 0x7733u),
+                                 byte_perm(nvfp4::float_bits(v[5]), nvfp4::float_bits(v[7]), 0x7733u), 0x6420u);
+  const uint32_t even = byte_perm(byte_perm(nvfp4::float_bits(v[0]), nvfp4::float_bits(v[2]), 0x7733u),
+                                  byte_perm(nvfp4::float_bits(v[4]), nvfp4::float_bits(v[6]), 0x7733u), 0x6420u);
+  return mag | (odd & 0x80808080u) | ((even >> 4) & 0x08080808u);
+}
+
 // Valid keys of batch b: kv_lens[b] clamped to [0, seq_k], or seq_k without kv_lens. Params is
 // QuantizeQkvParams or QkCorrectionParams (fields kv_lens, kv_lens_int64, seq_k).
 template <typename Params>

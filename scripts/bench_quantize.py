@@ -111,6 +111,24 @@ def bench_one(seq: int, heads: int, dim: int, iters: int) -> dict:
                 mem_corr=mem_corr, corr_chunks=n_chunks)
 
 
+def smoke() -> int:
+    """Every dtype x layout x head-dim path once, small, plus a chunked correction: a driver for
+    ``compute-sanitizer --tool memcheck|racecheck``."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for layout in ("NHD", "HND"):
+            for d in (64, 128, 72):
+                shape = (2, 300, 2, d) if layout == "NHD" else (2, 2, 300, d)
+                q, k, v = (torch.randn(*shape, device="cuda", dtype=dtype, generator=gen) for _ in range(3))
+                lens = torch.tensor([300, 170], device="cuda", dtype=torch.int32)
+                qq = cq.quantize_qkv_cuda(q, k, v, layout=layout, kv_lens=lens)
+                for _ in cq.iter_qk_corrections(qq, budget=2 * 2 * 384 * 4):
+                    pass
+    torch.cuda.synchronize()
+    print("smoke ok")
+    return 0
+
+
 def table(rows: list[dict]) -> str:
     head = ("| S | bytes (GB) | fused GB/s | copy GB/s | fused / copy | torch-ops GB/s | fused speed-up vs torch-ops "
             "| peak mem fused (GiB) | peak mem torch-ops (GiB) | correction ms (chunks) | SDPA ms | correction / SDPA "
@@ -165,7 +183,11 @@ def main() -> int:
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--out", type=Path, default=Path("bench_out"))
     parser.add_argument("--plot-only", type=Path, help="redraw the table and PNG from a JSON of an earlier run")
+    parser.add_argument("--smoke", action="store_true",
+                        help="run each kernel variant once on small inputs and exit (for compute-sanitizer)")
     args = parser.parse_args()
+    if args.smoke:
+        return smoke()
     if args.plot_only:
         rows = json.loads(args.plot_only.read_text())["rows"]
         print(table(rows))
