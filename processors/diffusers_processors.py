@@ -227,6 +227,12 @@ class NVFP4HunyuanVideoAttnProcessor2_0(NVFP4AttnProcessorBase):
     route, role = ROUTE_DISPATCH, ROLE_SELF
 
 
+class NVFP4HunyuanVideo15AttnProcessor2_0(NVFP4AttnProcessorBase):
+    """HunyuanVideo 1.5 joint video+text attention (the generic wrapper would count it as cross)."""
+    original_class = _find(_T + "transformer_hunyuan_video15", "HunyuanVideo15AttnProcessor2_0")
+    route, role = ROUTE_DISPATCH, ROLE_SELF
+
+
 class NVFP4LTXVideoAttnProcessor(NVFP4AttnProcessorBase):
     """LTX-Video self-attention and cross-attention with its additive 0/-10000 text mask."""
     original_class = _find(_T + "transformer_ltx", "LTXVideoAttnProcessor")
@@ -259,7 +265,7 @@ class NVFP4AttnProcessor2_0(NVFP4AttnProcessorBase):
 
 FAMILY_PROCESSORS = tuple(
     c for c in (NVFP4CosmosAttnProcessor2_0, NVFP4CosmosAttnProcessor2_5, NVFP4WanAttnProcessor,
-                NVFP4HunyuanVideoAttnProcessor2_0, NVFP4LTXVideoAttnProcessor, NVFP4MiniMaxH3AttnProcessor,
+                NVFP4HunyuanVideoAttnProcessor2_0, NVFP4HunyuanVideo15AttnProcessor2_0, NVFP4LTXVideoAttnProcessor, NVFP4MiniMaxH3AttnProcessor,
                 NVFP4CogVideoXAttnProcessor2_0, NVFP4MochiAttnProcessor2_0, NVFP4AttnProcessor2_0)
     if c.original_class is not None
 )

@@ -89,23 +89,27 @@ def resolve_backend(args, device: torch.device) -> str:
 
 def load_pipeline(args, device: torch.device, dtype: torch.dtype):
     """(pipeline, defaults for the call, model name)."""
+    if args.cpu_offload != "none" and device.type != "cuda":
+        raise SystemExit(f"--cpu-offload {args.cpu_offload} needs a CUDA device (got {device})")
     if args.model is None:
         from nvfp4_dit.tiny_models.pipeline import build_tiny_pipeline
 
         pipe = build_tiny_pipeline(args.tiny_config, dtype=dtype)
-        pipe.to(device)
-        defaults = dict(pipe.tiny_config["defaults"])
-        return pipe, defaults, "tiny-wan-t2v (built-in, random weights)"
-    from diffusers import DiffusionPipeline
+        defaults, name = dict(pipe.tiny_config["defaults"]), "tiny-wan-t2v (built-in, random weights)"
+    else:
+        from diffusers import DiffusionPipeline
 
-    pipe = DiffusionPipeline.from_pretrained(args.model, dtype=dtype)
+        pipe = DiffusionPipeline.from_pretrained(args.model, dtype=dtype)
+        defaults, name = {"fps": 16}, args.model
     if args.cpu_offload == "model":
-        pipe.enable_model_cpu_offload()
+        pipe.enable_model_cpu_offload(device=device)
     elif args.cpu_offload == "sequential":
-        pipe.enable_sequential_cpu_offload()
+        pipe.enable_sequential_cpu_offload(device=device)
     else:
         pipe.to(device)
-    return pipe, {"fps": 16}, args.model
+    if args.image and "image" not in inspect.signature(pipe.__call__).parameters:
+        raise SystemExit(f"--image given, but {type(pipe).__name__} takes no image (not an image-to-video pipeline)")
+    return pipe, defaults, name
 
 
 def call_kwargs(pipe, args, defaults: dict, generator, callback) -> dict:

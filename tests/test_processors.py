@@ -234,6 +234,21 @@ def test_set_attn_processor_with_one_instance(spy, dense_outputs):
     assert torch.equal(case.run()[0], dense[0])
 
 
+def test_processor_class_mapping():
+    from diffusers.models.attention_processor import AttnProcessor
+    from diffusers.models.transformers.transformer_hunyuan_video15 import HunyuanVideo15AttnProcessor2_0
+    from diffusers.models.transformers.transformer_ltx2 import LTX2AudioVideoAttnProcessor
+
+    assert dp.processor_class_for(HunyuanVideo15AttnProcessor2_0) is dp.NVFP4HunyuanVideo15AttnProcessor2_0
+    assert dp.NVFP4HunyuanVideo15AttnProcessor2_0.role == dp.ROLE_SELF
+    generic = dp.processor_class_for(LTX2AudioVideoAttnProcessor)  # any other dispatching processor
+    assert generic.route == dp.ROUTE_DISPATCH and generic.original_class is LTX2AudioVideoAttnProcessor
+    assert dp.processor_class_for(LTX2AudioVideoAttnProcessor) is generic
+    assert inspect.signature(generic().__call__) == inspect.signature(LTX2AudioVideoAttnProcessor().__call__)
+    assert dp.processor_class_for(AttnProcessor) is None  # the matmul processor: left alone
+    assert dp.processor_class_for(dp.NVFP4WanAttnProcessor) is None
+
+
 def test_processor_rejects_wrong_original():
     from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 
