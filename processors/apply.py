@@ -171,7 +171,7 @@ def apply(
     for prefix, model in models:
         for name, module in model.named_modules():
             proc = getattr(module, "processor", None)
-            if proc is None or isinstance(module, dp.NVFP4AttnProcessorBase):
+            if proc is None:
                 continue
             full = f"{prefix}.{name}" if prefix else name
             if isinstance(proc, dp.NVFP4AttnProcessorBase):
