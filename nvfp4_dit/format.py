@@ -140,7 +140,9 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
 def block_scales(x: torch.Tensor) -> torch.Tensor:
     """ue4m3 scale bytes [..., N/16] of float32 ``x`` [..., N]: e4m3(amax16 / 6)."""
     amax = x.float().unflatten(-1, (-1, BLOCK)).abs().amax(-1)
-    return e4m3_encode(amax / E2M1_MAX)
+    # Divide by a tensor: torch turns division by a Python scalar into a multiply by its
+    # reciprocal on CUDA, which rounds differently from the IEEE division the kernels use.
+    return e4m3_encode(amax / amax.new_tensor(E2M1_MAX))
 
 
 def quantize_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
