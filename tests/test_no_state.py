@@ -1,0 +1,282 @@
+"""No state across calls (issue #8): the op, the CUDA back-end, the diffusers backend and
+processors and the ComfyUI override keep no tensors between calls, and a long loop of calls
+keeps memory flat.
+
+CPU: weak references to every input and output die once the caller drops them; the number of
+live ``torch.Tensor`` objects (``gc``) is the same after 1 and after N more calls; Python heap
+growth (``tracemalloc``) over N calls is bounded by a few KiB (warning bookkeeping, interned
+strings), not by N.  GPU (``cuda`` marker): ``torch.cuda.memory_allocated()`` is exactly the same
+after every call of a loop once the caller has dropped the results.
+"""
+
+from __future__ import annotations
+
+import gc
+import inspect
+import sys
+import tracemalloc
+import warnings
+import weakref
+
+import pytest
+import torch
+
+import nvfp4_dit
+
+N_LOOP = 25
+
+
+def _live_tensors() -> int:
+    gc.collect()
+    return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor))
+
+
+def _tensors_in_module_state() -> list[str]:
+    """Names of module-level objects of nvfp4_dit.* that hold a tensor, however deep."""
+    found = []
+    for name, mod in list(sys.modules.items()):
+        if not name.startswith("nvfp4_dit") or mod is None:
+            continue
+        for attr, value in vars(mod).items():
+            if inspect.ismodule(value) or inspect.isclass(value) or inspect.isfunction(value) or attr.startswith("__"):
+                continue
+            seen, stack = set(), [value]
+            while stack:
+                obj = stack.pop()
+                if id(obj) in seen or inspect.ismodule(obj) or isinstance(obj, type) or inspect.isfunction(obj):
+                    continue
+                seen.add(id(obj))
+                if isinstance(obj, torch.Tensor):
+                    found.append(f"{name}.{attr}")
+                    break
+                stack.extend(gc.get_referents(obj))
+    return found
+
+
+# Module-level constants that are tensors by design (lookup tables), not per-call state.
+_ALLOWED_CONSTANTS = {"nvfp4_dit.format._E2M1_TABLE"}
+
+
+def _inputs(seed=0, b=1, s=300, h=2, d=64, device="cpu", dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(b, s, h, d, generator=g).to(device, dtype) for _ in range(3))
+
+
+def _assert_flat(call, n=N_LOOP, python_heap_slack=64 << 10):
+    """Run ``call`` once (warm-up), then n times: no new live tensors, bounded Python heap."""
+    call()
+    before = _live_tensors()
+    tracemalloc.start()
+    start = tracemalloc.take_snapshot()
+    for _ in range(n):
+        call()
+    gc.collect()
+    growth = sum(s.size_diff for s in tracemalloc.take_snapshot().compare_to(start, "filename"))
+    tracemalloc.stop()
+    assert _live_tensors() == before, "tensors accumulate across calls"
+    assert growth <= python_heap_slack, f"Python heap grew by {growth} bytes over {n} calls"
+
+
+# ---------------------------------------------------------------------------------------------
+# The op
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend", ["reference", "sdpa", "auto"])
+def test_op_drops_inputs_and_outputs(backend):
+    q, k, v = _inputs()
+    lens = torch.tensor([200])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out, lse = nvfp4_dit.attention(q, k, v, kv_lens=lens, backend=backend, return_lse=True)
+    refs = [weakref.ref(t) for t in (q, k, v, lens, out, lse)]
+    del q, k, v, lens, out, lse
+    gc.collect()
+    assert all(r() is None for r in refs), "the op keeps a reference to a tensor of the call"
+    assert set(_tensors_in_module_state()) <= _ALLOWED_CONSTANTS
+
+
+@pytest.mark.parametrize("backend", ["reference", "sdpa"])
+def test_op_loop_is_flat(backend):
+    q, k, v = _inputs(s=200)
+    _assert_flat(lambda: nvfp4_dit.attention(q, k, v, causal=True, backend=backend, return_lse=True))
+
+
+def test_op_fallback_warnings_do_not_grow_with_calls():
+    q, k, v = _inputs(s=64)
+    mask = torch.rand(1, 1, 64, 64, generator=torch.Generator().manual_seed(0)) > 0.5
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _assert_flat(lambda: nvfp4_dit.attention(q, k, v, attn_mask=mask))
+    from nvfp4_dit import ops
+
+    assert len(ops._warned_reasons) <= 2  # one per reason, not one per call
+
+
+# ---------------------------------------------------------------------------------------------
+# diffusers: the registered backend and the processors in a denoising loop
+# ---------------------------------------------------------------------------------------------
+
+def test_diffusers_backend_loop_is_flat():
+    pytest.importorskip("diffusers")
+    from diffusers.models import attention_dispatch as dispatch
+
+    from nvfp4_dit.processors import backend, routing
+
+    q, k, v = _inputs(s=300)
+    prev = routing.configure_default(backend="reference")
+    try:
+        member = backend.backend_member()
+        _assert_flat(lambda: dispatch.dispatch_attention_fn(q, k, v, backend=member), n=10)
+        out = dispatch.dispatch_attention_fn(q, k, v, backend=member)
+    finally:
+        routing.configure_default(backend=prev.backend)
+    refs = [weakref.ref(t) for t in (q, k, v, out)]
+    del q, k, v, out
+    gc.collect()
+    assert all(r() is None for r in refs)
+
+
+def _processor_state_tensors(handle) -> list[str]:
+    bad = []
+    for name, proc in handle.processors.items():
+        for attr, value in vars(proc).items():
+            if attr in ("original", "_fp4"):  # the wrapped diffusers processors: checked below
+                value = vars(value)
+            stack, seen = [value], set()
+            while stack:
+                obj = stack.pop()
+                if id(obj) in seen or isinstance(obj, (type, torch.nn.Module)) or inspect.ismodule(obj):
+                    continue
+                seen.add(id(obj))
+                if isinstance(obj, torch.Tensor):
+                    bad.append(f"{name}.{attr}")
+                    break
+                stack.extend(gc.get_referents(obj))
+    return bad
+
+
+def test_processors_denoising_loop_is_flat_and_stateless():
+    pytest.importorskip("diffusers")
+    from nvfp4_dit.tiny_models.diffusers_families import build
+
+    case = build("wan", head_dim=64)
+    steps = 12
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with nvfp4_dit.apply(case.model, backend="reference", min_seq_len=0, dense_steps=(1, 1)) as handle:
+            state = {"i": 0}
+
+            def step():
+                handle.set_step(state["i"] % steps, steps)
+                state["i"] += 1
+                with torch.no_grad():
+                    case.model(**case.inputs, return_dict=False)
+
+            _assert_flat(step, n=steps)
+            assert _processor_state_tensors(handle) == []
+            assert not any(isinstance(v, torch.Tensor) for v in vars(handle.policy).values())
+    assert set(_tensors_in_module_state()) <= _ALLOWED_CONSTANTS
+
+
+# ---------------------------------------------------------------------------------------------
+# ComfyUI override
+# ---------------------------------------------------------------------------------------------
+
+def test_comfyui_override_loop_is_flat_and_stateless():
+    from nvfp4_dit.comfyui_node.attention_override import AttentionPolicy, NVFP4AttentionOverride
+
+    override = NVFP4AttentionOverride(AttentionPolicy(backend="reference", min_seq_len=0))
+    q, k, v = (t.flatten(2) for t in _inputs(s=256))
+    mask = torch.zeros(1, 1, 256)
+    mask[..., 200:] = -torch.inf
+    func = lambda *a, **kw: pytest.fail("the call should not be declined")  # noqa: E731
+    options = {"sample_sigmas": torch.linspace(1, 0, 11), "sigmas": torch.tensor([0.5])}
+    _assert_flat(lambda: override(func, q, k, v, 2, mask=mask, transformer_options=options))
+    out = override(func, q, k, v, 2, mask=mask, transformer_options=options)
+    refs = [weakref.ref(t) for t in (q, k, v, mask, out, options["sigmas"])]
+    del q, k, v, mask, out, options
+    gc.collect()
+    assert all(r() is None for r in refs)
+    assert not any(isinstance(x, torch.Tensor) for x in gc.get_referents(override))
+    assert set(_tensors_in_module_state()) <= _ALLOWED_CONSTANTS
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: device memory stays flat
+# ---------------------------------------------------------------------------------------------
+
+def _cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    if "cuda" not in nvfp4_dit.available_backends(torch.device("cuda")):
+        pytest.fail("the CUDA back-end does not load on this GPU")
+
+
+def _assert_device_memory_flat(call, n=30):
+    call()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    for i in range(n):
+        call()
+        torch.cuda.synchronize()
+        assert torch.cuda.memory_allocated() == before, f"device memory grew at call {i}"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kv_lens", [None, [3000, 1234]])
+def test_cuda_backend_device_memory_is_flat(kv_lens):
+    _cuda()
+    q, k, v = _inputs(b=2, s=3000, h=8, d=128, device="cuda", dtype=torch.bfloat16)
+    lens = None if kv_lens is None else torch.tensor(kv_lens, device="cuda")
+    _assert_device_memory_flat(lambda: nvfp4_dit.attention(q, k, v, kv_lens=lens, causal=True, backend="cuda",
+                                                           return_lse=True))
+    out = nvfp4_dit.attention(q, k, v, backend="cuda")
+    refs = [weakref.ref(t) for t in (q, k, v, out)]
+    del q, k, v, out
+    gc.collect()
+    assert all(r() is None for r in refs)
+    assert set(_tensors_in_module_state()) <= _ALLOWED_CONSTANTS
+
+
+@pytest.mark.cuda
+def test_cuda_override_and_processors_device_memory_is_flat():
+    _cuda()
+    from nvfp4_dit.comfyui_node.attention_override import AttentionPolicy, NVFP4AttentionOverride
+
+    override = NVFP4AttentionOverride(AttentionPolicy(backend="cuda", min_seq_len=0))
+    q, k, v = (t.flatten(2) for t in _inputs(s=2048, h=4, d=128, device="cuda", dtype=torch.float16))
+    _assert_device_memory_flat(lambda: override(lambda *a, **kw: pytest.fail("declined"), q, k, v, 4))
+
+    pytest.importorskip("diffusers")
+    from nvfp4_dit.tiny_models.diffusers_families import build
+
+    case = build("wan", head_dim=64)
+    case.model.to("cuda", torch.bfloat16)
+    inputs = {n: (t.to("cuda", torch.bfloat16) if isinstance(t, torch.Tensor) and t.is_floating_point() else
+                  t.to("cuda") if isinstance(t, torch.Tensor) else t) for n, t in case.inputs.items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with nvfp4_dit.apply(case.model, backend="cuda", min_seq_len=0):
+            def forward():
+                with torch.no_grad():
+                    case.model(**inputs, return_dict=False)
+            _assert_device_memory_flat(forward, n=10)
+
+
+def test_the_checks_catch_a_cache(monkeypatch):
+    """A back-end that keeps its last output (the bug class) fails both checks."""
+    from nvfp4_dit import ops
+
+    real = ops._attention_sdpa
+    monkeypatch.setattr(ops, "_leak", [], raising=False)
+
+    def caching(*args):
+        res = real(*args)
+        ops._leak.append(res[0])
+        return res
+
+    monkeypatch.setattr(ops, "_attention_sdpa", caching)
+    q, k, v = _inputs(s=64)
+    with pytest.raises(AssertionError, match="accumulate"):
+        _assert_flat(lambda: nvfp4_dit.attention(q, k, v, backend="sdpa"), n=3)
+    assert "nvfp4_dit.ops._leak" in _tensors_in_module_state()
