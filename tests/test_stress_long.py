@@ -208,15 +208,16 @@ def test_keys_and_values_past_2_to_the_31(dev):
     g = torch.Generator(device=dev).manual_seed(32)
     u = torch.randn(BIG_H, 128, device=dev, generator=g)
     u = u / u.norm(dim=-1, keepdim=True)
-    q = (torch.randn(1, sq, BIG_H, 128, device=dev, generator=g) + 4.0 * u).to(torch.bfloat16)
+    q = (torch.randn(1, sq, BIG_H, 128, device=dev, generator=g) + 12.0 * u).to(torch.bfloat16)
     k = torch.randn(1, BIG_S, BIG_H, 128, device=dev, dtype=torch.bfloat16, generator=g)
     v = torch.randn(1, BIG_S, BIG_H, 128, device=dev, dtype=torch.bfloat16, generator=g)
     assert k.numel() > 2**31
     hot = slice(BIG_S - 4000, BIG_S)
     assert (BIG_S - 4000) * BIG_H * 128 > 2**31
-    # Scores ~ 4 * 4 * sqrt(128) / sqrt(128) = 16 above the rest: these keys hold almost all the
-    # softmax mass, so the output is their V (offset by +2), which a wrapped read would replace.
-    k[:, hot] += (4.0 * u).to(torch.bfloat16)
+    # Their scaled scores sit 12 * 12 / sqrt(128) = 12.7 above the rest (weight e^12.7 = 3e5 each
+    # against 262k others of weight ~1): they hold ~99.8% of the softmax mass, so the output is
+    # their V (offset by +2), which a wrapped read of K or V would replace.
+    k[:, hot] += (12.0 * u).to(torch.bfloat16)
     v[:, hot] += 2.0
     out, lse, peak = run_cuda_measured(q, k, v, layout="NHD")
     assert peak <= memory_budget(q, k, v, True), f"peak {peak / GiB:.2f} GiB"
