@@ -131,12 +131,16 @@ def test_two_threads_equal_serial(device):
     names = ["plain", "cross_odd_d"]
     inputs = {n: make_inputs(n, device, scale_down=True) for n in names}
     serial = {n: _run(*inputs[n]) for n in names}
+    if device == "cuda":
+        torch.cuda.synchronize()  # inputs and serial results complete before the threads start
     got, errors = {}, []
     barrier = threading.Barrier(len(names))
 
     def worker(n):
         try:
             stream = torch.cuda.Stream() if device == "cuda" else None
+            if stream is not None:
+                stream.wait_stream(torch.cuda.default_stream())
             barrier.wait()
             with _on(stream):
                 res = [_run(*inputs[n]) for _ in range(2)]
