@@ -161,17 +161,6 @@ def test_full_correction_would_exceed_int32():
 # GPU: bytes equal format.py
 # ---------------------------------------------------------------------------------------------
 
-@pytest.fixture(autouse=True)
-def _ieee_scale_division_in_format(monkeypatch):
-    """format.block_scales computes ``amax / E2M1_MAX`` with a Python float. On CUDA, torch turns a
-    division by a CPU scalar into a multiplication by its reciprocal (BinaryDivTrueKernel.cu: "may
-    lose one bit of precision"), so about one block in 10^7 gets a different e4m3 scale than the
-    IEEE division of the contract (which format.py does compute on the CPU, and the kernel does).
-    Dividing by a 0-dim device tensor takes torch's exact division path."""
-    if torch.cuda.is_available():
-        monkeypatch.setattr(fmt, "E2M1_MAX", torch.tensor(float(fmt.E2M1_MAX), device="cuda"))
-
-
 def _make(shape_hnd, layout, dtype, gen, block_structure=True):
     """Random [B, H, S, D] data with per-head offsets and, optionally, per-128-block offsets in
     the layout's memory order; returns the tensor as the caller would pass it."""
