@@ -30,26 +30,6 @@ constexpr int kVTileBytes = 32 * 1024;  // shared memory of one V sub-tile
 ////////////////////////////////////////////////////////////////////////////////////////////////
 // Inputs
 
-template <InputDtype DT>
-struct InputTraits;
-template <>
-struct InputTraits<InputDtype::kBFloat16> {
-  using Raw = uint16_t;
-  static __device__ __forceinline__ float to_float(uint32_t bits) { return __uint_as_float(bits << 16); }
-};
-template <>
-struct InputTraits<InputDtype::kFloat16> {
-  using Raw = uint16_t;
-  static __device__ __forceinline__ float to_float(uint32_t bits) {
-    return __half2float(__ushort_as_half(static_cast<unsigned short>(bits)));
-  }
-};
-template <>
-struct InputTraits<InputDtype::kFloat32> {
-  using Raw = uint32_t;
-  static __device__ __forceinline__ float to_float(uint32_t bits) { return __uint_as_float(bits); }
-};
-
 // 16 consecutive elements along D, kept in their input encoding (half the registers of fp32).
 template <InputDtype DT>
 struct Block16 {

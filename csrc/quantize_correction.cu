@@ -23,31 +23,11 @@ constexpr int kTileN = 128;   // keys per CTA (one per thread when loading)
 constexpr int kSliceD = 16;   // head-dim slice per pipeline stage (two stages in shared memory)
 constexpr int kPadN = 4;      // keeps float4 alignment, breaks the row-to-row bank pattern
 
-template <InputDtype DT>
-struct KElem;
-template <>
-struct KElem<InputDtype::kBFloat16> {
-  using Raw = uint16_t;
-  static __device__ __forceinline__ float to_float(uint32_t bits) { return __uint_as_float(bits << 16); }
-};
-template <>
-struct KElem<InputDtype::kFloat16> {
-  using Raw = uint16_t;
-  static __device__ __forceinline__ float to_float(uint32_t bits) {
-    return __half2float(__ushort_as_half(static_cast<unsigned short>(bits)));
-  }
-};
-template <>
-struct KElem<InputDtype::kFloat32> {
-  using Raw = uint32_t;
-  static __device__ __forceinline__ float to_float(uint32_t bits) { return __uint_as_float(bits); }
-};
-
 // One thread's share of a slice, held in registers between the global load and the shared store
 // (software pipelining: the next slice is in flight while the current one is multiplied).
 template <InputDtype DT>
 struct SliceRegs {
-  using Raw = typename KElem<DT>::Raw;
+  using Raw = typename InputTraits<DT>::Raw;
   static constexpr int kKWords = kSliceD * int(sizeof(Raw)) / 4;  // 16 key elements
   float4 qm[2];            // 8 consecutive q_mean values of one Q block
   uint32_t k[kKWords];     // 16 consecutive head-dim elements of one key, input encoding
@@ -55,9 +35,9 @@ struct SliceRegs {
 
 template <InputDtype DT, int DP, bool VEC_LOAD>
 __device__ __forceinline__ void load_slice(SliceRegs<DT>& r, const QkCorrectionParams& p, const float* qm_row,
-                                           bool m_valid, const typename KElem<DT>::Raw* k_row, bool key_valid,
+                                           bool m_valid, const typename InputTraits<DT>::Raw* k_row, bool key_valid,
                                            int d0) {
-  using Raw = typename KElem<DT>::Raw;
+  using Raw = typename InputTraits<DT>::Raw;
   const int dq = (threadIdx.x / kTileM) * 8;  // this thread's 8 columns of the q_mean slice
   const float4 zero4 = make_float4(0.f, 0.f, 0.f, 0.f);
   r.qm[0] = m_valid ? *reinterpret_cast<const float4*>(qm_row + d0 + dq) : zero4;
@@ -89,10 +69,10 @@ __device__ __forceinline__ void load_slice(SliceRegs<DT>& r, const QkCorrectionP
 
 template <InputDtype DT>
 __device__ __forceinline__ float slice_k(const SliceRegs<DT>& r, int e) {
-  using Raw = typename KElem<DT>::Raw;
+  using Raw = typename InputTraits<DT>::Raw;
   if constexpr (sizeof(Raw) == 2) {
     const uint32_t w = r.k[e >> 1];
-    return KElem<DT>::to_float((e & 1) ? (w >> 16) : (w & 0xFFFFu));
+    return InputTraits<DT>::to_float((e & 1) ? (w >> 16) : (w & 0xFFFFu));
   } else {
     return __uint_as_float(r.k[e]);
   }
@@ -100,7 +80,7 @@ __device__ __forceinline__ float slice_k(const SliceRegs<DT>& r, int e) {
 
 template <InputDtype DT, int DP, bool VEC_LOAD, bool VEC_STORE>
 __global__ void __launch_bounds__(kThreads) qk_correction_kernel(const QkCorrectionParams p) {
-  using Raw = typename KElem<DT>::Raw;
+  using Raw = typename InputTraits<DT>::Raw;
   __shared__ __align__(16) float qs[2][kSliceD][kTileM];
   __shared__ __align__(16) float ks[2][kSliceD][kTileN + kPadN];
   __shared__ float km_s[DP];
@@ -198,7 +178,7 @@ cudaError_t launch_typed(const QkCorrectionParams& p, cudaStream_t stream) {
                   unsigned(p.batch * p.heads_q));
   const bool vec_store = (reinterpret_cast<uintptr_t>(p.delta) & 15u) == 0 && p.delta_stride_b % 4 == 0 &&
                          p.delta_stride_h % 4 == 0 && p.delta_stride_blk % 4 == 0;
-  constexpr int64_t per16 = 16 / int64_t(sizeof(typename KElem<DT>::Raw));
+  constexpr int64_t per16 = 16 / int64_t(sizeof(typename InputTraits<DT>::Raw));
   const bool vec_load = p.head_dim == DP && p.k.stride_d == 1 && (reinterpret_cast<uintptr_t>(p.k.ptr) & 15u) == 0 &&
                         p.k.stride_b % per16 == 0 && p.k.stride_h % per16 == 0 && p.k.stride_s % per16 == 0;
   if (vec_load) {

@@ -17,7 +17,10 @@
 
 #include <cstdint>
 
+#include <cuda_fp16.h>
+
 #include "nvfp4_format.cuh"
+#include "quantize.cuh"
 
 namespace nvfp4_dit {
 
@@ -132,5 +135,29 @@ NVFP4_DIT_HD int64_t valid_key_count(const Params& p, int64_t b) {
                                     : static_cast<const int32_t*>(p.kv_lens)[b];
   return n < 0 ? 0 : (n > p.seq_k ? p.seq_k : n);
 }
+
+// Raw input element (bf16, fp16 or fp32 bits) to float: shared by the quantize and the
+// correction kernels, which both read Q/K straight from the caller's strides.
+#if defined(__CUDACC__)
+template <InputDtype DT>
+struct InputTraits;
+template <>
+struct InputTraits<InputDtype::kBFloat16> {
+  using Raw = uint16_t;
+  static __device__ __forceinline__ float to_float(uint32_t bits) { return __uint_as_float(bits << 16); }
+};
+template <>
+struct InputTraits<InputDtype::kFloat16> {
+  using Raw = uint16_t;
+  static __device__ __forceinline__ float to_float(uint32_t bits) {
+    return __half2float(__ushort_as_half(static_cast<unsigned short>(bits)));
+  }
+};
+template <>
+struct InputTraits<InputDtype::kFloat32> {
+  using Raw = uint32_t;
+  static __device__ __forceinline__ float to_float(uint32_t bits) { return __uint_as_float(bits); }
+};
+#endif
 
 }  // namespace nvfp4_dit
