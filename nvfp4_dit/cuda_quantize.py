@@ -26,7 +26,6 @@ from . import jit
 BUDGET_ENV = "NVFP4_DIT_CORRECTION_BUDGET"
 DEFAULT_CORRECTION_BUDGET = 1 << 30
 _CORRECTION_TILE_BLOCKS = 64  # Q blocks per CTA of the correction kernel: chunks are multiples of it
-_INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _SUFFIXES = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
@@ -44,40 +43,19 @@ def _ops():
 
 
 def _check_inputs(q, k, v, layout, kv_lens):
+    """The public op's argument checks, plus what the fused kernel itself needs."""
+    from .ops import _validate
+
+    if isinstance(kv_lens, torch.Tensor) and isinstance(q, torch.Tensor):
+        kv_lens = kv_lens.to(q.device)  # a direct caller may keep lengths on the host
+    _validate(q, k, v, layout, False, None, None, kv_lens, False, "cuda")
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.device.type != "cuda":
             raise ValueError(f"{name} must be a CUDA tensor, got device {t.device}")
-        if t.dtype not in _INPUT_DTYPES:
-            raise TypeError(f"{name} must be bfloat16, float16 or float32, got {t.dtype}")
-        if t.dim() != 4:
-            raise ValueError(f"{name} must be 4-D, got shape {tuple(t.shape)}")
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if k.device != q.device or v.device != q.device:
-        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
     qh, kh, vh = (fmt.to_hnd(t, layout) for t in (q, k, v))
-    b, h, _, d = qh.shape
-    if kh.shape[0] != b or vh.shape[0] != b:
-        raise ValueError(f"batch sizes differ: q {b}, k {kh.shape[0]}, v {vh.shape[0]}")
-    if kh.shape != vh.shape:
-        raise ValueError(f"k and v must have one shape, got {tuple(kh.shape)} and {tuple(vh.shape)} (as [B, H, S, D])")
-    if kh.shape[3] != d:
-        raise ValueError(f"q and k head dims differ: {d} and {kh.shape[3]}")
+    d = qh.shape[-1]
     if fmt.padded_head_dim(d) is None:
         raise ValueError(f"head dim {d} is not supported (at most {fmt.SUPPORTED_HEAD_DIMS[-1]})")
-    hkv = kh.shape[1]
-    if hkv == 0 or h % hkv:
-        raise ValueError(f"q heads ({h}) must be a multiple of k/v heads ({hkv})")
-    if kv_lens is not None:
-        if not isinstance(kv_lens, torch.Tensor):
-            raise TypeError(f"kv_lens must be a torch.Tensor or None, got {type(kv_lens).__name__}")
-        if kv_lens.dim() != 1 or kv_lens.shape[0] != b:
-            raise ValueError(f"kv_lens must have shape [{b}], got {tuple(kv_lens.shape)}")
-        if kv_lens.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"kv_lens must be int32 or int64, got {kv_lens.dtype}")
-        kv_lens = kv_lens.to(q.device)
     return qh, kh, vh, kv_lens
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -31,15 +31,22 @@ class FallbackWarning(UserWarning):
     """Raised once per reason when ``backend="auto"`` runs exact attention instead of FP4."""
 
 
-_warned_reasons: set[str] = set()
+_warned_reasons: set[tuple[type, str]] = set()
+
+
+def warn_once(message: str, category: type = FallbackWarning, stacklevel: int = 2) -> None:
+    """``warnings.warn`` the first time a (category, message) pair comes up in this process.
+
+    Shared by the op and the diffusers router so one ``reset_fallback_warnings()`` covers both.
+    """
+    if (category, message) in _warned_reasons:
+        return
+    _warned_reasons.add((category, message))
+    warnings.warn(message, category, stacklevel=stacklevel + 1)
 
 
 def _warn_fallback(reason: str) -> None:
-    if reason in _warned_reasons:
-        return
-    _warned_reasons.add(reason)
-    warnings.warn(f"nvfp4_dit: using exact SDPA attention instead of NVFP4: {reason}",
-                  FallbackWarning, stacklevel=4)
+    warn_once(f"nvfp4_dit: using exact SDPA attention instead of NVFP4: {reason}", stacklevel=4)
 
 
 def reset_fallback_warnings() -> None:
@@ -175,11 +182,17 @@ def _attention_sdpa(q, k, v, layout, causal, scale, attn_mask, kv_lens, return_l
         mask = mask.to(q.dtype)
     gqa = {"enable_gqa": True} if h != hkv else {}
     out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, **gqa)
-    lse = None
-    if mask is not None or return_lse:
-        # Rows with no visible key: SDPA gives NaN there; our convention is 0 and LSE -inf.
+    # Rows with no visible key: SDPA gives NaN there; our convention is 0 and LSE -inf. The mask
+    # alone says which rows those are, so the exact LSE pass runs only when it is asked for.
+    lse, no_key = None, None
+    if return_lse:
         lse = _exact_lse(qh, kh.repeat_interleave(h // hkv, 1) if h != hkv else kh, scale, mask)
-        out = torch.where(torch.isneginf(lse)[..., None], 0.0, out).to(q.dtype)
+        no_key = torch.isneginf(lse)
+    elif mask is not None:
+        allowed = mask if mask.dtype == torch.bool else ~torch.isneginf(mask)
+        no_key = torch.broadcast_to(~allowed.any(-1), (b, h, sq))
+    if no_key is not None:
+        out = torch.where(no_key[..., None], 0.0, out).to(q.dtype)
     out = out.transpose(1, 2) if layout == "NHD" else out
     return out.contiguous(), lse
 
@@ -187,9 +200,10 @@ def _attention_sdpa(q, k, v, layout, causal, scale, attn_mask, kv_lens, return_l
 def _exact_lse(qh, kh, scale, mask, chunk_rows: int = 1024):
     """Exact LSE [B, H, Sq] fp32 of the scaled, masked scores, O(chunk_rows * Sk) memory."""
     sq = qh.shape[2]
+    k_t = kh.float().transpose(-1, -2)  # converted once, not per chunk of rows
     lses = []
     for r0 in range(0, sq, chunk_rows):
-        s = torch.matmul(qh[:, :, r0:r0 + chunk_rows].float(), kh.float().transpose(-1, -2)) * scale
+        s = torch.matmul(qh[:, :, r0:r0 + chunk_rows].float(), k_t) * scale
         if mask is not None:
             m = mask[..., r0:r0 + chunk_rows, :] if mask.dim() >= 2 and mask.shape[-2] == sq else mask
             s = s.masked_fill(~m, -math.inf) if m.dtype == torch.bool else s + m.float()

@@ -30,7 +30,6 @@ import importlib
 import inspect
 from typing import Optional
 
-import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 

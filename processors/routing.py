@@ -12,13 +12,13 @@ This module does not import diffusers.
 from __future__ import annotations
 
 import time
-import warnings
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 
 import nvfp4_dit
+import nvfp4_dit.ops
 from nvfp4_dit import format as fmt
 
 ROUTE_BACKENDS = ("auto", "reference", "sdpa", "cuda")
@@ -159,20 +159,13 @@ class NVFP4FallbackWarning(nvfp4_dit.FallbackWarning):
     (a subclass of the op's ``nvfp4_dit.FallbackWarning``, so one filter covers both)."""
 
 
-_warned: set[str] = set()
-
-
 def _warn_once(reason: str) -> None:
-    if reason in _warned:
-        return
-    _warned.add(reason)
-    warnings.warn(f"nvfp4_dit.processors: exact attention instead of NVFP4: {reason}",
-                  NVFP4FallbackWarning, stacklevel=3)
+    nvfp4_dit.ops.warn_once(f"nvfp4_dit.processors: exact attention instead of NVFP4: {reason}",
+                            NVFP4FallbackWarning, stacklevel=3)
 
 
 def reset_fallback_warnings() -> None:
-    """Forget which fallback reasons were reported (ours and the op's)."""
-    _warned.clear()
+    """Forget which fallback reasons were reported (ours and the op's: one shared record)."""
     nvfp4_dit.reset_fallback_warnings()
 
 
@@ -221,7 +214,7 @@ def key_mask_from_sdpa_mask(mask: torch.Tensor, b: int, h: int, sq: int, sk: int
         raise _NotExpressible("attn_mask differs between heads or queries (not a key-padding mask)")
     row = first[:, 0, 0, :].expand(b, sk)
     if row.dtype == torch.bool:
-        keep, shift, bias = row, None, None
+        keep, shift = row, None
     else:
         row = row.float()
         top = row.amax(dim=1, keepdim=True)
@@ -230,7 +223,7 @@ def key_mask_from_sdpa_mask(mask: torch.Tensor, b: int, h: int, sq: int, sk: int
         keep = row == top
         masked = row <= top - _MASKED_GAP
         if bool((keep | masked).all()):
-            shift, bias = top[:, 0], None
+            shift = top[:, 0]
         else:
             # Genuine biases: only the reference back-end takes them (the op falls back for the rest).
             return KeyMask(bias=row)

@@ -13,7 +13,6 @@ compiled kernel the same way.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 from pathlib import Path
