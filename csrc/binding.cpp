@@ -76,7 +76,11 @@ std::vector<at::Tensor> quantize_qkv(const at::Tensor& q, const at::Tensor& k, c
   at::Tensor k_mean = at::empty({b, hkv, dp}, f32);
   at::Tensor q_dot_km = at::empty({b, h, sq}, f32);
   at::Tensor partial = at::empty({nvfp4_dit::quantize_qkv_workspace_floats(b, hkv, sk, dp)}, f32);
-  at::Tensor counters = at::zeros({nvfp4_dit::quantize_qkv_workspace_counters(b, hkv)}, q.options().dtype(at::kInt));
+  // One zeroed int32 buffer (one memset): the work counters, then the non-finite flags.
+  const int64_t n_counters = nvfp4_dit::quantize_qkv_workspace_counters(b, hkv);
+  at::Tensor counters = at::zeros({n_counters + b * hkv + b * h * (sqp / 128)}, q.options().dtype(at::kInt));
+  at::Tensor nonfinite_kv = counters.narrow(0, n_counters, b * hkv).view({b, hkv});
+  at::Tensor nonfinite_q = counters.narrow(0, n_counters + b * hkv, b * h * (sqp / 128)).view({b, h, sqp / 128});
 
   const at::Tensor lens = checked_kv_lens(kv_lens, b, q.device(), "quantize_qkv");
 
@@ -107,9 +111,11 @@ std::vector<at::Tensor> quantize_qkv(const at::Tensor& q, const at::Tensor& k, c
   p.q_dot_km = q_dot_km.data_ptr<float>();
   p.k_partial_sums = partial.data_ptr<float>();
   p.work_counters = reinterpret_cast<uint32_t*>(counters.data_ptr<int32_t>());
+  p.nonfinite_kv = reinterpret_cast<uint32_t*>(nonfinite_kv.data_ptr<int32_t>());
+  p.nonfinite_q_blocks = reinterpret_cast<uint32_t*>(nonfinite_q.data_ptr<int32_t>());
   const cudaError_t err = nvfp4_dit::launch_quantize_qkv(p, c10::cuda::getCurrentCUDAStream().stream());
   TORCH_CHECK(err == cudaSuccess, "nvfp4_dit_cuda::quantize_qkv: launch failed: ", cudaGetErrorString(err));
-  return {q_data, q_sf, k_data, k_sf, vt_data, vt_sf, q_mean, k_mean, q_dot_km};
+  return {q_data, q_sf, k_data, k_sf, vt_data, vt_sf, q_mean, k_mean, q_dot_km, nonfinite_q, nonfinite_kv};
 }
 
 void qk_correction(const at::Tensor& q_mean, const at::Tensor& k, const at::Tensor& k_mean,

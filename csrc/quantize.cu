@@ -13,6 +13,8 @@
 //
 // Every offset is int64. No fast-math: the scale and data divisions are correctly rounded
 // (quantize_math.cuh, checked exhaustively on the host), so the bytes equal format.py's.
+#include <cfloat>
+
 #include <cuda_fp16.h>
 
 #include "nvfp4_format.cuh"
@@ -23,6 +25,10 @@ namespace nvfp4_dit {
 namespace {
 
 constexpr int kThreads = 256;
+// CTAs per SM for __launch_bounds__: 4 caps registers at 64 (a few bytes spill on bf16/fp16 with
+// D = 128). On the H200 that is still faster than 3 or 2 (79 registers, no spill, fewer warps):
+// 43.9 % vs 40.5 % of copy bandwidth at 32k tokens.
+constexpr int kMinCtasPerSm = 4;
 constexpr int kWarps = kThreads / 32;
 constexpr int kTileRows = 128;
 constexpr int kVTileBytes = 32 * 1024;  // shared memory of one V sub-tile
@@ -111,24 +117,32 @@ __device__ __forceinline__ void fill_scale_tables(ScaleTables& t) {
   }
 }
 
-// The caller has synchronised the CTA since fill_scale_tables.
-__device__ __forceinline__ void quantize_block16(const float (&v)[16], const ScaleTables& tables, uint32_t& lo,
+// The caller has synchronised the CTA since fill_scale_tables. Returns whether the block holds a
+// NaN or an inf (then amax does: max.NaN keeps NaN): the scale saturates and hides them, so the
+// caller raises a flag instead (quantize.cuh, nonfinite_*), at no cost on the finite path.
+__device__ __forceinline__ bool quantize_block16(const float (&v)[16], const ScaleTables& tables, uint32_t& lo,
                                                  uint32_t& hi, uint32_t& sf_bits) {
   float amax = 0.0f;
 #pragma unroll
   for (int e = 0; e < 16; ++e) amax = max_nan(amax, fabsf(v[e]));  // a NaN makes the scale NaN
   lo = hi = 0;
   float quot[16];  // |v| / sf, correctly rounded, below 7
-  if (amax <= kUnsaturatedAmax) {  // false for NaN and inf
+  const bool nonfinite = !(amax <= FLT_MAX);
+  bool below7 = amax <= kUnsaturatedAmax;  // false for NaN and inf
+  if (below7) {
     sf_bits = nvfp4::float_to_e4m3(amax_over_6(amax));
-    if (sf_bits == 0) return;  // zero scale: an all-zero block
+    if (sf_bits == 0) return false;  // zero scale: an all-zero block
+    below7 = sf_bits > kLastCoarseScaleByte;
+  }
+  if (below7) {
     const float sf = tables.value[sf_bits], rcp = tables.rcp[sf_bits];
 #pragma unroll
     for (int e = 0; e < 16; ++e) quot[e] = divide_by_scale(fabsf(v[e]), sf, rcp);
   } else {
-    // The IEEE path for saturated scales, inf and NaN; clamping at 6 is what e2m1 saturation does.
+    // The IEEE path for saturated or coarse scales, inf and NaN; clamping at 6 is what e2m1
+    // saturation does.
     const float sf = nvfp4::block_scale_value(amax, &sf_bits);
-    if (!(sf > 0.0f)) return;  // NaN scale: x / NaN encodes as 0
+    if (!(sf > 0.0f)) return nonfinite;  // NaN scale: x / NaN encodes as 0
 #pragma unroll
     for (int e = 0; e < 16; ++e) quot[e] = fminf(__fdiv_rn(fabsf(v[e]), sf), nvfp4::kE2m1Max);
   }
@@ -155,6 +169,12 @@ __device__ __forceinline__ void quantize_block16(const float (&v)[16], const Sca
   lo = pack8_codes_signs(code_lo, v_lo);
   hi = pack8_codes_signs(code_hi, v_hi);
 #endif
+  return nonfinite;
+}
+
+// Raise a non-finite flag (zero on entry); only threads that met a NaN/inf get here.
+__device__ __forceinline__ void raise_flag(uint32_t* flag, bool raise) {
+  if (raise) atomicOr(flag, 1u);
 }
 
 __device__ __forceinline__ void store_u64(uint8_t* p, uint32_t lo, uint32_t hi) {
@@ -346,6 +366,7 @@ __device__ __forceinline__ void q_tile(const QuantizeQkvParams& p, SharedStorage
 
   uint8_t* data = p.q_data + (bh * p.seq_q_padded + row0) * (DP / 2);
   uint8_t* sf = p.q_sf + (bh * p.seq_q_padded + row0) * (DP / 16);
+  bool nonfinite = false;
 #pragma unroll
   for (int ps = 0; ps < Map::kPasses; ++ps) {
     const int r = r0 + ps * Map::kRowsPerPass;
@@ -359,7 +380,7 @@ __device__ __forceinline__ void q_tile(const QuantizeQkvParams& p, SharedStorage
         v[e] = xe - sm.mean[cb * 16 + e];
         dot = fmaf(xe, sm.km[cb * 16 + e], dot);
       }
-      quantize_block16(v, sm.tables, lo, hi, sf_bits);
+      nonfinite |= quantize_block16(v, sm.tables, lo, hi, sf_bits);
     }
     store_u64(data + r * (DP / 2) + cb * 8, lo, hi);
     sf[r * (DP / 16) + cb] = static_cast<uint8_t>(sf_bits);
@@ -368,6 +389,7 @@ __device__ __forceinline__ void q_tile(const QuantizeQkvParams& p, SharedStorage
     for (int off = 1; off < Map::kColBlocks; off <<= 1) dot += __shfl_xor_sync(0xFFFFFFFFu, dot, off);
     if (cb == 0 && r < valid_rows) p.q_dot_km[bh * p.seq_q + row0 + r] = dot;
   }
+  raise_flag(p.nonfinite_q_blocks + bh * n_blocks + blk, nonfinite);
 }
 
 template <InputDtype DT, int DP, bool VEC>
@@ -399,6 +421,7 @@ __device__ __forceinline__ void k_tile(const QuantizeQkvParams& p, SharedStorage
 
   uint8_t* data = p.k_data + (bh * p.seq_k_padded + row0) * (DP / 2);
   uint8_t* sf = p.k_sf + (bh * p.seq_k_padded + row0) * (DP / 16);
+  bool nonfinite = false;
 #pragma unroll
   for (int ps = 0; ps < Map::kPasses; ++ps) {
     const int r = r0 + ps * Map::kRowsPerPass;
@@ -407,12 +430,13 @@ __device__ __forceinline__ void k_tile(const QuantizeQkvParams& p, SharedStorage
       float v[16];
 #pragma unroll
       for (int e = 0; e < 16; ++e) v[e] = x[ps].get(e) - sm.mean[cb * 16 + e];
-      quantize_block16(v, sm.tables, lo, hi, sf_bits);
+      nonfinite |= quantize_block16(v, sm.tables, lo, hi, sf_bits);
     }
     const int stored = k_row_perm(r);
     store_u64(data + stored * (DP / 2) + cb * 8, lo, hi);
     sf[stored * (DP / 16) + cb] = static_cast<uint8_t>(sf_bits);
   }
+  raise_flag(p.nonfinite_kv + bh, nonfinite);
 }
 
 template <InputDtype DT, int DP, bool VEC>
@@ -466,6 +490,7 @@ __device__ __forceinline__ void v_tile(const QuantizeQkvParams& p, SharedStorage
     // quantizes kBlocksPerThread consecutive 16-token blocks of each of those columns.
     uint32_t words[kCols][2 * kBlocksPerThread];
     uint32_t sfs[kCols] = {};
+    bool nonfinite = false;
     const uint32_t* swords = reinterpret_cast<const uint32_t*>(sm.v_tile);
 #pragma unroll
     for (int i = 0; i < kBlocksPerThread; ++i) {
@@ -484,10 +509,11 @@ __device__ __forceinline__ void v_tile(const QuantizeQkvParams& p, SharedStorage
 #pragma unroll
       for (int c = 0; c < kCols; ++c) {
         uint32_t sf_bits;
-        quantize_block16(v[c], sm.tables, words[c][2 * i], words[c][2 * i + 1], sf_bits);
+        nonfinite |= quantize_block16(v[c], sm.tables, words[c][2 * i], words[c][2 * i + 1], sf_bits);
         sfs[c] |= sf_bits << (8 * i);
       }
     }
+    raise_flag(p.nonfinite_kv + bh, nonfinite);
     // Per column, this thread's blocks are contiguous along tokens: 8 data bytes, 1 scale each.
     const int64_t tb0 = tok0 / 16 + part * kBlocksPerThread;
 #pragma unroll
@@ -507,7 +533,7 @@ __device__ __forceinline__ void v_tile(const QuantizeQkvParams& p, SharedStorage
 }
 
 template <InputDtype DT, int DP, bool VEC>
-__global__ void __launch_bounds__(kThreads, 4) quantize_qkv_kernel(const QuantizeQkvParams p) {
+__global__ void __launch_bounds__(kThreads, kMinCtasPerSm) quantize_qkv_kernel(const QuantizeQkvParams p) {
   __shared__ __align__(16) SharedStorage<DP> sm;
   fill_scale_tables(sm.tables);  // every item synchronises before its first block
   // Items in ticket order: K-mean chunks, V^T tiles (independent of km), K tiles, Q tiles.

@@ -55,6 +55,11 @@ struct QuantizeQkvParams {
   float* k_mean;     // [B, Hkv, Dp]
   float* q_dot_km;   // [B, H, Sq]
 
+  // Non-finite flags (zero on entry, set nonzero): FP4 scales saturate, so a NaN/inf input
+  // would otherwise come out finite. The caller turns them into NaN rows (nvfp4_dit/ops.py).
+  uint32_t* nonfinite_kv;        // [B * Hkv]: a valid key (j < kv_lens[b]) of K or V holds NaN/inf
+  uint32_t* nonfinite_q_blocks;  // [B * H * Sqp/128]: that 128-row Q block holds NaN/inf
+
   // Workspace of the K-mean reduction and the work-item order (see quantize_qkv_workspace_*).
   float* k_partial_sums;    // [B * Hkv, k_chunks, Dp], no initial value needed
   uint32_t* work_counters;  // [1 + 2 * B * Hkv], zero on entry

@@ -91,8 +91,16 @@ NVFP4_DIT_HD uint32_t e2m1_magnitude_code_below7(float a) {
   return (sum & 7u) + (sum >> 22) - 298u;
 }
 
-// Quotients above this are only reached when the block scale saturated (or amax is inf).
+// Quotients |v| / sf of a block stay below 7 (e2m1_magnitude_code_below7's domain) except
+//  * when the scale saturated at 448 (amax above this, or inf/NaN), and
+//  * for the two coarsest subnormal scales, bytes 1 and 2 (2^-9, 2^-8): rounding amax / 6 to
+//    a multiple of 2^-9 can lower it by a third there, so quotients reach 9 (byte 1) or 7.5
+//    (byte 2). From byte 3 on the bound is 6 * 3.5 / 3 = 7, exclusive (3.5 rounds to 4, even),
+//    and for normal scales 6 / (1 - 2^-4) = 6.4.
+// Those blocks take the clamped IEEE path. (Found by the GPU fuzz: head dims such as 17 leave
+// blocks of one element, whose small |x - mean| lands on these scales.)
 constexpr float kUnsaturatedAmax = 6.0f * 464.0f;
+constexpr uint32_t kLastCoarseScaleByte = 2;
 
 // amax / 6 rounded (block_scale_value's IEEE division) for finite 0 <= amax <= kUnsaturatedAmax:
 // Markstein with RN(1/6). Underflowing results (amax < 2^-120) are far below the smallest

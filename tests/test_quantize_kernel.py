@@ -66,11 +66,20 @@ int main() {
     const float a = nvfp4::bits_float(u);
     if ((nvfp4::float_to_e2m1_sw(a) & 7u) != nvfp4_dit::e2m1_magnitude_code_below7(a)) ++bad_enc;
   }
+  // ... and the fast path's premise: every amax it takes (scale byte above
+  // kLastCoarseScaleByte) gives quotients amax / sf below 7; the coarse bytes do not.
   const uint32_t top = nvfp4::float_bits(nvfp4_dit::kUnsaturatedAmax);
+  long bad_bound = 0, coarse_over7 = 0;
   for (uint32_t u = 0; u <= top; ++u) {
     const float a = nvfp4::bits_float(u);
-    if (nvfp4::float_to_e4m3_sw(a / 6.0f) != nvfp4::float_to_e4m3_sw(nvfp4_dit::amax_over_6(a))) ++bad_div;
+    const uint32_t sf_bits = nvfp4::float_to_e4m3_sw(nvfp4_dit::amax_over_6(a));
+    if (nvfp4::float_to_e4m3_sw(a / 6.0f) != sf_bits) ++bad_div;
+    if (sf_bits == 0) continue;
+    const bool over7 = !(a / nvfp4::e4m3_to_float(sf_bits) < 7.0f);
+    if (sf_bits > nvfp4_dit::kLastCoarseScaleByte) bad_bound += over7;
+    else coarse_over7 += over7;
   }
+  printf("%ld %ld ", bad_bound, coarse_over7);
   // Nibble and sign packing against the one-element reference, -0 and tiny negatives included.
   long bad_pack = 0;
   for (int i = 0; i < 2000000; ++i) {
@@ -101,8 +110,10 @@ def test_fast_element_math_equals_reference_on_host(tmp_path):
     exe = tmp_path / "qmath"
     subprocess.run([nvcc, "-std=c++17", "-O2", f"-I{CSRC}", str(src), "-o", str(exe)], check=True,
                    capture_output=True)
-    bad_enc, bad_div, n_div = map(int, subprocess.run([str(exe)], capture_output=True, text=True,
-                                                      check=True).stdout.split())
+    bad_bound, coarse_over7, bad_enc, bad_div, n_div = map(int, subprocess.run(
+        [str(exe)], capture_output=True, text=True, check=True).stdout.split())
+    assert bad_bound == 0, f"{bad_bound} amax values take the fast path with quotients >= 7"
+    assert coarse_over7 > 0, "the coarse-scale exclusion is not needed (kLastCoarseScaleByte too high)"
     assert bad_enc == 0, f"{bad_enc} fp32 values encode differently from float_to_e2m1_sw"
     assert n_div > 90_000_000
     assert bad_div == 0, f"{bad_div} of {n_div} quotients differ from IEEE division"
@@ -230,6 +241,23 @@ def test_bytes_equal_format_ragged(b, h, hkv, sq, sk, d, layout, dtype, kv_lens)
     assert got.shape == want.shape and torch.all((got - want).abs() <= bound)
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("d, dtype", [(1, torch.float16), (17, torch.bfloat16), (128, torch.float32)])
+def test_bytes_equal_format_on_the_coarsest_scales(d, dtype):
+    """Blocks whose amax / 6 rounds to the smallest subnormal scales (2^-9, 2^-8): quotients
+    reach 9 there, past the unclamped encoder's range (the GPU fuzz found this with D = 1, 17,
+    33: blocks of one valid element and a small |x - mean|)."""
+    gen = torch.Generator(device="cuda").manual_seed(d)
+    b, h, s = 1, 2, 1000
+    # Per-row magnitudes from 1e-4 to 0.1: amax / 6 spans the subnormal e4m3 scales.
+    mag = torch.logspace(-4, -1, s, device="cuda")[None, None, :, None]
+    q, k, v = ((torch.randn(b, h, s, d, device="cuda", generator=gen) * mag).to(dtype) for _ in range(3))
+    qq = cq.quantize_qkv_cuda(q, k, v, layout="HND")
+    sf = qq.q_sf[..., : (d + 15) // 16]
+    assert ((sf == 1) | (sf == 2)).any(), "the data misses the coarse scales"
+    _assert_matches_format(qq, q, k, v, "HND", None)
+
+
 def _abs_copy(ref):
     """ref with |q_mean| and |k_smoothed|: qk_correction of it bounds the summation error."""
     import dataclasses
@@ -264,6 +292,39 @@ def test_non_unit_strides_and_specials():
     qq2 = cq.quantize_qkv_cuda(q.contiguous(), k.contiguous(), v.contiguous(), layout="NHD")
     for name in BYTE_FIELDS:
         assert torch.equal(getattr(qq, name), getattr(qq2, name)), name
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("layout, dtype, d, kv_lens", [
+    ("NHD", torch.bfloat16, 128, None),
+    ("HND", torch.float16, 128, [300, 77]),
+    ("NHD", torch.float32, 40, [1, 300]),     # scalar loads (D < Dp)
+    ("HND", torch.bfloat16, 72, [0, 250]),    # a batch without keys
+])
+def test_nonfinite_flags_equal_torch(layout, dtype, d, kv_lens):
+    """The quantiser's NaN/inf flags (per Q block, per kv head) equal format.nonfinite_blocks:
+    values past kv_lens are ignored, huge finite values are not flagged."""
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    b, h, hkv, sq, sk = 2, 4, 2, 700, 300
+    q = _make((b, h, sq, d), layout, dtype, gen)
+    k = _make((b, hkv, sk, d), layout, dtype, gen, block_structure=False)
+    v = _make((b, hkv, sk, d), layout, dtype, gen, block_structure=False)
+    lens = None if kv_lens is None else torch.tensor(kv_lens, device="cuda", dtype=torch.int64)
+    big = 6e4 if dtype == torch.float16 else 3e38
+    qh, kh, vh = (fmt.to_hnd(t, layout) for t in (q, k, v))
+    r = torch.Generator().manual_seed(5)
+    pick = lambda n: int(torch.randint(n, (1,), generator=r))  # noqa: E731
+    for t, heads, seq in ((qh, h, sq), (kh, hkv, sk), (vh, hkv, sk)):
+        for value in (float("nan"), float("inf"), -float("inf"), big):
+            t[pick(b), pick(heads), pick(seq), pick(d)] = value
+    vh[1, 1, sk - 1, 0] = float("nan")  # past kv_lens[1] where lengths are given
+    qq = cq.quantize_qkv_cuda(q, k, v, layout=layout, kv_lens=lens)
+    want_q, want_kv = fmt.nonfinite_blocks(qh, kh, vh, lens)
+    got_q, got_kv = qq.nonfinite
+    assert got_q.shape == want_q.shape and got_kv.shape == want_kv.shape
+    assert torch.equal(got_q, want_q), (got_q.nonzero().tolist(), want_q.nonzero().tolist())
+    assert torch.equal(got_kv, want_kv), (got_kv.tolist(), want_kv.tolist())
+    assert want_q.any() and want_kv.any() and not want_q.all()
 
 
 @pytest.mark.cuda
