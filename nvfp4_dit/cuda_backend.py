@@ -199,7 +199,13 @@ def run_kernel(qq: fmt.QuantizedQKV, corrections, out_hnd: torch.Tensor, lse: Op
 
 
 def attention(q, k, v, *, layout, causal, scale, kv_lens, return_lse, quantizer: str = "auto"):
-    """NVFP4 attention on the GPU. Returns ``(out [q's layout and dtype], lse [B, H, Sq] or None)``."""
+    """NVFP4 attention on the GPU.
+
+    Returns ``(out [q's layout and dtype], lse [B, H, Sq] or None, nonfinite)``: ``nonfinite`` is
+    the fused quantiser's ``(q_blocks [B, H, nblk], kv [B, Hkv])`` NaN/inf flags (see
+    :func:`nvfp4_dit.format.nonfinite_blocks`), or None after the torch quantiser. The output
+    is not poisoned here; :func:`nvfp4_dit.ops` does that for every FP4 back-end alike.
+    """
     reason = load(q.device)
     if reason is not None:
         raise RuntimeError(reason)
@@ -219,4 +225,5 @@ def attention(q, k, v, *, layout, causal, scale, kv_lens, return_lse, quantizer:
     run_kernel(qq, corrections, out_hnd, lse, scale=scale, causal=causal, kv_lens=kv_lens, native=native)
     if out.dtype != q.dtype:
         out = out.to(q.dtype)
-    return out, lse
+    nonfinite = getattr(qq, "nonfinite", None)
+    return out, lse, nonfinite

@@ -36,6 +36,8 @@ class FusedQuantizedQKV(fmt.QuantizedQKV):
 
     k_input: Optional[torch.Tensor] = None
     kv_lens: Optional[torch.Tensor] = None
+    # (q_blocks [B, H, nblk], kv [B, Hkv]) bool: NaN/inf met while quantising (format.nonfinite_blocks)
+    nonfinite: Optional[tuple[torch.Tensor, torch.Tensor]] = None
 
 
 def _ops():
@@ -76,13 +78,13 @@ def quantize_qkv_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layo
     """
     qh, kh, vh, kv_lens = _check_inputs(q, k, v, layout, kv_lens)
     (q_data, q_sf, k_data, k_sf, vt_data, vt_sf, q_mean, k_mean,
-     q_dot_km) = _ops().quantize_qkv(qh, kh, vh, kv_lens)
+     q_dot_km, nonfinite_q, nonfinite_kv) = _ops().quantize_qkv(qh, kh, vh, kv_lens)
     d = qh.shape[3]
     return FusedQuantizedQKV(
         q_data=q_data, q_sf=q_sf, k_data=k_data, k_sf=k_sf, vt_data=vt_data, vt_sf=vt_sf,
         q_mean=q_mean, k_mean=k_mean, q_dot_km=q_dot_km, k_smoothed=None,
         seq_q=qh.shape[2], seq_k=kh.shape[2], head_dim=d, head_dim_padded=fmt.padded_head_dim(d),
-        k_input=kh, kv_lens=kv_lens)
+        k_input=kh, kv_lens=kv_lens, nonfinite=(nonfinite_q != 0, nonfinite_kv != 0))
 
 
 # ---------------------------------------------------------------------------------------------

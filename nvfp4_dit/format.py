@@ -271,6 +271,29 @@ def valid_key_mask(kv_lens: Optional[torch.Tensor], batch: int, seq_k: int, devi
     return torch.arange(seq_k, device=device)[None, :] < kv_lens.to(device).long()[:, None]
 
 
+def nonfinite_blocks(q_hnd: torch.Tensor, k_hnd: torch.Tensor, v_hnd: torch.Tensor,
+                     kv_lens: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where a NaN/inf input sits, in the units that quantisation spreads it over.
+
+    Returns ``(q_blocks [B, H, Sqp/128], kv [B, Hkv])`` bool: a 128-row Q block holds a non-finite
+    element (its block mean carries it to every row of the block), or a valid key (j < kv_lens[b])
+    of K or V does (the K mean carries it to the whole head). Keys past kv_lens are zeroed before
+    quantisation and may hold anything. The fused CUDA quantiser returns the same flags for free
+    (from its block maxima); this is the torch twin, one min/max reduction per row and no
+    full-size temporary (``torch.isfinite`` would allocate several input-sized tensors).
+    """
+    def row_finite(t):
+        lo, hi = torch.aminmax(t, dim=-1)  # NaN propagates; +-inf shows in one of the two
+        return torch.isfinite(lo) & torch.isfinite(hi)
+
+    b, h, sq, _ = q_hnd.shape
+    nblk = round_up(max(sq, 1), SEQ_TILE) // SEQ_TILE
+    q_bad = pad_dim(~row_finite(q_hnd), 2, nblk * SEQ_TILE).view(b, h, nblk, SEQ_TILE).any(-1)
+    valid = valid_key_mask(kv_lens, b, k_hnd.shape[2], k_hnd.device)[:, None, :]
+    kv_bad = ((~row_finite(k_hnd) | ~row_finite(v_hnd)) & valid).any(-1)
+    return q_bad, kv_bad
+
+
 def k_mean(k_hnd: torch.Tensor, kv_lens: Optional[torch.Tensor]) -> torch.Tensor:
     """km [B, Hkv, D] fp32: mean over the valid keys (zero when a batch has none)."""
     b, _, s, _ = k_hnd.shape

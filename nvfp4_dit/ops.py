@@ -217,30 +217,28 @@ def _attention_fp4_reference(q, k, v, layout, causal, scale, key_bias, kv_lens, 
     return res if return_lse else (res, None)
 
 
-def _poison_non_finite(q, k, v, layout, kv_lens, out, lse):
+def _poison_non_finite(out, lse, layout, q_blocks_bad, kv_bad):
     """NaN where a non-finite input reached an FP4 result (in place; no host sync).
 
     FP4 quantisation hides non-finite inputs: scales saturate (+-inf -> 448, so an inf in V
     comes out finite) and a NaN row sum reads as "no visible key" (output 0, LSE -inf).  Exact
     attention gives NaN/inf there, so the FP4 paths must not return a finite value.  Poisoned:
-    every row of a 128-row Q block holding a non-finite element (the block mean spreads it to
-    the whole block), and every row of a (batch, kv-head) group whose K or
-    V has a non-finite element among the valid keys (j < kv_lens[b]; the K mean spreads it to
-    the whole head).  Keys past kv_lens are zeroed before quantisation and may hold anything.
+    every row of a 128-row Q block flagged in ``q_blocks_bad [B, H, nblk]`` and every row of the
+    query heads of a (batch, kv-head) flagged in ``kv_bad [B, Hkv]`` (see
+    :func:`nvfp4_dit.format.nonfinite_blocks`; the fused CUDA quantiser returns the same flags).
     """
-    qh, kh, vh = (fmt.to_hnd(t, layout) for t in (q, k, v))
-    b, h, sq, _ = qh.shape
-    hkv, sk = kh.shape[1], kh.shape[2]
-    nblk = fmt.round_up(sq, fmt.SEQ_TILE) // fmt.SEQ_TILE
-    bad_rows = fmt.pad_dim(~torch.isfinite(qh).all(-1), 2, nblk * fmt.SEQ_TILE)
-    bad = bad_rows.view(b, h, nblk, fmt.SEQ_TILE).any(-1).repeat_interleave(fmt.SEQ_TILE, 2)[:, :, :sq]
-    valid = fmt.valid_key_mask(kv_lens, b, sk, q.device)[:, None, :]
-    kv_ok = ((torch.isfinite(kh).all(-1) & torch.isfinite(vh).all(-1)) | ~valid).all(-1)
-    bad = bad | (~kv_ok).repeat_interleave(h // hkv, 1)[:, :, None]
+    b, h, nblk = q_blocks_bad.shape
+    sq = lse.shape[2] if lse is not None else (out.shape[1] if layout == "NHD" else out.shape[2])
+    bad = q_blocks_bad.repeat_interleave(fmt.SEQ_TILE, 2)[:, :, :sq]
+    bad = bad | kv_bad.repeat_interleave(h // kv_bad.shape[1], 1)[:, :, None]
     out.masked_fill_((bad.transpose(1, 2) if layout == "NHD" else bad)[..., None], math.nan)
     if lse is not None:
         lse.masked_fill_(bad, math.nan)
     return out, lse
+
+
+def _torch_nonfinite(q, k, v, layout, kv_lens):
+    return fmt.nonfinite_blocks(*(fmt.to_hnd(t, layout) for t in (q, k, v)), kv_lens)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -301,7 +299,7 @@ def _run(q, k, v, layout, causal, scale, attn_mask, kv_lens, return_lse, backend
         if reason is not None:
             raise BackendUnavailableError(f"backend='reference' cannot run this call: {reason}")
         out, lse = _attention_fp4_reference(q, k, v, layout, causal, scale, key_bias, fp4_lens, return_lse)
-        return _poison_non_finite(q, k, v, layout, fp4_lens, out, lse)
+        return _poison_non_finite(out, lse, layout, *_torch_nonfinite(q, k, v, layout, fp4_lens))
 
     # cuda / auto
     if reason is None and key_bias is not None:
@@ -313,9 +311,11 @@ def _run(q, k, v, layout, causal, scale, attn_mask, kv_lens, return_lse, backend
     if reason is None:
         from . import cuda_backend
 
-        out, lse = cuda_backend.attention(q, k, v, layout=layout, causal=causal, scale=scale,
-                                          kv_lens=fp4_lens, return_lse=return_lse)
-        return _poison_non_finite(q, k, v, layout, fp4_lens, out, lse)
+        out, lse, nonfinite = cuda_backend.attention(q, k, v, layout=layout, causal=causal, scale=scale,
+                                                     kv_lens=fp4_lens, return_lse=return_lse)
+        if nonfinite is None:  # quantised by format.quantize_qkv, which keeps no flags
+            nonfinite = _torch_nonfinite(q, k, v, layout, fp4_lens)
+        return _poison_non_finite(out, lse, layout, *nonfinite)
     if backend == "cuda":
         raise BackendUnavailableError(f"backend='cuda' cannot run this call: {reason}")
     _warn_fallback(reason)

@@ -68,7 +68,8 @@ def _run(q, k, v, **kw):
     kw.setdefault("kv_lens", None)
     kw.setdefault("return_lse", True)
     kw.setdefault("quantizer", "torch")   # the reference's own quantisation: the same bytes
-    return cuda_backend.attention(q, k, v, **kw)
+    out, lse, _ = cuda_backend.attention(q, k, v, **kw)
+    return out, lse
 
 
 # ---------------------------------------------------------------------------------------------

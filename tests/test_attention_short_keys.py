@@ -30,8 +30,8 @@ def test_short_keys_match_the_reference(sk, quantizer):
     q = torch.randn(2, 320, 2, 64, device="cuda", generator=g).to(torch.bfloat16)
     k = torch.randn(2, sk, 2, 64, device="cuda", generator=g).to(torch.bfloat16)
     v = torch.randn(2, sk, 2, 64, device="cuda", generator=g).to(torch.bfloat16)
-    out, lse = cuda_backend.attention(q, k, v, layout="NHD", causal=False, scale=None, kv_lens=None,
-                                      return_lse=True, quantizer=quantizer)
+    out, lse, _ = cuda_backend.attention(q, k, v, layout="NHD", causal=False, scale=None, kv_lens=None,
+                                         return_lse=True, quantizer=quantizer)
     ref, ref_lse = attention_reference(q, k, v, return_lse=True)
     assert _cos(out, ref) >= 0.9999
     assert (lse - ref_lse).abs().max().item() <= 2e-3

@@ -139,6 +139,22 @@ def test_means_respect_kv_lens_and_valid_rows(gen):
     assert torch.allclose(qm[0, 0, 1], q[0, 128:, 0].mean(0), atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_nonfinite_blocks_equal_the_elementwise_definition(gen, dtype):
+    b, h, hkv, sq, sk, d = 2, 4, 2, 300, 90, 24
+    q, k, v = (torch.randn(b, hh, s, d, generator=gen).to(dtype) for hh, s in ((h, sq), (hkv, sk), (hkv, sk)))
+    q[0, 1, 129, 3], q[1, 3, 299, 0], q[1, 0, 5, 5] = math.nan, math.inf, 3e38   # blocks 1, 2 bad; huge ok
+    k[0, 1, 10, 2], v[1, 0, 80, 23], v[1, 1, 89, 0] = -math.inf, math.nan, math.nan
+    lens = torch.tensor([90, 85])  # v[1, 1, 89] lies past kv_lens[1]: ignored
+    q_bad, kv_bad = fmt.nonfinite_blocks(q, k, v, lens)
+    rows_bad = ~torch.isfinite(q).all(-1)
+    want_q = fmt.pad_dim(rows_bad, 2, 384).view(b, h, 3, 128).any(-1)
+    valid = fmt.valid_key_mask(lens, b, sk, "cpu")[:, None, :]
+    want_kv = ((~torch.isfinite(k).all(-1) | ~torch.isfinite(v).all(-1)) & valid).any(-1)
+    assert torch.equal(q_bad, want_q) and torch.equal(kv_bad, want_kv)
+    assert q_bad.sum() == 2 and kv_bad.tolist() == [[False, True], [True, False]]
+
+
 def test_dequantize_error_is_bounded(gen):
     x = torch.randn(64, 128, generator=gen)
     deq = fmt.dequantize_blocks(*fmt.quantize_blocks(x))
