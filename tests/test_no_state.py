@@ -215,13 +215,23 @@ def _cuda():
 
 
 def _assert_device_memory_flat(call, n=30):
+    """``call`` n times: allocated device memory after each equals that after the first.
+
+    Garbage left by earlier tests is collected first (a cycle freed mid-loop reads as a change),
+    and the cyclic collector is off during the loop, so a reference cycle made by ``call``
+    itself (tensors freed only by a later gc pass) shows up as growth."""
     call()
     torch.cuda.synchronize()
+    gc.collect()
     before = torch.cuda.memory_allocated()
-    for i in range(n):
-        call()
-        torch.cuda.synchronize()
-        assert torch.cuda.memory_allocated() == before, f"device memory grew at call {i}"
+    gc.disable()
+    try:
+        for i in range(n):
+            call()
+            torch.cuda.synchronize()
+            assert torch.cuda.memory_allocated() == before, f"device memory changed at call {i}"
+    finally:
+        gc.enable()
 
 
 @pytest.mark.cuda
