@@ -2,7 +2,7 @@
 
 For B=1, H=40, D=128, bf16 NHD inputs at S = 8k, 32k, 77k and 118.8k tokens:
 
-* fused: ``nvfp4_dit.cuda_quantize.quantize_qkv_cuda`` (2 kernels + 1 memset);
+* fused: ``nvfp4_dit.cuda_quantize.quantize_qkv_cuda`` (1 kernel + 1 memset);
 * copy: a device-to-device copy moving the same number of bytes (the bandwidth ceiling);
 * torch-ops: ``nvfp4_dit.format.quantize_qkv`` on the GPU (the plain-PyTorch preprocessing);
 * correction: every chunk of ``qm . (k - km)^T`` under the default 1 GiB budget, as a fraction of
