@@ -11,6 +11,7 @@ For B=1, H=40, D=128, bf16 NHD inputs at S = 8k, 32k, 77k and 118.8k tokens:
 "Bytes" = the inputs read once plus every output written (the fused path's minimum traffic); the
 copy moves half that many bytes (read + write = the same traffic). Peak memory is the allocator's
 peak above what was allocated before the call. Prints a markdown table, writes JSON and a PNG.
+Measured figures and a profile: docs/quantize_performance.md.
 
     python scripts/bench_quantize.py --out bench_out
     python scripts/bench_quantize.py --plot-only bench_out/bench_quantize.json   # redraw the PNG
