@@ -175,7 +175,7 @@ def quantize(q, k, v, *, layout, kv_lens, quantizer: str = "auto"):
     if fused is None and quantizer == "cuda":
         raise RuntimeError("the fused CUDA quantiser (nvfp4_dit.cuda_quantize) is not available")
     if fused is not None:
-        qq = fused.quantize_qkv_cuda(q, k, v, layout=layout, kv_lens=kv_lens)
+        qq = fused.quantize_validated(q, k, v, layout=layout, kv_lens=kv_lens)
         return qq, fused.iter_qk_corrections(qq)
     qq = fmt.quantize_qkv(q, k, v, layout=layout, kv_lens=kv_lens)
     return qq, torch_corrections(qq)
@@ -202,9 +202,10 @@ def attention(q, k, v, *, layout, causal, scale, kv_lens, return_lse, quantizer:
     """NVFP4 attention on the GPU.
 
     Returns ``(out [q's layout and dtype], lse [B, H, Sq] or None, nonfinite)``: ``nonfinite`` is
-    the fused quantiser's ``(q_blocks [B, H, nblk], kv [B, Hkv])`` NaN/inf flags (see
-    :func:`nvfp4_dit.format.nonfinite_blocks`), or None after the torch quantiser. The output
-    is not poisoned here; :func:`nvfp4_dit.ops` does that for every FP4 back-end alike.
+    the ``(q_blocks [B, H, nblk], kv [B, Hkv])`` NaN/inf flags of
+    :func:`nvfp4_dit.format.nonfinite_blocks` (the fused quantiser raises them as it goes). The
+    output is not poisoned here; :mod:`nvfp4_dit.ops` does that for every FP4 back-end alike.
+    The caller has validated the arguments (:func:`nvfp4_dit.attention` does).
     """
     reason = load(q.device)
     if reason is not None:
@@ -226,4 +227,6 @@ def attention(q, k, v, *, layout, causal, scale, kv_lens, return_lse, quantizer:
     if out.dtype != q.dtype:
         out = out.to(q.dtype)
     nonfinite = getattr(qq, "nonfinite", None)
+    if nonfinite is None:  # format.quantize_qkv keeps no flags
+        nonfinite = fmt.nonfinite_blocks(q, k, v, kv_lens, layout)
     return out, lse, nonfinite

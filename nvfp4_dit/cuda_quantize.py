@@ -47,7 +47,8 @@ def _ops():
 
 
 def _check_inputs(q, k, v, layout, kv_lens):
-    """The public op's argument checks, plus what the fused kernel itself needs."""
+    """The public op's argument checks, plus what the fused kernel itself needs; returns kv_lens
+    on q's device."""
     from .ops import _validate
 
     if isinstance(kv_lens, torch.Tensor) and isinstance(q, torch.Tensor):
@@ -56,11 +57,10 @@ def _check_inputs(q, k, v, layout, kv_lens):
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.device.type != "cuda":
             raise ValueError(f"{name} must be a CUDA tensor, got device {t.device}")
-    qh, kh, vh = (fmt.to_hnd(t, layout) for t in (q, k, v))
-    d = qh.shape[-1]
+    d = fmt.to_hnd(q, layout).shape[-1]
     if fmt.padded_head_dim(d) is None:
         raise ValueError(f"head dim {d} is not supported (at most {fmt.SUPPORTED_HEAD_DIMS[-1]})")
-    return qh, kh, vh, kv_lens
+    return kv_lens
 
 
 def quantize_qkv_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: str = "NHD",
@@ -78,7 +78,14 @@ def quantize_qkv_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layo
     -------
     FusedQuantizedQKV with ``k_smoothed=None``; use :func:`qk_correction_cuda` for the correction.
     """
-    qh, kh, vh, kv_lens = _check_inputs(q, k, v, layout, kv_lens)
+    kv_lens = _check_inputs(q, k, v, layout, kv_lens)
+    return quantize_validated(q, k, v, layout=layout, kv_lens=kv_lens)
+
+
+def quantize_validated(q, k, v, *, layout: str, kv_lens: Optional[torch.Tensor]) -> FusedQuantizedQKV:
+    """:func:`quantize_qkv_cuda` for arguments already checked (the public op's path checks
+    them once, in :func:`nvfp4_dit.attention`): CUDA tensors, kv_lens on their device."""
+    qh, kh, vh = (fmt.to_hnd(t, layout) for t in (q, k, v))
     (q_data, q_sf, k_data, k_sf, vt_data, vt_sf, q_mean, k_mean,
      q_dot_km, nonfinite_q, nonfinite_kv) = _ops().quantize_qkv(qh, kh, vh, kv_lens)
     d = qh.shape[3]

@@ -271,8 +271,8 @@ def valid_key_mask(kv_lens: Optional[torch.Tensor], batch: int, seq_k: int, devi
     return torch.arange(seq_k, device=device)[None, :] < kv_lens.to(device).long()[:, None]
 
 
-def nonfinite_blocks(q_hnd: torch.Tensor, k_hnd: torch.Tensor, v_hnd: torch.Tensor,
-                     kv_lens: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+def nonfinite_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_lens: Optional[torch.Tensor],
+                     layout: str = "HND") -> tuple[torch.Tensor, torch.Tensor]:
     """Where a NaN/inf input sits, in the units that quantisation spreads it over.
 
     Returns ``(q_blocks [B, H, Sqp/128], kv [B, Hkv])`` bool: a 128-row Q block holds a non-finite
@@ -286,6 +286,7 @@ def nonfinite_blocks(q_hnd: torch.Tensor, k_hnd: torch.Tensor, v_hnd: torch.Tens
         lo, hi = torch.aminmax(t, dim=-1)  # NaN propagates; +-inf shows in one of the two
         return torch.isfinite(lo) & torch.isfinite(hi)
 
+    q_hnd, k_hnd, v_hnd = (to_hnd(t, layout) for t in (q, k, v))
     b, h, sq, _ = q_hnd.shape
     nblk = round_up(max(sq, 1), SEQ_TILE) // SEQ_TILE
     q_bad = pad_dim(~row_finite(q_hnd), 2, nblk * SEQ_TILE).view(b, h, nblk, SEQ_TILE).any(-1)

@@ -227,18 +227,13 @@ def _poison_non_finite(out, lse, layout, q_blocks_bad, kv_bad):
     query heads of a (batch, kv-head) flagged in ``kv_bad [B, Hkv]`` (see
     :func:`nvfp4_dit.format.nonfinite_blocks`; the fused CUDA quantiser returns the same flags).
     """
-    b, h, nblk = q_blocks_bad.shape
-    sq = lse.shape[2] if lse is not None else (out.shape[1] if layout == "NHD" else out.shape[2])
+    h, sq = fmt.to_hnd(out, layout).shape[1:3]
     bad = q_blocks_bad.repeat_interleave(fmt.SEQ_TILE, 2)[:, :, :sq]
     bad = bad | kv_bad.repeat_interleave(h // kv_bad.shape[1], 1)[:, :, None]
     out.masked_fill_((bad.transpose(1, 2) if layout == "NHD" else bad)[..., None], math.nan)
     if lse is not None:
         lse.masked_fill_(bad, math.nan)
     return out, lse
-
-
-def _torch_nonfinite(q, k, v, layout, kv_lens):
-    return fmt.nonfinite_blocks(*(fmt.to_hnd(t, layout) for t in (q, k, v)), kv_lens)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -299,7 +294,7 @@ def _run(q, k, v, layout, causal, scale, attn_mask, kv_lens, return_lse, backend
         if reason is not None:
             raise BackendUnavailableError(f"backend='reference' cannot run this call: {reason}")
         out, lse = _attention_fp4_reference(q, k, v, layout, causal, scale, key_bias, fp4_lens, return_lse)
-        return _poison_non_finite(out, lse, layout, *_torch_nonfinite(q, k, v, layout, fp4_lens))
+        return _poison_non_finite(out, lse, layout, *fmt.nonfinite_blocks(q, k, v, fp4_lens, layout))
 
     # cuda / auto
     if reason is None and key_bias is not None:
@@ -313,8 +308,6 @@ def _run(q, k, v, layout, causal, scale, attn_mask, kv_lens, return_lse, backend
 
         out, lse, nonfinite = cuda_backend.attention(q, k, v, layout=layout, causal=causal, scale=scale,
                                                      kv_lens=fp4_lens, return_lse=return_lse)
-        if nonfinite is None:  # quantised by format.quantize_qkv, which keeps no flags
-            nonfinite = _torch_nonfinite(q, k, v, layout, fp4_lens)
         return _poison_non_finite(out, lse, layout, *nonfinite)
     if backend == "cuda":
         raise BackendUnavailableError(f"backend='cuda' cannot run this call: {reason}")

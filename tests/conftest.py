@@ -25,3 +25,16 @@ def _fresh_fallback_warnings():
 
     nvfp4_dit.reset_fallback_warnings()
     yield
+
+
+@pytest.fixture(scope="session")
+def cuda_device():
+    """The CUDA device, for GPU tests: skips without a GPU, fails if the kernel does not load."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    import nvfp4_dit
+
+    dev = torch.device("cuda")
+    if "cuda" not in nvfp4_dit.available_backends(dev):
+        pytest.fail("the CUDA back-end does not load on this GPU")
+    return dev

@@ -183,16 +183,6 @@ def run_case(case: CudaCase, device, backend: str) -> None:
     assert (lse[live].double() - pub_lse[live].double()).abs().median() <= 1e-3
 
 
-@pytest.fixture(scope="module")
-def cuda_device():
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    dev = torch.device("cuda")
-    if "cuda" not in nvfp4_dit.available_backends(dev):
-        pytest.fail("the CUDA back-end does not load on this GPU")
-    return dev
-
-
 @pytest.mark.cuda
 @pytest.mark.parametrize("seed", range(N_CASES))
 def test_cuda_matches_reference(cuda_device, seed):

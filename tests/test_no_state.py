@@ -33,6 +33,25 @@ def _live_tensors() -> int:
         return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor))
 
 
+def _reaches_tensor(root, skip) -> bool:
+    """Whether a tensor is reachable from ``root`` through gc referents, not entering objects
+    for which ``skip(obj)`` is true."""
+    seen, stack = set(), [root]
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or skip(obj):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            return True
+        stack.extend(gc.get_referents(obj))
+    return False
+
+
+def _code_object(obj) -> bool:
+    return inspect.ismodule(obj) or isinstance(obj, type) or inspect.isfunction(obj)
+
+
 def _tensors_in_module_state() -> list[str]:
     """Names of module-level objects of nvfp4_dit.* that hold a tensor, however deep."""
     found = []
@@ -40,18 +59,10 @@ def _tensors_in_module_state() -> list[str]:
         if not name.startswith("nvfp4_dit") or mod is None:
             continue
         for attr, value in vars(mod).items():
-            if inspect.ismodule(value) or inspect.isclass(value) or inspect.isfunction(value) or attr.startswith("__"):
+            if _code_object(value) or attr.startswith("__"):
                 continue
-            seen, stack = set(), [value]
-            while stack:
-                obj = stack.pop()
-                if id(obj) in seen or inspect.ismodule(obj) or isinstance(obj, type) or inspect.isfunction(obj):
-                    continue
-                seen.add(id(obj))
-                if isinstance(obj, torch.Tensor):
-                    found.append(f"{name}.{attr}")
-                    break
-                stack.extend(gc.get_referents(obj))
+            if _reaches_tensor(value, _code_object):
+                found.append(f"{name}.{attr}")
     return found
 
 
@@ -144,16 +155,8 @@ def _processor_state_tensors(handle) -> list[str]:
         for attr, value in vars(proc).items():
             if attr in ("original", "_fp4"):  # the wrapped diffusers processors: checked below
                 value = vars(value)
-            stack, seen = [value], set()
-            while stack:
-                obj = stack.pop()
-                if id(obj) in seen or isinstance(obj, (type, torch.nn.Module)) or inspect.ismodule(obj):
-                    continue
-                seen.add(id(obj))
-                if isinstance(obj, torch.Tensor):
-                    bad.append(f"{name}.{attr}")
-                    break
-                stack.extend(gc.get_referents(obj))
+            if _reaches_tensor(value, lambda o: isinstance(o, (type, torch.nn.Module)) or inspect.ismodule(o)):
+                bad.append(f"{name}.{attr}")
     return bad
 
 
@@ -207,12 +210,6 @@ def test_comfyui_override_loop_is_flat_and_stateless():
 # GPU: device memory stays flat
 # ---------------------------------------------------------------------------------------------
 
-def _cuda():
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    if "cuda" not in nvfp4_dit.available_backends(torch.device("cuda")):
-        pytest.fail("the CUDA back-end does not load on this GPU")
-
 
 def _assert_device_memory_flat(call, n=30):
     """``call`` n times: allocated device memory after each equals that after the first.
@@ -236,8 +233,7 @@ def _assert_device_memory_flat(call, n=30):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("kv_lens", [None, [3000, 1234]])
-def test_cuda_backend_device_memory_is_flat(kv_lens):
-    _cuda()
+def test_cuda_backend_device_memory_is_flat(cuda_device, kv_lens):
     q, k, v = _inputs(b=2, s=3000, h=8, d=128, device="cuda", dtype=torch.bfloat16)
     lens = None if kv_lens is None else torch.tensor(kv_lens, device="cuda")
     _assert_device_memory_flat(lambda: nvfp4_dit.attention(q, k, v, kv_lens=lens, causal=True, backend="cuda",
@@ -251,8 +247,7 @@ def test_cuda_backend_device_memory_is_flat(kv_lens):
 
 
 @pytest.mark.cuda
-def test_cuda_override_and_processors_device_memory_is_flat():
-    _cuda()
+def test_cuda_override_and_processors_device_memory_is_flat(cuda_device):
     from nvfp4_dit.comfyui_node.attention_override import AttentionPolicy, NVFP4AttentionOverride
 
     override = NVFP4AttentionOverride(AttentionPolicy(backend="cuda", min_seq_len=0))

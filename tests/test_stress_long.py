@@ -48,16 +48,6 @@ TILE = 128
 GiB = 1 << 30
 
 
-@pytest.fixture(scope="module")
-def dev():
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    d = torch.device("cuda")
-    if "cuda" not in nvfp4_dit.available_backends(d):
-        pytest.fail("the CUDA back-end does not load on this GPU")
-    return d
-
-
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -143,15 +133,15 @@ STRESS = {
 @pytest.mark.cuda
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(STRESS))
-def test_long_sequences(dev, name):
+def test_long_sequences(cuda_device, name):
     b, s, h, hkv, causal, lens = STRESS[name]
-    g = torch.Generator(device=dev).manual_seed(zlib.crc32(name.encode()))
+    g = torch.Generator(device=cuda_device).manual_seed(zlib.crc32(name.encode()))
     layout = "HND" if "gqa" in name else "NHD"
     shape_q, shape_kv = ((b, s, h, 128), (b, s, hkv, 128)) if layout == "NHD" else ((b, h, s, 128), (b, hkv, s, 128))
-    q = torch.randn(shape_q, device=dev, dtype=torch.bfloat16, generator=g)
-    k = torch.randn(shape_kv, device=dev, dtype=torch.bfloat16, generator=g)
-    v = torch.randn(shape_kv, device=dev, dtype=torch.bfloat16, generator=g)
-    kv_lens = None if lens is None else torch.tensor(lens, device=dev, dtype=torch.int32)
+    q = torch.randn(shape_q, device=cuda_device, dtype=torch.bfloat16, generator=g)
+    k = torch.randn(shape_kv, device=cuda_device, dtype=torch.bfloat16, generator=g)
+    v = torch.randn(shape_kv, device=cuda_device, dtype=torch.bfloat16, generator=g)
+    kv_lens = None if lens is None else torch.tensor(lens, device=cuda_device, dtype=torch.int32)
     _poison_allocator(_nbytes(q) + (32 << 20))
     out, lse, peak = run_cuda_measured(q, k, v, layout=layout, causal=causal, kv_lens=kv_lens)
     budget = memory_budget(q, k, v, True)
@@ -161,7 +151,7 @@ def test_long_sequences(dev, name):
                   blocks=_blocks(nblk, s), heads=[0, h - 1])
     del out, lse
     # The context is healthy after the long call.
-    small = torch.randn(1, 256, 2, 64, device=dev, dtype=torch.bfloat16)
+    small = torch.randn(1, 256, 2, 64, device=cuda_device, dtype=torch.bfloat16)
     assert torch.isfinite(nvfp4_dit.attention(small, small, small, backend="cuda")).all()
     torch.cuda.synchronize()
 
@@ -177,16 +167,16 @@ BIG_H = 64
 @pytest.mark.cuda
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
-def test_query_and_output_past_2_to_the_31(dev, layout):
+def test_query_and_output_past_2_to_the_31(cuda_device, layout):
     """Q and out hold 2.18e9 elements; the last query block's rows start past element 2^31."""
     sk, hkv = 4096, 8
-    g = torch.Generator(device=dev).manual_seed(31)
+    g = torch.Generator(device=cuda_device).manual_seed(31)
     if layout == "NHD":
-        q = torch.randn(1, BIG_S, BIG_H, 128, device=dev, dtype=torch.bfloat16, generator=g)
-        k = torch.randn(1, sk, hkv, 128, device=dev, dtype=torch.bfloat16, generator=g)
+        q = torch.randn(1, BIG_S, BIG_H, 128, device=cuda_device, dtype=torch.bfloat16, generator=g)
+        k = torch.randn(1, sk, hkv, 128, device=cuda_device, dtype=torch.bfloat16, generator=g)
     else:
-        q = torch.randn(1, BIG_H, BIG_S, 128, device=dev, dtype=torch.bfloat16, generator=g)
-        k = torch.randn(1, hkv, sk, 128, device=dev, dtype=torch.bfloat16, generator=g)
+        q = torch.randn(1, BIG_H, BIG_S, 128, device=cuda_device, dtype=torch.bfloat16, generator=g)
+        k = torch.randn(1, hkv, sk, 128, device=cuda_device, dtype=torch.bfloat16, generator=g)
     v = torch.randn_like(k)
     assert q.numel() > 2**31
     qh = fmt.to_hnd(q, layout)
@@ -203,15 +193,15 @@ def test_query_and_output_past_2_to_the_31(dev, layout):
 
 @pytest.mark.cuda
 @pytest.mark.slow
-def test_keys_and_values_past_2_to_the_31(dev):
+def test_keys_and_values_past_2_to_the_31(cuda_device):
     """K and V hold 2.18e9 elements; the last 4,000 keys (past element 2^31) carry the attention."""
     sq = 256
-    g = torch.Generator(device=dev).manual_seed(32)
-    u = torch.randn(BIG_H, 128, device=dev, generator=g)
+    g = torch.Generator(device=cuda_device).manual_seed(32)
+    u = torch.randn(BIG_H, 128, device=cuda_device, generator=g)
     u = u / u.norm(dim=-1, keepdim=True)
-    q = (torch.randn(1, sq, BIG_H, 128, device=dev, generator=g) + 12.0 * u).to(torch.bfloat16)
-    k = torch.randn(1, BIG_S, BIG_H, 128, device=dev, dtype=torch.bfloat16, generator=g)
-    v = torch.randn(1, BIG_S, BIG_H, 128, device=dev, dtype=torch.bfloat16, generator=g)
+    q = (torch.randn(1, sq, BIG_H, 128, device=cuda_device, generator=g) + 12.0 * u).to(torch.bfloat16)
+    k = torch.randn(1, BIG_S, BIG_H, 128, device=cuda_device, dtype=torch.bfloat16, generator=g)
+    v = torch.randn(1, BIG_S, BIG_H, 128, device=cuda_device, dtype=torch.bfloat16, generator=g)
     assert k.numel() > 2**31
     hot = slice(BIG_S - 4000, BIG_S)
     assert (BIG_S - 4000) * BIG_H * 128 > 2**31

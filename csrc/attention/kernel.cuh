@@ -59,6 +59,17 @@ __device__ __forceinline__ void ldsm_mma_pair(float (*acc)[4], const uint32_t (&
   Mma::template mma<0, 2 * kPair + 1>(acc[2 * kPair + 1], a, b1, sfa, sfb);
 }
 
+// The same with the pair chosen at run time (the scale selector is a template argument).
+template <class Mma>
+__device__ __forceinline__ void ldsm_mma_pair(int pair, float (*acc)[4], const uint32_t (&a)[4], uint32_t sfa,
+                                              uint32_t sfb, uint32_t smem_addr) {
+  if (pair == 0) {
+    ldsm_mma_pair<Mma, 0>(acc, a, sfa, sfb, smem_addr);
+  } else {
+    ldsm_mma_pair<Mma, 1>(acc, a, sfa, sfb, smem_addr);
+  }
+}
+
 __device__ __forceinline__ uint32_t ld_global_u32(const uint8_t* p) {
   return *reinterpret_cast<const uint32_t*>(p);
 }
@@ -194,11 +205,7 @@ __device__ __forceinline__ void attention_fwd_body(const AttentionFwdParams& p) 
       const int mat = lane >> 3;
       const int row = (4 * qd + 2 * jj + (mat >> 1)) * 8 + (lane & 7);
       const uint32_t addr = sb_v + T::kOffV + T::template swizzle<T::kVRowBytes>(row, 2 * kc + (mat & 1));
-      if (jj == 0) {
-        detail::ldsm_mma_pair<Mma, 0>(&o[4 * qd], pa_prev[kc], sfp_prev[kc], sfb, addr);
-      } else {
-        detail::ldsm_mma_pair<Mma, 1>(&o[4 * qd], pa_prev[kc], sfp_prev[kc], sfb, addr);
-      }
+      detail::ldsm_mma_pair<Mma>(jj, &o[4 * qd], pa_prev[kc], sfp_prev[kc], sfb, addr);
     };
 
     for (int n = 0; n < n_end; ++n) {
@@ -245,11 +252,7 @@ __device__ __forceinline__ void attention_fwd_body(const AttentionFwdParams& p) 
             const int mat = lane >> 3;
             const int row = (4 * q + 2 * jj + (mat >> 1)) * 8 + (lane & 7);
             const uint32_t addr = sb + T::kOffK + T::template swizzle<T::kKRowBytes>(row, 2 * kc + (mat & 1));
-            if (jj == 0) {
-              detail::ldsm_mma_pair<Mma, 0>(&s[4 * q], qa[kc], qsf[kc], sfb, addr);
-            } else {
-              detail::ldsm_mma_pair<Mma, 1>(&s[4 * q], qa[kc], qsf[kc], sfb, addr);
-            }
+            detail::ldsm_mma_pair<Mma>(jj, &s[4 * q], qa[kc], qsf[kc], sfb, addr);
           }
         }
       }
