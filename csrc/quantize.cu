@@ -117,6 +117,50 @@ __device__ __forceinline__ void fill_scale_tables(ScaleTables& t) {
   }
 }
 
+// Eight quotients |v| / sf (correctly rounded, clamped at 6 where they may exceed 7) and their
+// values -> one word of e2m1 nibbles.
+__device__ __forceinline__ uint32_t encode8(const float (&quot)[8], const float* v) {
+#if NVFP4_NATIVE_E2M1_CVT
+  // The hardware conversion rounds the signed quotient (nearest even, satfinite, sign kept).
+  float signed_quot[8];
+#pragma unroll
+  for (int e = 0; e < 8; ++e) signed_quot[e] = copysignf(quot[e], v[e]);
+  return nvfp4::pack8_e2m1(signed_quot);
+#else
+  uint32_t code[8];
+  float v8[8];
+#pragma unroll
+  for (int e = 0; e < 8; ++e) {
+    code[e] = e2m1_code_biased(quot[e]);
+    v8[e] = v[e];
+  }
+  return pack8_biased_codes_signs(code, v8);
+#endif
+}
+
+// The rare blocks that the fast division cannot take: scale saturated at 448 (inf, NaN, huge
+// values) or one of the two coarsest subnormal scales (quotients up to 9). IEEE division, and
+// the clamp at 6 that e2m1 saturation is. Out of line, so that the fast path has no branch per
+// element; values in and words out by value, so that the call keeps them in registers.
+struct Block16Bytes {
+  uint32_t lo, hi, sf_bits;
+};
+
+__device__ __noinline__ Block16Bytes quantize_block16_ieee(float4 v0, float4 v1, float4 v2, float4 v3, float amax) {
+  const float v[16] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w, v2.x, v2.y, v2.z, v2.w, v3.x, v3.y, v3.z, v3.w};
+  Block16Bytes out{0, 0, 0};
+  const float sf = nvfp4::block_scale_value(amax, &out.sf_bits);
+  if (!(sf > 0.0f)) return out;  // NaN scale: x / NaN encodes as 0
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    float quot[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) quot[e] = fminf(__fdiv_rn(fabsf(v[8 * half + e]), sf), nvfp4::kE2m1Max);
+    (half ? out.hi : out.lo) = encode8(quot, v + 8 * half);
+  }
+  return out;
+}
+
 // The caller has synchronised the CTA since fill_scale_tables. Returns whether the block holds a
 // NaN or an inf (then amax does: max.NaN keeps NaN): the scale saturates and hides them, so the
 // caller raises a flag instead (quantize.cuh, nonfinite_*), at no cost on the finite path.
@@ -125,51 +169,34 @@ __device__ __forceinline__ bool quantize_block16(const float (&v)[16], const Sca
   float amax = 0.0f;
 #pragma unroll
   for (int e = 0; e < 16; ++e) amax = max_nan(amax, fabsf(v[e]));  // a NaN makes the scale NaN
-  lo = hi = 0;
-  float quot[16];  // |v| / sf, correctly rounded, below 7
   const bool nonfinite = !(amax <= FLT_MAX);
-  bool below7 = amax <= kUnsaturatedAmax;  // false for NaN and inf
-  if (below7) {
+  bool fast = amax <= kUnsaturatedAmax;  // false for NaN and inf
+  if (fast) {
     sf_bits = nvfp4::float_to_e4m3(amax_over_6(amax));
-    if (sf_bits == 0) return false;  // zero scale: an all-zero block
-    below7 = sf_bits > kLastCoarseScaleByte;
+    if (sf_bits == 0) {  // zero scale: an all-zero block
+      lo = hi = 0;
+      return false;
+    }
+    fast = sf_bits > kLastCoarseScaleByte;
   }
-  if (below7) {
-    const float sf = tables.value[sf_bits], rcp = tables.rcp[sf_bits];
-#pragma unroll
-    for (int e = 0; e < 16; ++e) quot[e] = divide_by_scale(fabsf(v[e]), sf, rcp);
-  } else {
-    // The IEEE path for saturated or coarse scales, inf and NaN; clamping at 6 is what e2m1
-    // saturation does.
-    const float sf = nvfp4::block_scale_value(amax, &sf_bits);
-    if (!(sf > 0.0f)) return nonfinite;  // NaN scale: x / NaN encodes as 0
-#pragma unroll
-    for (int e = 0; e < 16; ++e) quot[e] = fminf(__fdiv_rn(fabsf(v[e]), sf), nvfp4::kE2m1Max);
+  if (!fast) {
+    const Block16Bytes out =
+        quantize_block16_ieee(make_float4(v[0], v[1], v[2], v[3]), make_float4(v[4], v[5], v[6], v[7]),
+                              make_float4(v[8], v[9], v[10], v[11]), make_float4(v[12], v[13], v[14], v[15]), amax);
+    lo = out.lo;
+    hi = out.hi;
+    sf_bits = out.sf_bits;
+    return nonfinite;
   }
-#if NVFP4_NATIVE_E2M1_CVT
-  // The hardware conversion rounds the signed quotient (nearest even, satfinite, sign kept).
-  float lo8[8], hi8[8];
+  const float sf = tables.value[sf_bits], rcp = tables.rcp[sf_bits];
 #pragma unroll
-  for (int e = 0; e < 8; ++e) {
-    lo8[e] = copysignf(quot[e], v[e]);
-    hi8[e] = copysignf(quot[e + 8], v[e + 8]);
-  }
-  lo = nvfp4::pack8_e2m1(lo8);
-  hi = nvfp4::pack8_e2m1(hi8);
-#else
-  uint32_t code_lo[8], code_hi[8];
-  float v_lo[8], v_hi[8];
+  for (int half = 0; half < 2; ++half) {
+    float quot[8];  // below 7
 #pragma unroll
-  for (int e = 0; e < 8; ++e) {
-    code_lo[e] = e2m1_magnitude_code_below7(quot[e]);
-    code_hi[e] = e2m1_magnitude_code_below7(quot[e + 8]);
-    v_lo[e] = v[e];
-    v_hi[e] = v[e + 8];
+    for (int e = 0; e < 8; ++e) quot[e] = divide_by_scale(fabsf(v[8 * half + e]), sf, rcp);
+    (half ? hi : lo) = encode8(quot, v + 8 * half);
   }
-  lo = pack8_codes_signs(code_lo, v_lo);
-  hi = pack8_codes_signs(code_hi, v_hi);
-#endif
-  return nonfinite;
+  return false;
 }
 
 // Raise a non-finite flag (zero on entry); only threads that met a NaN/inf get here.

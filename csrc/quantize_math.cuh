@@ -8,10 +8,8 @@
 //    underflow of the result (Markstein's theorem; the host test checks every e4m3 scale around
 //    every e2m1 decision threshold). Underflowing quotients are far below the first e2m1
 //    threshold (0.25) and encode as 0 either way; inf is handled by the caller.
-// 2. e2m1 magnitude encoding by one fp32 addition instead of seven comparisons: adding
-//    2^(22+e) (e = the e2m1 exponent of a, at least 0) leaves a's value rounded to e2m1's grid
-//    spacing (0.5, 1 or 2) in the low mantissa bits of the sum, ties to even exactly as e2m1's
-//    even codes. The host test checks every fp32 value in [0, 8].
+// 2. e2m1 encoding of the quotient by three fp32 roundings and a 3-way min instead of seven
+//    comparisons (e2m1_code_biased); the host test checks every fp32 value in [0, 7).
 // Torch-free and self-contained apart from nvfp4_format.cuh.
 #pragma once
 
@@ -69,29 +67,34 @@ NVFP4_DIT_HD float divide_by_scale(float a, float sf, float rcp) {
   return rn_fma(rem, rcp, q0);
 }
 
-// e2m1 magnitude code (0..7) of a >= 0 (not NaN): nearest, ties to even, saturating at 6.
-NVFP4_DIT_HD uint32_t e2m1_magnitude_code(float a) {
-  a = a < nvfp4::kE2m1Max ? a : nvfp4::kE2m1Max;
-  const float at_least_one = a > 1.0f ? a : 1.0f;
-  const uint32_t exp_bits = nvfp4::float_bits(at_least_one) & 0x7F800000u;
-  const float magic = nvfp4::bits_float(exp_bits + (22u << 23));
-  const uint32_t sum = nvfp4::float_bits(rn_add(a, magic));
-  // Low bits: a / spacing, rounded (0..4); exp_bits >> 22 = 2 * (127 + e).
-  return (sum & 7u) + (exp_bits >> 22) - 254u;
+// e2m1 magnitude code of a quotient 0 <= q < 7 (not NaN), nearest with ties to the even code
+// (saturation at 6 is the caller's clamp), as a float bit pattern 0x4B000000 + code.
+// e2m1's grid has spacing 0.5 below 2, 1 on [2, 4) and 2 from 4, so code = the least of
+// RNE(2q), 2 + RNE(q) and 4 + RNE(q / 2) (each exact where its spacing holds, larger elsewhere;
+// rounding is monotone, so the least of the rounded values is the rounded least). Each term is one
+// fp32 operation that adds 2^23, whose ulp is 1, so the operation itself rounds to an integer with
+// ties to even: ties land on even codes exactly as e2m1's. Three FP32 operations and one 3-way
+// integer min of the bit patterns (VIMNMX3 on sm_90), where a comparison-based or exponent-based
+// encoder needs six or more integer-pipe operations. The host test checks every fp32 q in [0, 7).
+constexpr float kTwoPow23 = 8388608.0f;
+constexpr uint32_t kBiasedCodeBits = 0x4B000000u;  // float_bits(kTwoPow23)
+
+NVFP4_DIT_HD uint32_t umin3(uint32_t a, uint32_t b, uint32_t c) {
+#ifdef __CUDA_ARCH__
+  return __vimin3_u32(a, b, c);
+#else
+  return a < b ? (a < c ? a : c) : (b < c ? b : c);
+#endif
 }
 
-// The same for 0 <= a < 7 without the saturation: a block's quotients stay below 6.4 unless its
-// scale saturated at 448 (amax > 6 * 464), and the kernel sends those blocks to the clamped path.
-// The sum a + 2^(22+e) lies in [2^(22+e), 2^(23+e)), so its exponent field is 149 + e and
-// (sum >> 22) = 2 * (149 + e).
-NVFP4_DIT_HD uint32_t e2m1_magnitude_code_below7(float a) {
-  const float at_least_one = a > 1.0f ? a : 1.0f;
-  const uint32_t exp_bits = nvfp4::float_bits(at_least_one) & 0x7F800000u;
-  const uint32_t sum = nvfp4::float_bits(rn_add(a, nvfp4::bits_float(exp_bits + (22u << 23))));
-  return (sum & 7u) + (sum >> 22) - 298u;
+NVFP4_DIT_HD uint32_t e2m1_code_biased(float q) {
+  const uint32_t fine = nvfp4::float_bits(rn_fma(q, 2.0f, kTwoPow23));          // RNE(2q)
+  const uint32_t middle = nvfp4::float_bits(rn_add(q, kTwoPow23 + 2.0f));        // 2 + RNE(q)
+  const uint32_t coarse = nvfp4::float_bits(rn_fma(q, 0.5f, kTwoPow23 + 4.0f));  // 4 + RNE(q/2)
+  return umin3(fine, middle, coarse);
 }
 
-// Quotients |v| / sf of a block stay below 7 (e2m1_magnitude_code_below7's domain) except
+// Quotients |v| / sf of a block stay below 7 (e2m1_code_biased's domain) except
 //  * when the scale saturated at 448 (amax above this, or inf/NaN), and
 //  * for the two coarsest subnormal scales, bytes 1 and 2 (2^-9, 2^-8): rounding amax / 6 to
 //    a multiple of 2^-9 can lower it by a third there, so quotients reach 9 (byte 1) or 7.5
@@ -119,14 +122,21 @@ NVFP4_DIT_HD uint32_t byte_perm(uint32_t a, uint32_t b, uint32_t selector) {
 #endif
 }
 
-// Eight e2m1 magnitude codes (0..7) and the values they came from -> one word of nibbles,
+// sum_i (kBiasedCodeBits << 4i) mod 2^32 over i = 0..7: what the biased codes leave in a packed
+// word (the terms from i = 2 on have no bits below 2^32).
+constexpr uint32_t kBiasedPackOffset = kBiasedCodeBits + (kBiasedCodeBits << 4);
+
+// Eight biased codes (e2m1_code_biased) and the values they came from -> one word of nibbles,
 // element i in bits [4i+3:4i], sign bit = signbit(v[i]) (format.e2m1_encode; -0 included).
+// The magnitudes are combined by shift-adds of the whole biased words (multiply-adds, which the
+// FMA pipe can take) and the sum of the biases subtracted once: modulo 2^32 it is a constant.
 // The signs are gathered bytewise: the top byte of v[2j+1] lands in byte j (sign at bit 8j+7),
 // that of v[2j] likewise and shifted down by 4 (bit 8j+3).
-NVFP4_DIT_HD uint32_t pack8_codes_signs(const uint32_t (&code)[8], const float (&v)[8]) {
+NVFP4_DIT_HD uint32_t pack8_biased_codes_signs(const uint32_t (&code)[8], const float (&v)[8]) {
   uint32_t mag = code[7];
 #pragma unroll
-  for (int i = 6; i >= 0; --i) mag = (mag << 4) + code[i];
+  for (int i = 6; i >= 0; --i) mag = mag * 16u + code[i];
+  mag -= kBiasedPackOffset;
   const uint32_t odd = byte_perm(byte_perm(nvfp4::float_bits(v[1]), nvfp4::float_bits(v[3]), 0x7733u),
                                  byte_perm(nvfp4::float_bits(v[5]), nvfp4::float_bits(v[7]), 0x7733u), 0x6420u);
   const uint32_t even = byte_perm(byte_perm(nvfp4::float_bits(v[0]), nvfp4::float_bits(v[2]), 0x7733u),

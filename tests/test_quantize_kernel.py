@@ -31,13 +31,15 @@ HOST_PROGRAM = r"""
 #include <cstdio>
 int main() {
   long bad_enc = 0, bad_div = 0, n_div = 0;
-  // Every fp32 value in [0, 8] (and the saturating tail) through the magic-add encoder.
-  for (uint32_t u = 0; u <= 0x41000000u; ++u) {
+  // Every fp32 quotient in [0, 7) through the three-rounding encoder, and the clamped values
+  // (min(q, 6)) of the saturating path.
+  for (uint32_t u = 0; u < 0x40E00000u; ++u) {
     const float a = nvfp4::bits_float(u);
-    if ((nvfp4::float_to_e2m1_sw(a) & 7u) != nvfp4_dit::e2m1_magnitude_code(a)) ++bad_enc;
+    if ((nvfp4::float_to_e2m1_sw(a) & 7u) != nvfp4_dit::e2m1_code_biased(a) - nvfp4_dit::kBiasedCodeBits) ++bad_enc;
   }
-  const float big[] = {8.5f, 100.0f, 3.0e38f, INFINITY};
-  for (float a : big) if (nvfp4_dit::e2m1_magnitude_code(a) != 7u) ++bad_enc;
+  const float big[] = {7.0f, 8.5f, 100.0f, 3.0e38f, INFINITY};
+  for (float a : big)
+    if (nvfp4_dit::e2m1_code_biased(fminf(a, 6.0f)) - nvfp4_dit::kBiasedCodeBits != 7u) ++bad_enc;
   // Every finite positive e4m3 scale, around every e2m1 decision threshold, and a random spread.
   const float th[7] = {0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0f};
   uint32_t s = 12345u;
@@ -61,11 +63,7 @@ int main() {
       if (nvfp4::float_bits(q) != nvfp4::float_bits(nvfp4_dit::divide_by_scale(a, sf, rcp))) ++bad_div;
     }
   }
-  // The unclamped encoder on [0, 7), and the scale division by 6 through its e4m3 encoding.
-  for (uint32_t u = 0; u < 0x40E00000u; ++u) {
-    const float a = nvfp4::bits_float(u);
-    if ((nvfp4::float_to_e2m1_sw(a) & 7u) != nvfp4_dit::e2m1_magnitude_code_below7(a)) ++bad_enc;
-  }
+  // The scale division by 6 through its e4m3 encoding (below).
   // ... and the fast path's premise: every amax it takes (scale byte above
   // kLastCoarseScaleByte) gives quotients amax / sf below 7; the coarse bytes do not.
   const uint32_t top = nvfp4::float_bits(nvfp4_dit::kUnsaturatedAmax);
@@ -89,10 +87,10 @@ int main() {
       s = s * 1664525u + 1013904223u;
       const uint32_t kind = s >> 29;
       v[e] = kind == 0 ? -0.0f : kind == 1 ? 0.0f : kind == 2 ? -1e-30f : nvfp4::bits_float(s & 0xC0FFFFFFu);
-      code[e] = nvfp4_dit::e2m1_magnitude_code(fabsf(v[e]));
+      code[e] = nvfp4_dit::e2m1_code_biased(fminf(fabsf(v[e]), 6.0f));
       want |= nvfp4::float_to_e2m1_sw(v[e]) << (4 * e);
     }
-    if (nvfp4_dit::pack8_codes_signs(code, v) != want) ++bad_pack;
+    if (nvfp4_dit::pack8_biased_codes_signs(code, v) != want) ++bad_pack;
   }
   bad_enc += bad_pack;
   printf("%ld %ld %ld\n", bad_enc, bad_div, n_div);
