@@ -1,0 +1,157 @@
+// Per-block NVFP4 quantization and the work-item bookkeeping of the quantize kernels, shared so
+// that a second kernel TU can use them. Torch-free; in an unnamed namespace so each TU has its own
+// copy.
+#pragma once
+
+#include <cfloat>
+#include <cstdint>
+
+#include <cuda_fp16.h>
+
+#include "nvfp4_format.cuh"
+#include "quantize.cuh"
+#include "quantize_math.cuh"
+
+namespace nvfp4_dit {
+namespace {
+
+constexpr int kTileRows = 128;  // rows of a Q/K tile and tokens of a V^T tile
+
+////////////////////////////////////////////////////////////////////////////////////////////////
+// One block of 16 values -> 8 data bytes (two words) + one scale byte, exactly as format.py.
+
+__device__ __forceinline__ float max_nan(float a, float b) {
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+
+// Per-CTA tables indexed by a scale byte (0..0x7F): its value and RN(1 / value), so a block's
+// scale needs no decode and no IEEE reciprocal (the fast division of quantize_math.cuh).
+struct ScaleTables {
+  float value[128];
+  float rcp[128];
+};
+
+__device__ __forceinline__ void fill_scale_tables(ScaleTables& t) {
+  if (threadIdx.x < 128) {
+    const float sf = nvfp4::e4m3_to_float(threadIdx.x);
+    t.value[threadIdx.x] = sf;
+    t.rcp[threadIdx.x] = sf > 0.0f ? __frcp_rn(sf) : 0.0f;  // 0x7F (NaN) gives NaN; 0 is unused
+  }
+}
+
+// Eight quotients |v| / sf (correctly rounded, clamped at 6 where they may exceed 7) and their
+// values -> one word of e2m1 nibbles.
+__device__ __forceinline__ uint32_t encode8(const float (&quot)[8], const float* v) {
+#if NVFP4_NATIVE_E2M1_CVT
+  // The hardware conversion rounds the signed quotient (nearest even, satfinite, sign kept).
+  float signed_quot[8];
+#pragma unroll
+  for (int e = 0; e < 8; ++e) signed_quot[e] = copysignf(quot[e], v[e]);
+  return nvfp4::pack8_e2m1(signed_quot);
+#else
+  uint32_t code[8];
+  float v8[8];
+#pragma unroll
+  for (int e = 0; e < 8; ++e) {
+    code[e] = e2m1_code_biased(quot[e]);
+    v8[e] = v[e];
+  }
+  return pack8_biased_codes_signs(code, v8);
+#endif
+}
+
+// The rare blocks that the fast division cannot take: scale saturated at 448 (inf, NaN, huge
+// values) or one of the two coarsest subnormal scales (quotients up to 9). IEEE division, and
+// the clamp at 6 that e2m1 saturation is. Out of line, so that the fast path has no branch per
+// element; values in and words out by value, so that the call keeps them in registers.
+struct Block16Bytes {
+  uint32_t lo, hi, sf_bits;
+};
+
+__device__ __noinline__ Block16Bytes quantize_block16_ieee(float4 v0, float4 v1, float4 v2, float4 v3, float amax) {
+  const float v[16] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w, v2.x, v2.y, v2.z, v2.w, v3.x, v3.y, v3.z, v3.w};
+  Block16Bytes out{0, 0, 0};
+  const float sf = nvfp4::block_scale_value(amax, &out.sf_bits);
+  if (!(sf > 0.0f)) return out;  // NaN scale: x / NaN encodes as 0
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    float quot[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) quot[e] = fminf(__fdiv_rn(fabsf(v[8 * half + e]), sf), nvfp4::kE2m1Max);
+    (half ? out.hi : out.lo) = encode8(quot, v + 8 * half);
+  }
+  return out;
+}
+
+// The caller has synchronised the CTA since fill_scale_tables. Returns whether the block holds a
+// NaN or an inf (then amax does: max.NaN keeps NaN): the scale saturates and hides them, so the
+// caller raises a flag instead (quantize.cuh, nonfinite_*), at no cost on the finite path.
+__device__ __forceinline__ bool quantize_block16(const float (&v)[16], const ScaleTables& tables, uint32_t& lo,
+                                                 uint32_t& hi, uint32_t& sf_bits) {
+  float amax = 0.0f;
+#pragma unroll
+  for (int e = 0; e < 16; ++e) amax = max_nan(amax, fabsf(v[e]));  // a NaN makes the scale NaN
+  const bool nonfinite = !(amax <= FLT_MAX);
+  bool fast = amax <= kUnsaturatedAmax;  // false for NaN and inf
+  if (fast) {
+    sf_bits = nvfp4::float_to_e4m3(amax_over_6(amax));
+    if (sf_bits == 0) {  // zero scale: an all-zero block
+      lo = hi = 0;
+      return false;
+    }
+    fast = sf_bits > kLastCoarseScaleByte;
+  }
+  if (!fast) {
+    const Block16Bytes out =
+        quantize_block16_ieee(make_float4(v[0], v[1], v[2], v[3]), make_float4(v[4], v[5], v[6], v[7]),
+                              make_float4(v[8], v[9], v[10], v[11]), make_float4(v[12], v[13], v[14], v[15]), amax);
+    lo = out.lo;
+    hi = out.hi;
+    sf_bits = out.sf_bits;
+    return nonfinite;
+  }
+  const float sf = tables.value[sf_bits], rcp = tables.rcp[sf_bits];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    float quot[8];  // below 7
+#pragma unroll
+    for (int e = 0; e < 8; ++e) quot[e] = divide_by_scale(fabsf(v[8 * half + e]), sf, rcp);
+    (half ? hi : lo) = encode8(quot, v + 8 * half);
+  }
+  return false;
+}
+
+// Raise a non-finite flag (zero on entry); only threads that met a NaN/inf get here.
+__device__ __forceinline__ void raise_flag(uint32_t* flag, bool raise) {
+  if (raise) atomicOr(flag, 1u);
+}
+
+__device__ __forceinline__ void store_u64(uint8_t* p, uint32_t lo, uint32_t hi) {
+  *reinterpret_cast<uint2*>(p) = make_uint2(lo, hi);
+}
+
+// Stored row of token t inside its 32-key group: r = 8a + 2b + c holds token 8b + 2a + c.
+__device__ __forceinline__ int k_row_perm(int t) {
+  const int c = t & 1, a = (t >> 1) & 3, b = (t >> 3) & 3;
+  return (t & ~31) | (a << 3) | (b << 1) | c;
+}
+
+// Work counters (one zeroed workspace): [0] the ticket dispenser, then per (b, kv-head) the
+// chunk arrivals and the km-ready flag.
+__device__ __forceinline__ uint32_t* arrivals(const QuantizeQkvParams& p) { return p.work_counters + 1; }
+__device__ __forceinline__ uint32_t* km_ready(const QuantizeQkvParams& p) {
+  return p.work_counters + 1 + p.batch * p.heads_kv;
+}
+
+// Host side: whether input t can be read as 16-byte vectors: D == Dp, unit stride along D and
+// 16-byte aligned rows.
+inline bool vector_loads_ok(const StridedInput& t, int64_t elem_bytes, int64_t head_dim, int64_t dp) {
+  const int64_t per16 = 16 / elem_bytes;
+  return head_dim == dp && t.stride_d == 1 && (reinterpret_cast<uintptr_t>(t.ptr) & 15u) == 0 &&
+         t.stride_b % per16 == 0 && t.stride_h % per16 == 0 && t.stride_s % per16 == 0;
+}
+
+}  // namespace
+}  // namespace nvfp4_dit
