@@ -3,6 +3,9 @@
 // Owns the op namespace (TORCH_LIBRARY(nvfp4_dit_cuda)); other TUs add their ops with
 // TORCH_LIBRARY_FRAGMENT. Checks here are last-line guards (TORCH_CHECK); the Python wrappers in
 // nvfp4_dit/cuda_quantize.py raise the user-facing ValueError/TypeError first.
+#include <cstdlib>
+#include <string>
+
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
@@ -48,6 +51,16 @@ at::Tensor checked_kv_lens(const std::optional<at::Tensor>& kv_lens, int64_t bat
 
 int64_t round_up_128(int64_t n) { return (std::max<int64_t>(n, 1) + 127) / 128 * 128; }
 
+// NVFP4_DIT_QUANTIZE_KERNEL: unset or "tiles" (the tile kernel), or "stream" (the opt-in
+// streaming kernel; tests and scripts/bench_quantize.py run both).
+nvfp4_dit::QuantizeKernel quantize_kernel_choice() {
+  const char* env = std::getenv("NVFP4_DIT_QUANTIZE_KERNEL");
+  const std::string value = env == nullptr ? "" : env;
+  if (value.empty() || value == "tiles") return nvfp4_dit::QuantizeKernel::kTiles;
+  if (value == "stream") return nvfp4_dit::QuantizeKernel::kStream;
+  TORCH_CHECK(false, "NVFP4_DIT_QUANTIZE_KERNEL must be tiles or stream, not '", value, "'");
+}
+
 std::vector<at::Tensor> quantize_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                      const std::optional<at::Tensor>& kv_lens) {
   TORCH_CHECK(q.is_cuda() && k.is_cuda() && v.is_cuda(), "nvfp4_dit_cuda::quantize_qkv: q, k, v must be CUDA tensors");
@@ -75,9 +88,11 @@ std::vector<at::Tensor> quantize_qkv(const at::Tensor& q, const at::Tensor& k, c
   at::Tensor q_mean = at::empty({b, h, sqp / 128, dp}, f32);
   at::Tensor k_mean = at::empty({b, hkv, dp}, f32);
   at::Tensor q_dot_km = at::empty({b, h, sq}, f32);
-  at::Tensor partial = at::empty({nvfp4_dit::quantize_qkv_workspace_floats(b, hkv, sk, dp)}, f32);
+  const nvfp4_dit::QuantizeKernel kernel = quantize_kernel_choice();
+  const bool streaming = kernel == nvfp4_dit::QuantizeKernel::kStream;
+  at::Tensor partial = at::empty({nvfp4_dit::quantize_qkv_workspace_floats(b, hkv, sk, dp, streaming)}, f32);
   // One zeroed int32 buffer (one memset): the work counters, then the non-finite flags.
-  const int64_t n_counters = nvfp4_dit::quantize_qkv_workspace_counters(b, hkv);
+  const int64_t n_counters = nvfp4_dit::quantize_qkv_workspace_counters(b, hkv, sk);
   at::Tensor counters = at::zeros({n_counters + b * hkv + b * h * (sqp / 128)}, q.options().dtype(at::kInt));
   at::Tensor nonfinite_kv = counters.narrow(0, n_counters, b * hkv).view({b, hkv});
   at::Tensor nonfinite_q = counters.narrow(0, n_counters + b * hkv, b * h * (sqp / 128)).view({b, h, sqp / 128});
@@ -113,7 +128,11 @@ std::vector<at::Tensor> quantize_qkv(const at::Tensor& q, const at::Tensor& k, c
   p.work_counters = reinterpret_cast<uint32_t*>(counters.data_ptr<int32_t>());
   p.nonfinite_kv = reinterpret_cast<uint32_t*>(nonfinite_kv.data_ptr<int32_t>());
   p.nonfinite_q_blocks = reinterpret_cast<uint32_t*>(nonfinite_q.data_ptr<int32_t>());
+  p.kernel = kernel;
   const cudaError_t err = nvfp4_dit::launch_quantize_qkv(p, c10::cuda::getCurrentCUDAStream().stream());
+  TORCH_CHECK(err != cudaErrorNotSupported || p.kernel != nvfp4_dit::QuantizeKernel::kStream,
+              "nvfp4_dit_cuda::quantize_qkv: NVFP4_DIT_QUANTIZE_KERNEL=stream, but the streaming kernel needs "
+              "bf16/fp16 inputs with contiguous 16-byte-aligned rows, D of 64 or 128, and an sm_90+ device");
   TORCH_CHECK(err == cudaSuccess, "nvfp4_dit_cuda::quantize_qkv: launch failed: ", cudaGetErrorString(err));
   return {q_data, q_sf, k_data, k_sf, vt_data, vt_sf, q_mean, k_mean, q_dot_km, nonfinite_q, nonfinite_kv};
 }

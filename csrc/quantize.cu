@@ -488,6 +488,7 @@ cudaError_t launch_quantize_qkv(const QuantizeQkvParams& p, cudaStream_t stream)
       p.seq_q_padded < p.seq_q || p.seq_k_padded < p.seq_k || p.seq_q_padded <= 0 || p.seq_k_padded <= 0 ||
       p.head_dim <= 0 || p.head_dim > p.head_dim_padded)
     return cudaErrorInvalidValue;
+  if (p.kernel == QuantizeKernel::kStream) return launch_quantize_qkv_stream(p, stream);
   switch (p.dtype) {
     case InputDtype::kBFloat16: return launch_dtype<InputDtype::kBFloat16>(p, stream);
     case InputDtype::kFloat16: return launch_dtype<InputDtype::kFloat16>(p, stream);

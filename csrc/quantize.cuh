@@ -28,6 +28,12 @@ struct StridedInput {
   int64_t stride_d;
 };
 
+// Which kernel launch_quantize_qkv runs: the tile kernel (quantize.cu, any input; the default) or
+// the streaming kernel (quantize_stream.cu, opt-in: it fails with cudaErrorNotSupported where it
+// does not apply). On the H200 the streaming kernel is still a few percent slower
+// (docs/quantize_performance.md), so nothing selects it by default.
+enum class QuantizeKernel : int32_t { kTiles = 0, kStream = 1 };
+
 struct QuantizeQkvParams {
   StridedInput q, k, v;
   InputDtype dtype;
@@ -62,30 +68,42 @@ struct QuantizeQkvParams {
 
   // Workspace of the K-mean reduction and the work-item order (see quantize_qkv_workspace_*).
   float* k_partial_sums;    // [B * Hkv, k_chunks, Dp], no initial value needed
-  uint32_t* work_counters;  // [1 + 2 * B * Hkv], zero on entry
+  uint32_t* work_counters;  // [quantize_qkv_workspace_counters], zero on entry
+
+  QuantizeKernel kernel;
 };
 
-// Keys reduced by one K-mean work item.
-constexpr int64_t kKeyMeanChunk = 2048;
+// Keys reduced by one K-mean work item (quantize.cu), or per chunk of tile sums (quantize_stream.cu).
+constexpr int64_t kKeyMeanChunk = 1024;
 
 __host__ __device__ inline int64_t quantize_qkv_k_chunks(int64_t seq_k) {
   return seq_k <= 0 ? 1 : (seq_k + kKeyMeanChunk - 1) / kKeyMeanChunk;
 }
 
-// Floats of k_partial_sums needed for these sizes.
+__host__ __device__ inline int64_t quantize_qkv_k_tiles(int64_t seq_k) { return seq_k <= 0 ? 1 : (seq_k + 127) / 128; }
+
+// Floats of k_partial_sums needed for these sizes: per (b, kv-head) one sum per chunk, and for the
+// streaming kernel then one per 128-key tile (its first level).
 __host__ __device__ inline int64_t quantize_qkv_workspace_floats(int64_t batch, int64_t heads_kv, int64_t seq_k,
-                                             int64_t head_dim_padded) {
-  return batch * heads_kv * quantize_qkv_k_chunks(seq_k) * head_dim_padded;
+                                                                 int64_t head_dim_padded, bool streaming) {
+  const int64_t per_head = quantize_qkv_k_chunks(seq_k) + (streaming ? quantize_qkv_k_tiles(seq_k) : 0);
+  return batch * heads_kv * per_head * head_dim_padded;
 }
 
-// 32-bit counters of work_counters (zero them before every launch).
-__host__ __device__ inline int64_t quantize_qkv_workspace_counters(int64_t batch, int64_t heads_kv) {
-  return 1 + 2 * batch * heads_kv;
+// 32-bit counters of work_counters (zero them before every launch): the ticket dispenser, per
+// (b, kv-head) the chunk arrivals and the km-ready flag, then per chunk its tile arrivals.
+__host__ __device__ inline int64_t quantize_qkv_workspace_counters(int64_t batch, int64_t heads_kv, int64_t seq_k) {
+  return 1 + 2 * batch * heads_kv + batch * heads_kv * quantize_qkv_k_chunks(seq_k);
 }
 
 // One kernel launch on `stream` that reduces the K means and quantizes every Q, K and V^T tile
 // (and writes the Q block means and q . km). Returns the launch error.
 cudaError_t launch_quantize_qkv(const QuantizeQkvParams& params, cudaStream_t stream);
+
+// The streaming kernel behind launch_quantize_qkv (quantize_stream.cu) for bf16/fp16 inputs whose
+// rows are contiguous and 16-byte aligned with D == Dp, on sm_90 and newer (TMA). Returns
+// cudaErrorNotSupported, launching nothing, for any other input or device.
+cudaError_t launch_quantize_qkv_stream(const QuantizeQkvParams& params, cudaStream_t stream);
 
 struct QkCorrectionParams {
   const float* q_mean;  // [B, H, num_q_blocks, Dp], contiguous

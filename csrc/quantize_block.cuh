@@ -1,6 +1,6 @@
-// Per-block NVFP4 quantization and the work-item bookkeeping of the quantize kernels, shared so
-// that a second kernel TU can use them. Torch-free; in an unnamed namespace so each TU has its own
-// copy.
+// Per-block NVFP4 quantization shared by the quantize kernels (quantize.cu: any strides and
+// dtypes, register tiles; quantize_stream.cu: contiguous 16-bit rows streamed through shared
+// memory). Torch-free; device code only, in an unnamed namespace so each TU has its own copy.
 #pragma once
 
 #include <cfloat>
@@ -138,11 +138,15 @@ __device__ __forceinline__ int k_row_perm(int t) {
   return (t & ~31) | (a << 3) | (b << 1) | c;
 }
 
-// Work counters (one zeroed workspace): [0] the ticket dispenser, then per (b, kv-head) the
-// chunk arrivals and the km-ready flag.
+// Work counters (one zeroed workspace, quantize_qkv_workspace_counters): [0] the ticket
+// dispenser, then per (b, kv-head) the chunk arrivals and the km-ready flag, then per chunk the
+// arrivals of its tile sums.
 __device__ __forceinline__ uint32_t* arrivals(const QuantizeQkvParams& p) { return p.work_counters + 1; }
 __device__ __forceinline__ uint32_t* km_ready(const QuantizeQkvParams& p) {
   return p.work_counters + 1 + p.batch * p.heads_kv;
+}
+__device__ __forceinline__ uint32_t* chunk_arrivals(const QuantizeQkvParams& p) {
+  return p.work_counters + 1 + 2 * p.batch * p.heads_kv;
 }
 
 // Host side: whether input t can be read as 16-byte vectors: D == Dp, unit stride along D and

@@ -2,7 +2,9 @@
 
 For B=1, H=40, D=128, bf16 NHD inputs at S = 8k, 32k, 77k and 118.8k tokens:
 
-* fused: ``nvfp4_dit.cuda_quantize.quantize_qkv_cuda`` (1 kernel + 1 memset);
+* fused: ``nvfp4_dit.cuda_quantize.quantize_qkv_cuda`` (1 kernel + 1 memset), the default tile
+  kernel; and the opt-in streaming kernel (``NVFP4_DIT_QUANTIZE_KERNEL=stream``, sm_90+) as a
+  second peer ("-" where it does not apply);
 * copy: a device-to-device copy moving the same number of bytes (the bandwidth ceiling);
 * torch-ops: ``nvfp4_dit.format.quantize_qkv`` on the GPU (the plain-PyTorch preprocessing);
 * correction: every chunk of ``qm . (k - km)^T`` under the default 1 GiB budget, as a fraction of
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -34,6 +37,7 @@ from nvfp4_dit import cuda_quantize as cq  # noqa: E402
 from nvfp4_dit import format as fmt  # noqa: E402
 
 GiB = float(1 << 30)
+KERNEL_ENV = "NVFP4_DIT_QUANTIZE_KERNEL"
 
 
 def cuda_time(fn, iters: int, warmup: int = 1) -> float:
@@ -86,6 +90,18 @@ def bench_one(seq: int, heads: int, dim: int, iters: int) -> dict:
     traffic = in_bytes + output_bytes(qq)
     t_fused = cuda_time(fused, iters, warmup=2)
     mem_fused = peak_bytes(fused)
+    previous = os.environ.get(KERNEL_ENV)
+    os.environ[KERNEL_ENV] = "stream"
+    try:
+        t_stream = cuda_time(fused, iters, warmup=2)
+    except RuntimeError as err:  # pre-sm_90 device: no streaming kernel
+        print(f"streaming kernel: {err}", file=sys.stderr)
+        t_stream = None
+    finally:
+        if previous is None:
+            del os.environ[KERNEL_ENV]
+        else:
+            os.environ[KERNEL_ENV] = previous
 
     src = torch.empty(traffic // 2, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
@@ -107,7 +123,7 @@ def bench_one(seq: int, heads: int, dim: int, iters: int) -> dict:
     t_sdpa = cuda_time(lambda: F.scaled_dot_product_attention(qh, kh, vh), 2, warmup=1)
     del qq
     torch.cuda.empty_cache()
-    return dict(seq=seq, heads=heads, dim=dim, traffic_bytes=traffic, t_fused=t_fused, t_copy=t_copy,
+    return dict(seq=seq, heads=heads, dim=dim, traffic_bytes=traffic, t_fused=t_fused, t_stream=t_stream, t_copy=t_copy,
                 t_torch=t_torch, t_corr=t_corr, t_sdpa=t_sdpa, mem_fused=mem_fused, mem_torch=mem_torch,
                 mem_corr=mem_corr, corr_chunks=n_chunks)
 
@@ -131,15 +147,17 @@ def smoke() -> int:
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| S | bytes (GB) | fused GB/s | copy GB/s | fused / copy | torch-ops GB/s | fused speed-up vs torch-ops "
+    head = ("| S | bytes (GB) | fused GB/s | copy GB/s | fused / copy | streaming kernel / copy | torch-ops GB/s "
+            "| fused speed-up vs torch-ops "
             "| peak mem fused (GiB) | peak mem torch-ops (GiB) | correction ms (chunks) | SDPA ms | correction / SDPA "
             "| peak mem correction (GiB) |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         gb = r["traffic_bytes"] / 1e9
+        stream = f"{r['t_copy'] / r['t_stream']:.0%}" if r.get("t_stream") else "-"
         lines.append(
             f"| {r['seq']:,} | {gb:.2f} | {gb / r['t_fused']:.0f} | {gb / r['t_copy']:.0f} | "
-            f"{r['t_copy'] / r['t_fused']:.0%} | {gb / r['t_torch']:.0f} | {r['t_torch'] / r['t_fused']:.1f}x | "
+            f"{r['t_copy'] / r['t_fused']:.0%} | {stream} | {gb / r['t_torch']:.0f} | {r['t_torch'] / r['t_fused']:.1f}x | "
             f"{r['mem_fused'] / GiB:.2f} | {r['mem_torch'] / GiB:.2f} | {r['t_corr'] * 1e3:.1f} ({r['corr_chunks']}) | "
             f"{r['t_sdpa'] * 1e3:.0f} | {r['t_corr'] / r['t_sdpa']:.1%} | {r['mem_corr'] / GiB:.2f} |")
     return "\n".join(lines)
@@ -156,7 +174,10 @@ def plot(rows: list[dict], path: Path) -> bool:
         return False
     seqs = [r["seq"] / 1000 for r in rows]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    for key, label in (("t_copy", "device copy (ceiling)"), ("t_fused", "fused CUDA"), ("t_torch", "torch ops")):
+    for key, label in (("t_copy", "device copy (ceiling)"), ("t_fused", "fused CUDA"),
+                       ("t_stream", "streaming kernel (opt-in)"), ("t_torch", "torch ops")):
+        if not all(r.get(key) for r in rows):
+            continue
         ax1.plot(seqs, [r["traffic_bytes"] / r[key] / 1e9 for r in rows], marker="o", label=label)
     ax1.set_xlabel("tokens (thousands), B=1 H=40 D=128 bf16")
     ax1.set_ylabel("effective GB/s (inputs + outputs)")

@@ -286,10 +286,48 @@ def test_non_unit_strides_and_specials():
     for name in BYTE_FIELDS:
         diff = (getattr(qq, name) != getattr(ref, name)).sum().item()
         assert diff == 0, f"{name}: {diff} bytes differ"
-    # The same data as contiguous tensors takes the vector-load path and gives the same bytes.
-    qq2 = cq.quantize_qkv_cuda(q.contiguous(), k.contiguous(), v.contiguous(), layout="NHD")
+    # The same data as contiguous tensors takes the vector-load path, whose means may differ in the
+    # last bit (another summation order): bytes equal format.py's with its own means.
+    qc, kc, vc = q.contiguous(), k.contiguous(), v.contiguous()
+    qq2 = cq.quantize_qkv_cuda(qc, kc, vc, layout="NHD")
+    ref2 = fmt.quantize_qkv(qc, kc, vc, layout="NHD", q_mean=qq2.q_mean, k_mean_override=qq2.k_mean)
     for name in BYTE_FIELDS:
-        assert torch.equal(getattr(qq, name), getattr(qq2, name)), name
+        assert torch.equal(getattr(qq2, name), getattr(ref2, name)), name
+    torch.testing.assert_close(qq2.q_mean, qq.q_mean, rtol=1e-5, atol=1e-6, equal_nan=True)
+    torch.testing.assert_close(qq2.k_mean, qq.k_mean, rtol=1e-5, atol=1e-6, equal_nan=True)
+
+
+def _has_streaming_kernel() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kernel", ["stream", "tiles"])
+@pytest.mark.parametrize("b, h, hkv, sq, sk, d, layout, dtype, kv_lens", [
+    (1, 1, 1, 1, 50, 64, "NHD", torch.bfloat16, None),            # one query row, keys < a tile: TMA zero fill
+    (2, 4, 2, 300, 1500, 128, "HND", torch.float16, [0, 1111]),  # a batch without keys, a tail in a chunk
+    (1, 8, 2, 257, 4133, 128, "NHD", torch.bfloat16, [4100]),    # GQA 4:1, several K-mean chunks
+])
+def test_streaming_and_tile_kernels(monkeypatch, kernel, b, h, hkv, sq, sk, d, layout, dtype, kv_lens):
+    """Both quantize kernels give format.py's bytes on inputs both take (NVFP4_DIT_QUANTIZE_KERNEL
+    forces one; "stream" raises where the streaming kernel does not apply, so it cannot silently
+    fall back here)."""
+    if kernel == "stream" and not _has_streaming_kernel():
+        pytest.skip("the streaming kernel needs sm_90+")
+    monkeypatch.setenv("NVFP4_DIT_QUANTIZE_KERNEL", kernel)
+    _run_case(b, h, hkv, sq, sk, d, layout, dtype, kv_lens=kv_lens, seed=4)
+
+
+@pytest.mark.cuda
+def test_kernel_choice_errors(monkeypatch):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = _make((1, 2, 256, 64), "NHD", torch.float32, gen)
+    monkeypatch.setenv("NVFP4_DIT_QUANTIZE_KERNEL", "stream")
+    with pytest.raises(RuntimeError, match="streaming kernel needs bf16/fp16"):
+        cq.quantize_qkv_cuda(q, q, q, layout="NHD")
+    monkeypatch.setenv("NVFP4_DIT_QUANTIZE_KERNEL", "fastest")
+    with pytest.raises(RuntimeError, match="must be tiles or stream"):
+        cq.quantize_qkv_cuda(q, q, q, layout="NHD")
 
 
 @pytest.mark.cuda
