@@ -138,26 +138,21 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
 
 // One TMA box (64 columns x 128 rows at column d0, row row0 of head h of batch b) into shared
 // memory, completing on `bar`, with an L2 eviction priority: evict_last for data read again soon,
-// evict_first for data read for the last time. (Two constant policies in two asm blocks: a policy
-// register selected at run time did not work for cp.async on the H200.)
+// evict_first for data read for the last time. The policy is a constant of each asm block (a
+// policy register selected at run time did not work for cp.async on the H200).
+#define NVFP4_DIT_LOAD_BOX(POLICY)                                                                          \
+  asm volatile("{\n .reg .b64 pol;\n createpolicy.fractional.L2::" POLICY ".b64 pol, 1.0;\n"              \
+               " cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint" \
+               " [%0], [%1, {%2, %3, %4, %5}], [%6], pol;\n}" ::"r"(dst),                                 \
+               "l"(reinterpret_cast<uint64_t>(map)), "r"(d0), "r"(row0), "r"(h), "r"(b), "r"(smem_addr(bar)) \
+               : "memory")
+
 __device__ __forceinline__ void load_box(uint32_t dst, const CUtensorMap* map, int d0, int row0, int h, int b,
                                          uint64_t* bar, bool keep_in_l2) {
-  const uint64_t desc = reinterpret_cast<uint64_t>(map);
-  if (keep_in_l2)
-    asm volatile(
-        "{\n .reg .b64 pol;\n createpolicy.fractional.L2::evict_last.b64 pol, 1.0;\n"
-        " cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint"
-        " [%0], [%1, {%2, %3, %4, %5}], [%6], pol;\n}" ::"r"(dst),
-        "l"(desc), "r"(d0), "r"(row0), "r"(h), "r"(b), "r"(smem_addr(bar))
-        : "memory");
-  else
-    asm volatile(
-        "{\n .reg .b64 pol;\n createpolicy.fractional.L2::evict_first.b64 pol, 1.0;\n"
-        " cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint"
-        " [%0], [%1, {%2, %3, %4, %5}], [%6], pol;\n}" ::"r"(dst),
-        "l"(desc), "r"(d0), "r"(row0), "r"(h), "r"(b), "r"(smem_addr(bar))
-        : "memory");
+  if (keep_in_l2) NVFP4_DIT_LOAD_BOX("evict_last");
+  else NVFP4_DIT_LOAD_BOX("evict_first");
 }
+#undef NVFP4_DIT_LOAD_BOX
 
 __device__ __forceinline__ void consumer_barrier() {
   asm volatile("bar.sync %0, %1;" ::"n"(kConsumerBarrier), "n"(kConsumers) : "memory");
@@ -181,11 +176,29 @@ __device__ __forceinline__ uint32_t lds32(uint32_t addr) {
   return v;
 }
 
-// Column sums of a stage's 128 rows for the 8 columns [n0, n0 + 8): ones(16x16) . tile on tensor
-// cores, 32 rows per ldmatrix.x4.trans (four 8x8 matrices = the B operands of two MMAs). Adds the
-// sums of columns n0 + 2 * (lane % 4) + {0, 1} to acc[0], acc[1] (acc[2], acc[3]: the same, in
-// the accumulator's second row).
-template <InputDtype DT, int DP>
+// acc += ones(16x16) . B for one 16x8 B operand (b_lo: k 0-7, b_hi: k 8-15) of the input dtype:
+// every row of acc receives the 8 column sums of B (products by 1 are exact, fp32 accumulation).
+template <InputDtype DT>
+__device__ __forceinline__ void mma_ones(float (&acc)[4], uint32_t b_lo, uint32_t b_hi) {
+  if constexpr (DT == InputDtype::kBFloat16)
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %4, %4, %4}, {%5, %6}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
+        : "r"(0x3F803F80u), "r"(b_lo), "r"(b_hi));
+  else
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %4, %4, %4}, {%5, %6}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
+        : "r"(0x3C003C00u), "r"(b_lo), "r"(b_hi));
+}
+
+// Column sums of a stage's 128 rows for the 8 columns [n0, n0 + 8): 32 rows per ldmatrix.x4.trans
+// (four 8x8 matrices = the B operands of two MMAs). Adds the sums of columns
+// n0 + 2 * (lane % 4) + {0, 1} to acc[0], acc[1] (acc[2], acc[3]: the same, in the accumulator's
+// second row).
+template <InputDtype DT>
 __device__ __forceinline__ void add_column_sums8(uint32_t stage, int n0, float (&acc)[4]) {
   const int lane = threadIdx.x & 31;
 #pragma unroll
@@ -194,31 +207,8 @@ __device__ __forceinline__ void add_column_sums8(uint32_t stage, int n0, float (
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
                  : "=r"(b0), "=r"(b1), "=r"(b2), "=r"(b3)
                  : "r"(swizzled(stage, k0 + lane, n0 / 8)));
-    if constexpr (DT == InputDtype::kBFloat16) {
-      constexpr uint32_t kOnes = 0x3F803F80u;
-      asm volatile(
-          "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %4, %4, %4}, {%5, %6}, "
-          "{%0, %1, %2, %3};"
-          : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
-          : "r"(kOnes), "r"(b0), "r"(b1));
-      asm volatile(
-          "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %4, %4, %4}, {%5, %6}, "
-          "{%0, %1, %2, %3};"
-          : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
-          : "r"(kOnes), "r"(b2), "r"(b3));
-    } else {
-      constexpr uint32_t kOnes = 0x3C003C00u;
-      asm volatile(
-          "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %4, %4, %4}, {%5, %6}, "
-          "{%0, %1, %2, %3};"
-          : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
-          : "r"(kOnes), "r"(b0), "r"(b1));
-      asm volatile(
-          "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %4, %4, %4}, {%5, %6}, "
-          "{%0, %1, %2, %3};"
-          : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
-          : "r"(kOnes), "r"(b2), "r"(b3));
-    }
+    mma_ones<DT>(acc, b0, b1);
+    mma_ones<DT>(acc, b2, b3);
   }
 }
 
@@ -444,7 +434,7 @@ __device__ __forceinline__ void consume_q_tile(const QuantizeQkvParams& p, Strea
   for (int g = 0; g < ColumnSumMap<DP>::kGroupsPerWarp; ++g) {
     const int n0 = (warp + g * kConsumerWarps) * 8;
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    add_column_sums8<DT, DP>(stage, n0, acc);
+    add_column_sums8<DT>(stage, n0, acc);
     if (lane < 4) {
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
@@ -557,7 +547,7 @@ __device__ __forceinline__ void consume_mean_tile(const QuantizeQkvParams& p, St
   for (int g = 0; g < kGroups; ++g) {
     const int n0 = (warp + g * kConsumerWarps) * 8;
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    add_column_sums8<DT, DP>(stage, n0, acc);
+    add_column_sums8<DT>(stage, n0, acc);
     if (lane < 4) *reinterpret_cast<float2*>(tile_sums + info.tile * DP + n0 + 2 * lane) = make_float2(acc[0], acc[1]);
   }
   __threadfence();
