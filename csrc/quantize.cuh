@@ -67,7 +67,8 @@ struct QuantizeQkvParams {
   uint32_t* nonfinite_q_blocks;  // [B * H * Sqp/128]: that 128-row Q block holds NaN/inf
 
   // Workspace of the K-mean reduction and the work-item order (see quantize_qkv_workspace_*).
-  float* k_partial_sums;    // [B * Hkv, k_chunks, Dp], no initial value needed
+  float* k_partial_sums;    // [quantize_qkv_workspace_floats]: chunk sums [B * Hkv, k_chunks, Dp], then
+                            // (streaming kernel) tile sums [B * Hkv, k_tiles, Dp]; no initial value needed
   uint32_t* work_counters;  // [quantize_qkv_workspace_counters], zero on entry
 
   QuantizeKernel kernel;

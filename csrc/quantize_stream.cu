@@ -88,11 +88,10 @@ struct StreamMaps {
   CUtensorMap q, k, v;
 };
 
-// The device code needs sm_90 (mbarrier transaction counts, bulk copies); an sm_80 build keeps
-// only an empty kernel, which the launcher never starts (cudaFuncAttributes::binaryVersion).
+// The device code needs sm_90 (mbarrier transaction counts, TMA); an sm_80 build keeps only an
+// empty kernel, which the launcher never starts (cudaFuncAttributes::binaryVersion).
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
 
-////////////////////////////////////////////////////////////////////////////////////////////////
 constexpr int kConsumerBarrier = 1;  // named barrier of the consumer warps (0 is __syncthreads)
 constexpr int64_t kChunkTiles = kKeyMeanChunk / kTileRows;
 static_assert(kKeyMeanChunk % kTileRows == 0, "K-mean chunks are whole tiles");
