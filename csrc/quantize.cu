@@ -148,39 +148,20 @@ __device__ __forceinline__ void key_mean_item(const QuantizeQkvParams& p, Shared
     partial[chunk * DP + threadIdx.x] = s;
   }
   // Publish the chunk sum, then count arrivals; the last CTA of this head finishes the mean.
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    const uint32_t prev = atomicAdd(arrivals(p) + bh, 1u);
-    sm.flag = prev == static_cast<uint32_t>(n_chunks - 1);
-  }
-  __syncthreads();
-  if (!sm.flag) return;
-  __threadfence();
+  const auto sync = [] { __syncthreads(); };
+  if (!arrived_last(arrivals(p) + bh, n_chunks, sm.last_arrival, sync)) return;
   if (threadIdx.x < DP) {
     float s = 0.0f;
     for (int64_t c = 0; c < n_chunks; ++c) s += __ldcg(partial + c * DP + threadIdx.x);
-    // Zero when a batch has no valid keys (format.k_mean clamps the count to 1).
-    p.k_mean[bh * DP + threadIdx.x] = __fdiv_rn(s, float(n_valid > 0 ? n_valid : 1));
+    p.k_mean[bh * DP + threadIdx.x] = key_mean(s, n_valid);
   }
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) atomicExch(km_ready(p) + bh, 1u);
+  publish_key_mean(p, bh, sync);
 }
 
-// Block until km of (b, kv-head) bh is written. The mean items hold lower tickets than every
-// item that waits, and a ticket is only drawn by a running CTA, so they are running or done:
-// the wait always ends (in practice it never spins: the V^T tiles run in between).
+// Block the CTA until km of (b, kv-head) bh is written (in practice it never spins: the V^T
+// tiles run in between).
 __device__ __forceinline__ void wait_key_mean(const QuantizeQkvParams& p, int64_t bh) {
-  if (threadIdx.x == 0) {
-    const uint32_t* flag = km_ready(p) + bh;
-    uint32_t ready;
-    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(ready) : "l"(flag) : "memory");
-    while (!ready) {
-      __nanosleep(200);
-      asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(ready) : "l"(flag) : "memory");
-    }
-  }
+  if (threadIdx.x == 0) wait_key_mean_ready(p, bh);
   __syncthreads();
 }
 
@@ -197,7 +178,7 @@ struct SharedStorage {
   float km[DP];    // km for q . km (Q tiles)
   ScaleTables tables;
   uint32_t ticket;
-  bool flag;       // last chunk of a K mean
+  uint32_t last_arrival;  // this CTA added a head's last K-mean chunk
 };
 
 // Rows of a Q or K tile: thread (row r0 + kRowsPerPass * pass, column block cb).

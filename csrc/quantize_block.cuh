@@ -149,6 +149,48 @@ __device__ __forceinline__ uint32_t* chunk_arrivals(const QuantizeQkvParams& p) 
   return p.work_counters + 1 + 2 * p.batch * p.heads_kv;
 }
 
+// The K mean is finished by whichever CTA adds the last partial sum. Each CTA publishes its
+// partial (fence), then counts itself on `counter`; `slot` (shared) carries thread 0's verdict to
+// the others, `sync` is the barrier of the threads taking part (__syncthreads or a named one).
+// The last arriver fences again so that it reads every other CTA's partial.
+template <typename Sync>
+__device__ __forceinline__ bool arrived_last(uint32_t* counter, int64_t expected, uint32_t& slot, Sync sync) {
+  __threadfence();
+  sync();
+  if (threadIdx.x == 0) slot = atomicAdd(counter, 1u) == static_cast<uint32_t>(expected - 1);
+  sync();
+  if (!slot) return false;
+  __threadfence();
+  return true;
+}
+
+// km from the sum over the n_valid valid keys: zero when a batch has none (format.k_mean clamps
+// the count to 1).
+__device__ __forceinline__ float key_mean(float sum, int64_t n_valid) {
+  return __fdiv_rn(sum, float(n_valid > 0 ? n_valid : 1));
+}
+
+// After store_key_mean by the participating threads: make km visible, then raise bh's ready flag.
+template <typename Sync>
+__device__ __forceinline__ void publish_key_mean(const QuantizeQkvParams& p, int64_t bh, Sync sync) {
+  __threadfence();
+  sync();
+  if (threadIdx.x == 0) atomicExch(km_ready(p) + bh, 1u);
+}
+
+// Spin (this thread) until km of kv head bh is published. The mean items hold lower tickets than
+// every item that waits, and a ticket is only drawn by a running CTA, so they are running or
+// done: the wait always ends.
+__device__ __forceinline__ void wait_key_mean_ready(const QuantizeQkvParams& p, int64_t bh) {
+  const uint32_t* flag = km_ready(p) + bh;
+  uint32_t ready;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(ready) : "l"(flag) : "memory");
+  while (!ready) {
+    __nanosleep(200);
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(ready) : "l"(flag) : "memory");
+  }
+}
+
 // Host side: whether input t can be read as 16-byte vectors: D == Dp, unit stride along D and
 // 16-byte aligned rows.
 inline bool vector_loads_ok(const StridedInput& t, int64_t elem_bytes, int64_t head_dim, int64_t dp) {

@@ -52,7 +52,6 @@ struct StageGeometry {
   static constexpr int kBytes = kBoxes * kBoxBytes;
 };
 
-
 enum ItemKind : int32_t { kEnd = 0, kMeanTile = 1, kVTile = 2, kKTile = 3, kQTile = 4 };
 
 // What a stage holds, written by the producer before it arrives on the stage's full barrier.
@@ -155,12 +154,6 @@ __device__ __forceinline__ void load_box(uint32_t dst, const CUtensorMap* map, i
 
 __device__ __forceinline__ void consumer_barrier() {
   asm volatile("bar.sync %0, %1;" ::"n"(kConsumerBarrier), "n"(kConsumers) : "memory");
-}
-
-__device__ __forceinline__ uint32_t load_acquire(const uint32_t* p) {
-  uint32_t v;
-  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
 }
 
 __device__ __forceinline__ uint4 lds128(uint32_t addr) {
@@ -377,8 +370,7 @@ __device__ __forceinline__ void load_row16(uint32_t stage, int row, int chunk, f
 // chunks hold lower tickets, see the schedule).
 template <int DP>
 __device__ __forceinline__ void load_key_mean(const QuantizeQkvParams& p, int64_t bh, int cb, float (&km)[16]) {
-  const uint32_t* flag = km_ready(p) + bh;
-  while (!load_acquire(flag)) __nanosleep(64);
+  wait_key_mean_ready(p, bh);
   const float4* src = reinterpret_cast<const float4*>(p.k_mean + bh * DP + cb * 16);
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
@@ -549,26 +541,16 @@ __device__ __forceinline__ void consume_mean_tile(const QuantizeQkvParams& p, St
     add_column_sums8<DT>(stage, n0, acc);
     if (lane < 4) *reinterpret_cast<float2*>(tile_sums + info.tile * DP + n0 + 2 * lane) = make_float2(acc[0], acc[1]);
   }
-  __threadfence();
-  consumer_barrier();
   const int64_t chunk = info.tile / kChunkTiles, first = chunk * kChunkTiles;
   const int64_t tiles = n_tiles - first < kChunkTiles ? n_tiles - first : kChunkTiles;
-  if (threadIdx.x == 0)
-    sh.last_arrival = atomicAdd(chunk_arrivals(p) + info.bh * n_chunks + chunk, 1u) == uint32_t(tiles - 1);
-  consumer_barrier();
-  if (!sh.last_arrival) return;
-  __threadfence();  // the chunk's other tile sums are visible (their CTAs fenced before arriving)
+  const auto sync = [] { consumer_barrier(); };
+  if (!arrived_last(chunk_arrivals(p) + info.bh * n_chunks + chunk, tiles, sh.last_arrival, sync)) return;
   if (threadIdx.x < DP) {
     float sum = 0.0f;
     for (int64_t t = first; t < first + tiles; ++t) sum += __ldcg(tile_sums + t * DP + threadIdx.x);
     chunk_sums[chunk * DP + threadIdx.x] = sum;
   }
-  __threadfence();
-  consumer_barrier();
-  if (threadIdx.x == 0) sh.last_arrival = atomicAdd(arrivals(p) + info.bh, 1u) == uint32_t(n_chunks - 1);
-  consumer_barrier();
-  if (!sh.last_arrival) return;
-  __threadfence();
+  if (!arrived_last(arrivals(p) + info.bh, n_chunks, sh.last_arrival, sync)) return;
   constexpr int kParts = kConsumers / DP;
   const int d = threadIdx.x % DP, part = threadIdx.x / DP;
   float sum = 0.0f;
@@ -580,12 +562,9 @@ __device__ __forceinline__ void consume_mean_tile(const QuantizeQkvParams& p, St
     float total = 0.0f;
 #pragma unroll
     for (int i = 0; i < kParts; ++i) total += sh.red[i][threadIdx.x];
-    const int64_t n_valid = valid_key_count(p, info.bh / p.heads_kv);
-    p.k_mean[info.bh * DP + threadIdx.x] = __fdiv_rn(total, float(n_valid > 0 ? n_valid : 1));
+    p.k_mean[info.bh * DP + threadIdx.x] = key_mean(total, valid_key_count(p, info.bh / p.heads_kv));
   }
-  __threadfence();
-  consumer_barrier();
-  if (threadIdx.x == 0) atomicExch(km_ready(p) + info.bh, 1u);
+  publish_key_mean(p, info.bh, sync);
 }
 
 template <InputDtype DT, int DP>
