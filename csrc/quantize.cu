@@ -243,8 +243,9 @@ __device__ __forceinline__ void q_tile(const QuantizeQkvParams& p, SharedStorage
   }
   __syncthreads();
 
-  uint8_t* data = p.q_data + (bh * p.seq_q_padded + row0) * (DP / 2);
-  uint8_t* sf = p.q_sf + (bh * p.seq_q_padded + row0) * (DP / 16);
+  // This thread's outputs of pass 0; pass ps writes kRowsPerPass * ps rows further.
+  uint8_t* data = p.q_data + (bh * p.seq_q_padded + row0 + r0) * (DP / 2) + cb * 8;
+  uint8_t* sf = p.q_sf + (bh * p.seq_q_padded + row0 + r0) * (DP / 16) + cb;
   bool nonfinite = false;
 #pragma unroll
   for (int ps = 0; ps < Map::kPasses; ++ps) {
@@ -261,8 +262,8 @@ __device__ __forceinline__ void q_tile(const QuantizeQkvParams& p, SharedStorage
       }
       nonfinite |= quantize_block16(v, sm.tables, lo, hi, sf_bits);
     }
-    store_u64(data + r * (DP / 2) + cb * 8, lo, hi);
-    sf[r * (DP / 16) + cb] = static_cast<uint8_t>(sf_bits);
+    store_u64(data + ps * Map::kRowsPerPass * (DP / 2), lo, hi);
+    sf[ps * Map::kRowsPerPass * (DP / 16)] = static_cast<uint8_t>(sf_bits);
     // q . km: the kColBlocks threads of a row are consecutive lanes.
 #pragma unroll
     for (int off = 1; off < Map::kColBlocks; off <<= 1) dot += __shfl_xor_sync(0xFFFFFFFFu, dot, off);
@@ -298,8 +299,11 @@ __device__ __forceinline__ void k_tile(const QuantizeQkvParams& p, SharedStorage
   if (threadIdx.x < DP) sm.mean[threadIdx.x] = __ldcg(p.k_mean + bh * DP + threadIdx.x);
   __syncthreads();
 
-  uint8_t* data = p.k_data + (bh * p.seq_k_padded + row0) * (DP / 2);
-  uint8_t* sf = p.k_sf + (bh * p.seq_k_padded + row0) * (DP / 16);
+  // This thread's outputs of pass 0, rows permuted; pass ps writes kRowsPerPass * ps rows further
+  // (the permutation stays inside 32-row groups).
+  static_assert(Map::kRowsPerPass % 32 == 0, "passes move whole 32-key groups");
+  uint8_t* data = p.k_data + (bh * p.seq_k_padded + row0 + k_row_perm(r0)) * (DP / 2) + cb * 8;
+  uint8_t* sf = p.k_sf + (bh * p.seq_k_padded + row0 + k_row_perm(r0)) * (DP / 16) + cb;
   bool nonfinite = false;
 #pragma unroll
   for (int ps = 0; ps < Map::kPasses; ++ps) {
@@ -311,9 +315,8 @@ __device__ __forceinline__ void k_tile(const QuantizeQkvParams& p, SharedStorage
       for (int e = 0; e < 16; ++e) v[e] = x[ps].get(e) - sm.mean[cb * 16 + e];
       nonfinite |= quantize_block16(v, sm.tables, lo, hi, sf_bits);
     }
-    const int stored = k_row_perm(r);
-    store_u64(data + stored * (DP / 2) + cb * 8, lo, hi);
-    sf[stored * (DP / 16) + cb] = static_cast<uint8_t>(sf_bits);
+    store_u64(data + ps * Map::kRowsPerPass * (DP / 2), lo, hi);
+    sf[ps * Map::kRowsPerPass * (DP / 16)] = static_cast<uint8_t>(sf_bits);
   }
   raise_flag(p.nonfinite_kv + bh, nonfinite);
 }

@@ -26,6 +26,19 @@ __device__ __forceinline__ float max_nan(float a, float b) {
   return r;
 }
 
+// max |v[e]| as a tree of depth 4 rather than a chain of 16 (max is exact and associative, so
+// the order does not change the result); max.NaN makes a NaN reach the scale.
+__device__ __forceinline__ float abs_max16(const float (&v)[16]) {
+  float m[8];
+#pragma unroll
+  for (int e = 0; e < 8; ++e) m[e] = max_nan(fabsf(v[e]), fabsf(v[e + 8]));
+#pragma unroll
+  for (int w = 4; w >= 1; w >>= 1)
+#pragma unroll
+    for (int e = 0; e < w; ++e) m[e] = max_nan(m[e], m[e + w]);
+  return m[0];
+}
+
 // Per-CTA tables indexed by a scale byte (0..0x7F): its value and RN(1 / value), so a block's
 // scale needs no decode and no IEEE reciprocal (the fast division of quantize_math.cuh).
 struct ScaleTables {
@@ -90,9 +103,7 @@ __device__ __noinline__ Block16Bytes quantize_block16_ieee(float4 v0, float4 v1,
 // caller raises a flag instead (quantize.cuh, nonfinite_*), at no cost on the finite path.
 __device__ __forceinline__ bool quantize_block16(const float (&v)[16], const ScaleTables& tables, uint32_t& lo,
                                                  uint32_t& hi, uint32_t& sf_bits) {
-  float amax = 0.0f;
-#pragma unroll
-  for (int e = 0; e < 16; ++e) amax = max_nan(amax, fabsf(v[e]));  // a NaN makes the scale NaN
+  const float amax = abs_max16(v);
   const bool nonfinite = !(amax <= FLT_MAX);
   bool fast = amax <= kUnsaturatedAmax;  // false for NaN and inf
   if (fast) {
@@ -132,7 +143,8 @@ __device__ __forceinline__ void store_u64(uint8_t* p, uint32_t lo, uint32_t hi) 
   *reinterpret_cast<uint2*>(p) = make_uint2(lo, hi);
 }
 
-// Stored row of token t inside its 32-key group: r = 8a + 2b + c holds token 8b + 2a + c.
+// Stored row of token t inside its 32-key group: r = 8a + 2b + c holds token 8b + 2a + c. It
+// moves rows only inside their group: k_row_perm(t + 32 n) = k_row_perm(t) + 32 n.
 __device__ __forceinline__ int k_row_perm(int t) {
   const int c = t & 1, a = (t >> 1) & 3, b = (t >> 3) & 3;
   return (t & ~31) | (a << 3) | (b << 1) | c;

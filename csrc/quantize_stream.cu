@@ -389,8 +389,12 @@ __device__ __forceinline__ void consume_k_tile(const QuantizeQkvParams& p, const
   using Map = RowMap<DP>;
   const Map map;
   const int64_t row0 = info.tile * kTileRows;
-  uint8_t* data = p.k_data + (info.bh * p.seq_k_padded + row0) * (DP / 2) + map.cb * 8;
-  uint8_t* sf = p.k_sf + (info.bh * p.seq_k_padded + row0) * (DP / 16) + map.cb;
+  // Pass 0's outputs, rows permuted; pass ps writes kRowsPerPass * ps rows further (the
+  // permutation stays inside 32-row groups).
+  static_assert(Map::kRowsPerPass % 32 == 0, "passes move whole 32-key groups");
+  const int64_t stored0 = info.bh * p.seq_k_padded + row0 + k_row_perm(map.r0);
+  uint8_t* data = p.k_data + stored0 * (DP / 2) + map.cb * 8;
+  uint8_t* sf = p.k_sf + stored0 * (DP / 16) + map.cb;
   bool nonfinite = false;
 #pragma unroll
   for (int ps = 0; ps < Map::kPasses; ++ps) {
@@ -403,9 +407,8 @@ __device__ __forceinline__ void consume_k_tile(const QuantizeQkvParams& p, const
       for (int e = 0; e < 16; ++e) v[e] -= km[e];
       nonfinite |= quantize_block16(v, sh.tables, lo, hi, sf_bits);
     }
-    const int stored = k_row_perm(r);
-    store_u64(data + stored * (DP / 2), lo, hi);
-    sf[stored * (DP / 16)] = static_cast<uint8_t>(sf_bits);
+    store_u64(data + ps * Map::kRowsPerPass * (DP / 2), lo, hi);
+    sf[ps * Map::kRowsPerPass * (DP / 16)] = static_cast<uint8_t>(sf_bits);
   }
   raise_flag(p.nonfinite_kv + info.bh, nonfinite);
 }
