@@ -1,14 +1,18 @@
 // Fused NVFP4 preprocessing of Q, K and V (see quantize.cuh for the contract).
 //
-// One kernel launch (after the caller's memset of a small counter workspace). Each CTA draws a
-// ticket and runs that work item; tickets are ordered so that every dependency has a lower one:
-//   1. K-mean chunks: each sums kKeyMeanChunk keys of one (b, kv-head); the last chunk of a head
-//      to arrive adds the chunk sums in a fixed order (deterministic), writes km and raises that
-//      head's ready flag.
-//   2. V^T tiles: transposed through shared memory and quantized along tokens (no km needed, so
-//      they cover the time the means take).
-//   3. K tiles: wait for km (never in practice), subtract it and write rows permuted.
-//   4. Q tiles: reduce the tile's own 128-row block mean, subtract it, quantize, write q . km.
+// Two kernel launches (after the caller's memset of a small counter workspace), each CTA one
+// work item by blockIdx, none waiting for another:
+//   1. key_mean_v_kernel: K-mean chunks, each summing kKeyMeanChunk keys of one (b, kv-head)
+//      (the last chunk of a head to arrive adds the chunk sums in a fixed order, deterministic,
+//      and writes km), then the V^T tiles (transposed through shared memory, quantized along
+//      tokens; they need no km).
+//   2. key_query_kernel: K tiles (subtract km, write rows permuted) and Q tiles (reduce the
+//      tile's own 128-row block mean, subtract it, quantize, write q . km). Stream order makes km
+//      ready.
+// Why two launches rather than one with a ticket order: in one launch a K or Q tile must wait for
+// its head's mean from other CTAs (a ticket atomic, a ready-flag poll, then the km load: three
+// serial round trips to L2 per tile), and those round trips, not the arithmetic, bounded the
+// single kernel (docs/quantize_performance.md). Each tile now issues its loads first thing.
 // Padding rows/columns are written as zero data with zero scales; keys past kv_lens are padding.
 //
 // Every offset is int64. No fast-math: the scale and data divisions are correctly rounded
@@ -155,14 +159,6 @@ __device__ __forceinline__ void key_mean_item(const QuantizeQkvParams& p, Shared
     for (int64_t c = 0; c < n_chunks; ++c) s += __ldcg(partial + c * DP + threadIdx.x);
     p.k_mean[bh * DP + threadIdx.x] = key_mean(s, n_valid);
   }
-  publish_key_mean(p, bh, sync);
-}
-
-// Block the CTA until km of (b, kv-head) bh is written (in practice it never spins: the V^T
-// tiles run in between).
-__device__ __forceinline__ void wait_key_mean(const QuantizeQkvParams& p, int64_t bh) {
-  if (threadIdx.x == 0) wait_key_mean_ready(p, bh);
-  __syncthreads();
 }
 
 ////////////////////////////////////////////////////////////////////////////////////////////////
@@ -177,7 +173,6 @@ struct SharedStorage {
   float mean[DP];  // q block mean (Q tiles) or km (K tiles)
   float km[DP];    // km for q . km (Q tiles)
   ScaleTables tables;
-  uint32_t ticket;
   uint32_t last_arrival;  // this CTA added a head's last K-mean chunk
 };
 
@@ -204,9 +199,6 @@ __device__ __forceinline__ void q_tile(const QuantizeQkvParams& p, SharedStorage
   const int64_t rows_left = p.seq_q - row0;
   const int valid_rows = rows_left <= 0 ? 0 : (rows_left >= kTileRows ? kTileRows : int(rows_left));
 
-  wait_key_mean(p, b * p.heads_kv + kvh);
-  if (threadIdx.x < DP) sm.km[threadIdx.x] = __ldcg(p.k_mean + (b * p.heads_kv + kvh) * DP + threadIdx.x);
-
   const Raw* base = static_cast<const Raw*>(p.q.ptr) + row_offset(p.q, b, h, row0);
   Block16<DT> x[Map::kPasses];
 #pragma unroll
@@ -215,6 +207,9 @@ __device__ __forceinline__ void q_tile(const QuantizeQkvParams& p, SharedStorage
     x[ps].zero();
     if (r < valid_rows) load_block16<DT, VEC>(x[ps], base + r * p.q.stride_s, p.q.stride_d, cb * 16, int(p.head_dim));
   }
+  // While the loads are in flight: km (written by the previous launch) and the scale tables.
+  if (threadIdx.x < DP) sm.km[threadIdx.x] = __ldcg(p.k_mean + (b * p.heads_kv + kvh) * DP + threadIdx.x);
+  fill_scale_tables(sm.tables);
 
   // Column sums over the tile's valid rows (padding rows were loaded as zeros).
   float sum[16];
@@ -295,8 +290,9 @@ __device__ __forceinline__ void k_tile(const QuantizeQkvParams& p, SharedStorage
     x[ps].zero();
     if (r < valid_rows) load_block16<DT, VEC>(x[ps], base + r * p.k.stride_s, p.k.stride_d, cb * 16, int(p.head_dim));
   }
-  wait_key_mean(p, bh);
+  // While the loads are in flight: km (written by the previous launch) and the scale tables.
   if (threadIdx.x < DP) sm.mean[threadIdx.x] = __ldcg(p.k_mean + bh * DP + threadIdx.x);
+  fill_scale_tables(sm.tables);
   __syncthreads();
 
   // This thread's outputs of pass 0, rows permuted; pass ps writes kRowsPerPass * ps rows further
@@ -414,40 +410,41 @@ __device__ __forceinline__ void v_tile(const QuantizeQkvParams& p, SharedStorage
   }
 }
 
+// Launch 1: blocks [0, mean_items) reduce K-mean chunks, the rest quantize V^T tiles.
 template <InputDtype DT, int DP, bool VEC>
-__global__ void __launch_bounds__(kThreads, kMinCtasPerSm) quantize_qkv_kernel(const QuantizeQkvParams p) {
+__global__ void __launch_bounds__(kThreads, kMinCtasPerSm) key_mean_v_kernel(const QuantizeQkvParams p) {
   __shared__ __align__(16) SharedStorage<DP> sm;
-  fill_scale_tables(sm.tables);  // every item synchronises before its first block
-  // Items in ticket order: K-mean chunks, V^T tiles (independent of km), K tiles, Q tiles.
-  if (threadIdx.x == 0) sm.ticket = atomicAdd(p.work_counters, 1u);
-  __syncthreads();
-  int64_t item = sm.ticket;
   const int64_t mean_items = p.batch * p.heads_kv * quantize_qkv_k_chunks(p.seq_k);
-  const int64_t kv_tiles = p.batch * p.heads_kv * (p.seq_k_padded / kTileRows);
+  const int64_t item = blockIdx.x;
   if (item < mean_items) {
     key_mean_item<DT, DP, VEC>(p, sm, item);
     return;
   }
-  item -= mean_items;
-  if (item < kv_tiles) {
-    v_tile<DT, DP, VEC>(p, sm, item);
-    return;
-  }
-  item -= kv_tiles;
-  if (item < kv_tiles) {
-    k_tile<DT, DP, VEC>(p, sm, item);
-    return;
-  }
-  q_tile<DT, DP, VEC>(p, sm, item - kv_tiles);
+  fill_scale_tables(sm.tables);  // v_tile synchronises before its first block
+  v_tile<DT, DP, VEC>(p, sm, item - mean_items);
+}
+
+// Launch 2: blocks [0, kv_tiles) quantize K tiles, the rest Q tiles.
+template <InputDtype DT, int DP, bool VEC>
+__global__ void __launch_bounds__(kThreads, kMinCtasPerSm) key_query_kernel(const QuantizeQkvParams p) {
+  __shared__ __align__(16) SharedStorage<DP> sm;
+  const int64_t kv_tiles = p.batch * p.heads_kv * (p.seq_k_padded / kTileRows);
+  const int64_t item = blockIdx.x;
+  if (item < kv_tiles) k_tile<DT, DP, VEC>(p, sm, item);
+  else q_tile<DT, DP, VEC>(p, sm, item - kv_tiles);
 }
 
 template <InputDtype DT, int DP, bool VEC>
 cudaError_t launch_typed(const QuantizeQkvParams& p, cudaStream_t stream) {
   const int64_t kv_heads = p.batch * p.heads_kv;
-  const int64_t items = kv_heads * quantize_qkv_k_chunks(p.seq_k) + 2 * kv_heads * (p.seq_k_padded / kTileRows) +
-                        p.batch * p.heads_q * (p.seq_q_padded / kTileRows);
-  if (items > 0x7FFFFFFFLL) return cudaErrorInvalidConfiguration;
-  quantize_qkv_kernel<DT, DP, VEC><<<unsigned(items), kThreads, 0, stream>>>(p);
+  const int64_t kv_tiles = kv_heads * (p.seq_k_padded / kTileRows);
+  const int64_t first = kv_heads * quantize_qkv_k_chunks(p.seq_k) + kv_tiles;
+  const int64_t second = kv_tiles + p.batch * p.heads_q * (p.seq_q_padded / kTileRows);
+  if (first > 0x7FFFFFFFLL || second > 0x7FFFFFFFLL) return cudaErrorInvalidConfiguration;
+  key_mean_v_kernel<DT, DP, VEC><<<unsigned(first), kThreads, 0, stream>>>(p);
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  key_query_kernel<DT, DP, VEC><<<unsigned(second), kThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
 

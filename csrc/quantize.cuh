@@ -91,14 +91,16 @@ __host__ __device__ inline int64_t quantize_qkv_workspace_floats(int64_t batch, 
   return batch * heads_kv * per_head * head_dim_padded;
 }
 
-// 32-bit counters of work_counters (zero them before every launch): the ticket dispenser, per
-// (b, kv-head) the chunk arrivals and the km-ready flag, then per chunk its tile arrivals.
+// 32-bit counters of work_counters (zero them before every launch_quantize_qkv): the streaming
+// kernel's ticket dispenser, per (b, kv-head) the chunk arrivals and the km-ready flag, then per
+// chunk its tile arrivals (the tile kernel uses only the chunk arrivals).
 __host__ __device__ inline int64_t quantize_qkv_workspace_counters(int64_t batch, int64_t heads_kv, int64_t seq_k) {
   return 1 + 2 * batch * heads_kv + batch * heads_kv * quantize_qkv_k_chunks(seq_k);
 }
 
-// One kernel launch on `stream` that reduces the K means and quantizes every Q, K and V^T tile
-// (and writes the Q block means and q . km). Returns the launch error.
+// Kernel launches on `stream` that reduce the K means and quantize every Q, K and V^T tile (and
+// write the Q block means and q . km): two for the tile kernel (K means and V^T, then K and Q),
+// one for the streaming kernel. Returns the launch error.
 cudaError_t launch_quantize_qkv(const QuantizeQkvParams& params, cudaStream_t stream);
 
 // The streaming kernel behind launch_quantize_qkv (quantize_stream.cu) for bf16/fp16 inputs whose

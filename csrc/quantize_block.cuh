@@ -150,16 +150,10 @@ __device__ __forceinline__ int k_row_perm(int t) {
   return (t & ~31) | (a << 3) | (b << 1) | c;
 }
 
-// Work counters (one zeroed workspace, quantize_qkv_workspace_counters): [0] the ticket
-// dispenser, then per (b, kv-head) the chunk arrivals and the km-ready flag, then per chunk the
-// arrivals of its tile sums.
+// Work counters (one zeroed workspace, quantize_qkv_workspace_counters): [0] the streaming
+// kernel's ticket dispenser, then per (b, kv-head) the chunk arrivals and (streaming kernel) the
+// km-ready flag, then (streaming kernel) per chunk the arrivals of its tile sums.
 __device__ __forceinline__ uint32_t* arrivals(const QuantizeQkvParams& p) { return p.work_counters + 1; }
-__device__ __forceinline__ uint32_t* km_ready(const QuantizeQkvParams& p) {
-  return p.work_counters + 1 + p.batch * p.heads_kv;
-}
-__device__ __forceinline__ uint32_t* chunk_arrivals(const QuantizeQkvParams& p) {
-  return p.work_counters + 1 + 2 * p.batch * p.heads_kv;
-}
 
 // The K mean is finished by whichever CTA adds the last partial sum. Each CTA publishes its
 // partial (fence), then counts itself on `counter`; `slot` (shared) carries thread 0's verdict to
@@ -180,27 +174,6 @@ __device__ __forceinline__ bool arrived_last(uint32_t* counter, int64_t expected
 // the count to 1).
 __device__ __forceinline__ float key_mean(float sum, int64_t n_valid) {
   return __fdiv_rn(sum, float(n_valid > 0 ? n_valid : 1));
-}
-
-// After store_key_mean by the participating threads: make km visible, then raise bh's ready flag.
-template <typename Sync>
-__device__ __forceinline__ void publish_key_mean(const QuantizeQkvParams& p, int64_t bh, Sync sync) {
-  __threadfence();
-  sync();
-  if (threadIdx.x == 0) atomicExch(km_ready(p) + bh, 1u);
-}
-
-// Spin (this thread) until km of kv head bh is published. The mean items hold lower tickets than
-// every item that waits, and a ticket is only drawn by a running CTA, so they are running or
-// done: the wait always ends.
-__device__ __forceinline__ void wait_key_mean_ready(const QuantizeQkvParams& p, int64_t bh) {
-  const uint32_t* flag = km_ready(p) + bh;
-  uint32_t ready;
-  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(ready) : "l"(flag) : "memory");
-  while (!ready) {
-    __nanosleep(200);
-    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(ready) : "l"(flag) : "memory");
-  }
 }
 
 // Host side: whether input t can be read as 16-byte vectors: D == Dp, unit stride along D and

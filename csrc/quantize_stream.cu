@@ -100,6 +100,36 @@ __device__ __forceinline__ uint32_t swizzled(uint32_t stage, int row, int chunk)
   return stage + (chunk >> 3) * (kTileRows * 128) + row * 128 + (((chunk & 7) ^ (row & 7)) << 4);
 }
 
+// The km-ready flags and the chunk arrivals of the tile sums (see arrivals() in
+// quantize_block.cuh for the layout of the counters).
+__device__ __forceinline__ uint32_t* km_ready(const QuantizeQkvParams& p) {
+  return p.work_counters + 1 + p.batch * p.heads_kv;
+}
+__device__ __forceinline__ uint32_t* chunk_arrivals(const QuantizeQkvParams& p) {
+  return p.work_counters + 1 + 2 * p.batch * p.heads_kv;
+}
+
+// After km is stored by the participating threads: make km visible, then raise bh's ready flag.
+template <typename Sync>
+__device__ __forceinline__ void publish_key_mean(const QuantizeQkvParams& p, int64_t bh, Sync sync) {
+  __threadfence();
+  sync();
+  if (threadIdx.x == 0) atomicExch(km_ready(p) + bh, 1u);
+}
+
+// Spin (this thread) until km of kv head bh is published. The mean items hold lower tickets than
+// every item that waits, and a ticket is only drawn by a running CTA, so they are running or
+// done: the wait always ends.
+__device__ __forceinline__ void wait_key_mean_ready(const QuantizeQkvParams& p, int64_t bh) {
+  const uint32_t* flag = km_ready(p) + bh;
+  uint32_t ready;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(ready) : "l"(flag) : "memory");
+  while (!ready) {
+    __nanosleep(200);
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(ready) : "l"(flag) : "memory");
+  }
+}
+
 ////////////////////////////////////////////////////////////////////////////////////////////////
 // PTX wrappers
 

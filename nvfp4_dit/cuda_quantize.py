@@ -2,10 +2,10 @@
 
 :func:`quantize_qkv_cuda` is the CUDA twin of :func:`nvfp4_dit.format.quantize_qkv`: the same
 bytes and scales (tests compare them exactly), means equal up to reduction order, read straight
-from the strides of NHD or HND inputs. It is one kernel launch after one memset of a small counter
-buffer: CTAs draw tickets, K-mean chunks first, then the V^T, K and Q tiles, which wait for their
-head's K mean through a flag (``csrc/quantize.cu``). The same launch raises the NaN/inf flags
-(``FusedQuantizedQKV.nonfinite``).
+from the strides of NHD or HND inputs. It is two kernel launches after one memset of a small
+counter buffer: the K-mean chunks and the V^T tiles, then the K and Q tiles, which need the K mean
+(``csrc/quantize.cu``; the K mean is a reduction over the whole sequence, hence the second
+launch). The launches also raise the NaN/inf flags (``FusedQuantizedQKV.nonfinite``).
 
 It keeps no fp32 copy of ``k - km``. The correction ``delta = qm . (k - km)^T`` is
 ``B*H*Sq/128*Skp`` fp32 (17.6 GB at 118,800 tokens and 40 heads), so it is produced for a chunk

@@ -2,7 +2,7 @@
 
 For B=1, H=40, D=128, bf16 NHD inputs at S = 8k, 32k, 77k and 118.8k tokens:
 
-* fused: ``nvfp4_dit.cuda_quantize.quantize_qkv_cuda`` (1 kernel + 1 memset), the default tile
+* fused: ``nvfp4_dit.cuda_quantize.quantize_qkv_cuda`` (2 kernels + 1 memset), the default tile
   kernel; and the opt-in streaming kernel (``NVFP4_DIT_QUANTIZE_KERNEL=stream``, sm_90+) as a
   second peer ("-" where it does not apply);
 * copy: a device-to-device copy moving the same number of bytes (the bandwidth ceiling);
