@@ -35,6 +35,8 @@ constexpr int kThreads = 256;
 // 43.9 % vs 40.5 % of copy bandwidth at 32k tokens.
 constexpr int kMinCtasPerSm = 4;
 constexpr int kWarps = kThreads / 32;
+// How far ahead (in waves of resident CTAs) a CTA prefetches a tile into L2.
+constexpr int kPrefetchWaves = 1;
 constexpr int kVTileBytes = 32 * 1024;  // shared memory of one V sub-tile
 
 ////////////////////////////////////////////////////////////////////////////////////////////////
@@ -97,6 +99,25 @@ __device__ __forceinline__ void load_block16(Block16<DT>& blk, const typename In
   }
 }
 
+// Asks L2 to fetch rows [row0, row0 + rows) of head (b, h) of input t (contiguous rows of DP
+// elements, VEC), one 128-byte line per thread and step. No registers wait for it: the tile's own
+// loads later find the data in L2, so a CTA's compute no longer idles DRAM.
+template <typename Raw, int DP>
+__device__ __forceinline__ void prefetch_rows_l2(const StridedInput& t, int64_t b, int64_t h, int64_t row0,
+                                                 int64_t rows) {
+  constexpr int kLinesPerRow = (DP * int(sizeof(Raw)) + 127) / 128;
+  const char* base = reinterpret_cast<const char*>(static_cast<const Raw*>(t.ptr) + row_offset(t, b, h, row0));
+  const int64_t row_bytes = t.stride_s * int64_t(sizeof(Raw));
+  for (int64_t i = threadIdx.x; i < rows * kLinesPerRow; i += kThreads)
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(base + (i / kLinesPerRow) * row_bytes + (i % kLinesPerRow) * 128));
+}
+
+// Rows of 128-row tile `tile` of a [heads, S] input with n_valid valid rows (0 .. 128).
+__device__ __forceinline__ int64_t tile_rows(int64_t tile, int64_t n_valid) {
+  const int64_t left = n_valid - tile * kTileRows;
+  return left <= 0 ? 0 : (left >= kTileRows ? kTileRows : left);
+}
+
 ////////////////////////////////////////////////////////////////////////////////////////////////
 // Work items 1: the K mean, kKeyMeanChunk keys per item
 
@@ -113,6 +134,10 @@ __device__ __forceinline__ void key_mean_item(const QuantizeQkvParams& p, Shared
   const int cg = threadIdx.x % kColGroups;
   const int r0 = threadIdx.x / kColGroups;
   const Raw* base = static_cast<const Raw*>(p.k.ptr) + row_offset(p.k, b, h, 0);
+  if constexpr (VEC) {  // the whole chunk at once, not kUnroll loads per thread at a time
+    const int64_t first = chunk * kKeyMeanChunk, left = n_valid - first;
+    prefetch_rows_l2<Raw, DP>(p.k, b, h, first, left <= 0 ? 0 : (left < kKeyMeanChunk ? left : kKeyMeanChunk));
+  }
 
   float sum[16];
 #pragma unroll
@@ -164,14 +189,20 @@ __device__ __forceinline__ void key_mean_item(const QuantizeQkvParams& p, Shared
 ////////////////////////////////////////////////////////////////////////////////////////////////
 // Work items 2: Q, K and V^T tiles
 
+// Shared index of column c of a per-column vector: 4 floats of padding after every 16 columns.
+__device__ __forceinline__ int padded_column(int c) { return c + (c >> 4) * 4; }
+
 template <int DP>
 struct SharedStorage {
   union {
     unsigned char v_tile[kVTileBytes];
     float red[kWarps][DP];
   };
-  float mean[DP];  // q block mean (Q tiles) or km (K tiles)
-  float km[DP];    // km for q . km (Q tiles)
+  // Per-column vectors, column c at padded_column(c): a warp's eight column blocks then read
+  // them as 16-byte vectors without bank conflicts (a pitch of 16 floats would put four
+  // blocks on the same banks).
+  float mean[DP + DP / 4];  // q block mean (Q tiles) or km (K tiles)
+  float km[DP + DP / 4];    // km for q . km (Q tiles)
   ScaleTables tables;
   uint32_t last_arrival;  // this CTA added a head's last K-mean chunk
 };
@@ -208,7 +239,7 @@ __device__ __forceinline__ void q_tile(const QuantizeQkvParams& p, SharedStorage
     if (r < valid_rows) load_block16<DT, VEC>(x[ps], base + r * p.q.stride_s, p.q.stride_d, cb * 16, int(p.head_dim));
   }
   // While the loads are in flight: km (written by the previous launch) and the scale tables.
-  if (threadIdx.x < DP) sm.km[threadIdx.x] = __ldcg(p.k_mean + (b * p.heads_kv + kvh) * DP + threadIdx.x);
+  if (threadIdx.x < DP) sm.km[padded_column(threadIdx.x)] = __ldcg(p.k_mean + (b * p.heads_kv + kvh) * DP + threadIdx.x);
   fill_scale_tables(sm.tables);
 
   // Column sums over the tile's valid rows (padding rows were loaded as zeros).
@@ -233,7 +264,7 @@ __device__ __forceinline__ void q_tile(const QuantizeQkvParams& p, SharedStorage
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) s += sm.red[w][threadIdx.x];
     const float qm = __fdiv_rn(s, float(valid_rows > 0 ? valid_rows : 1));
-    sm.mean[threadIdx.x] = qm;
+    sm.mean[padded_column(threadIdx.x)] = qm;
     p.q_mean[(bh * n_blocks + blk) * DP + threadIdx.x] = qm;
   }
   __syncthreads();
@@ -252,8 +283,8 @@ __device__ __forceinline__ void q_tile(const QuantizeQkvParams& p, SharedStorage
 #pragma unroll
       for (int e = 0; e < 16; ++e) {
         const float xe = x[ps].get(e);
-        v[e] = xe - sm.mean[cb * 16 + e];
-        dot = fmaf(xe, sm.km[cb * 16 + e], dot);
+        v[e] = xe - sm.mean[padded_column(cb * 16 + e)];
+        dot = fmaf(xe, sm.km[padded_column(cb * 16 + e)], dot);
       }
       nonfinite |= quantize_block16(v, sm.tables, lo, hi, sf_bits);
     }
@@ -291,7 +322,7 @@ __device__ __forceinline__ void k_tile(const QuantizeQkvParams& p, SharedStorage
     if (r < valid_rows) load_block16<DT, VEC>(x[ps], base + r * p.k.stride_s, p.k.stride_d, cb * 16, int(p.head_dim));
   }
   // While the loads are in flight: km (written by the previous launch) and the scale tables.
-  if (threadIdx.x < DP) sm.mean[threadIdx.x] = __ldcg(p.k_mean + bh * DP + threadIdx.x);
+  if (threadIdx.x < DP) sm.mean[padded_column(threadIdx.x)] = __ldcg(p.k_mean + bh * DP + threadIdx.x);
   fill_scale_tables(sm.tables);
   __syncthreads();
 
@@ -308,7 +339,7 @@ __device__ __forceinline__ void k_tile(const QuantizeQkvParams& p, SharedStorage
     if (r < valid_rows) {
       float v[16];
 #pragma unroll
-      for (int e = 0; e < 16; ++e) v[e] = x[ps].get(e) - sm.mean[cb * 16 + e];
+      for (int e = 0; e < 16; ++e) v[e] = x[ps].get(e) - sm.mean[padded_column(cb * 16 + e)];
       nonfinite |= quantize_block16(v, sm.tables, lo, hi, sf_bits);
     }
     store_u64(data + ps * Map::kRowsPerPass * (DP / 2), lo, hi);
@@ -347,13 +378,19 @@ __device__ __forceinline__ void v_tile(const QuantizeQkvParams& p, SharedStorage
     const int64_t tok0 = blk * kTileRows + sub * kSubRows;
     if (sub) __syncthreads();  // the previous sub-tile is consumed
     if constexpr (VEC) {
-      for (int i = threadIdx.x; i < kSubRows * kChunksPerRow; i += kThreads) {
-        const int r = i / kChunksPerRow, ch = i % kChunksPerRow;
-        const int64_t tok = tok0 + r;
-        uint4 val = make_uint4(0, 0, 0, 0);
-        if (tok < n_valid) val = __ldg(reinterpret_cast<const uint4*>(base + tok * p.v.stride_s) + ch);
-        reinterpret_cast<uint4*>(stile)[i] = val;
+      // Every load of the sub-tile in flight at once (one memory latency), then the stores.
+      constexpr int kLoads = kSubRows * kChunksPerRow / kThreads;
+      static_assert(kSubRows * kChunksPerRow % kThreads == 0, "whole 16-byte chunks per thread");
+      uint4 val[kLoads];
+#pragma unroll
+      for (int j = 0; j < kLoads; ++j) {
+        const int i = int(threadIdx.x) + j * kThreads;
+        const int64_t tok = tok0 + i / kChunksPerRow;
+        val[j] = make_uint4(0, 0, 0, 0);
+        if (tok < n_valid) val[j] = __ldg(reinterpret_cast<const uint4*>(base + tok * p.v.stride_s) + i % kChunksPerRow);
       }
+#pragma unroll
+      for (int j = 0; j < kLoads; ++j) reinterpret_cast<uint4*>(stile)[int(threadIdx.x) + j * kThreads] = val[j];
     } else {
       for (int i = threadIdx.x; i < kSubRows * DP; i += kThreads) {
         const int r = i / DP, dd = i % DP;
@@ -410,12 +447,26 @@ __device__ __forceinline__ void v_tile(const QuantizeQkvParams& p, SharedStorage
   }
 }
 
+// Each CTA of a launch first prefetches (L2) the input tile of the block `prefetch_distance`
+// ahead, about one wave of resident CTAs: that CTA starts about when this one ends.
+
 // Launch 1: blocks [0, mean_items) reduce K-mean chunks, the rest quantize V^T tiles.
 template <InputDtype DT, int DP, bool VEC>
-__global__ void __launch_bounds__(kThreads, kMinCtasPerSm) key_mean_v_kernel(const QuantizeQkvParams p) {
+__global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
+    key_mean_v_kernel(const QuantizeQkvParams p, int64_t prefetch_distance) {
+  using Raw = typename InputTraits<DT>::Raw;
   __shared__ __align__(16) SharedStorage<DP> sm;
   const int64_t mean_items = p.batch * p.heads_kv * quantize_qkv_k_chunks(p.seq_k);
+  const int64_t n_blocks = p.seq_k_padded / kTileRows;
   const int64_t item = blockIdx.x;
+  if constexpr (VEC) {
+    const int64_t ahead = item + prefetch_distance - mean_items;  // a V^T tile (mean chunks prefetch themselves)
+    if (ahead >= 0 && ahead < p.batch * p.heads_kv * n_blocks) {
+      const int64_t bh = ahead / n_blocks, b = bh / p.heads_kv;
+      prefetch_rows_l2<Raw, DP>(p.v, b, bh % p.heads_kv, (ahead % n_blocks) * kTileRows,
+                                tile_rows(ahead % n_blocks, valid_key_count(p, b)));
+    }
+  }
   if (item < mean_items) {
     key_mean_item<DT, DP, VEC>(p, sm, item);
     return;
@@ -426,10 +477,25 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) key_mean_v_kernel(con
 
 // Launch 2: blocks [0, kv_tiles) quantize K tiles, the rest Q tiles.
 template <InputDtype DT, int DP, bool VEC>
-__global__ void __launch_bounds__(kThreads, kMinCtasPerSm) key_query_kernel(const QuantizeQkvParams p) {
+__global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
+    key_query_kernel(const QuantizeQkvParams p, int64_t prefetch_distance) {
+  using Raw = typename InputTraits<DT>::Raw;
   __shared__ __align__(16) SharedStorage<DP> sm;
-  const int64_t kv_tiles = p.batch * p.heads_kv * (p.seq_k_padded / kTileRows);
+  const int64_t n_kblocks = p.seq_k_padded / kTileRows, n_qblocks = p.seq_q_padded / kTileRows;
+  const int64_t kv_tiles = p.batch * p.heads_kv * n_kblocks;
   const int64_t item = blockIdx.x;
+  if constexpr (VEC) {
+    const int64_t ahead = item + prefetch_distance;
+    if (ahead < kv_tiles) {
+      const int64_t bh = ahead / n_kblocks, b = bh / p.heads_kv;
+      prefetch_rows_l2<Raw, DP>(p.k, b, bh % p.heads_kv, (ahead % n_kblocks) * kTileRows,
+                                tile_rows(ahead % n_kblocks, valid_key_count(p, b)));
+    } else if (ahead - kv_tiles < p.batch * p.heads_q * n_qblocks) {
+      const int64_t q = ahead - kv_tiles, bh = q / n_qblocks;
+      prefetch_rows_l2<Raw, DP>(p.q, bh / p.heads_q, bh % p.heads_q, (q % n_qblocks) * kTileRows,
+                                tile_rows(q % n_qblocks, p.seq_q));
+    }
+  }
   if (item < kv_tiles) k_tile<DT, DP, VEC>(p, sm, item);
   else q_tile<DT, DP, VEC>(p, sm, item - kv_tiles);
 }
@@ -441,10 +507,14 @@ cudaError_t launch_typed(const QuantizeQkvParams& p, cudaStream_t stream) {
   const int64_t first = kv_heads * quantize_qkv_k_chunks(p.seq_k) + kv_tiles;
   const int64_t second = kv_tiles + p.batch * p.heads_q * (p.seq_q_padded / kTileRows);
   if (first > 0x7FFFFFFFLL || second > 0x7FFFFFFFLL) return cudaErrorInvalidConfiguration;
-  key_mean_v_kernel<DT, DP, VEC><<<unsigned(first), kThreads, 0, stream>>>(p);
-  const cudaError_t err = cudaGetLastError();
+  int device = 0, sms = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   if (err != cudaSuccess) return err;
-  key_query_kernel<DT, DP, VEC><<<unsigned(second), kThreads, 0, stream>>>(p);
+  const int64_t prefetch_distance = int64_t(kPrefetchWaves) * sms * kMinCtasPerSm;
+  key_mean_v_kernel<DT, DP, VEC><<<unsigned(first), kThreads, 0, stream>>>(p, prefetch_distance);
+  if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  key_query_kernel<DT, DP, VEC><<<unsigned(second), kThreads, 0, stream>>>(p, prefetch_distance);
   return cudaGetLastError();
 }
 
