@@ -9,10 +9,11 @@
 //   2. key_query_kernel: K tiles (subtract km, write rows permuted) and Q tiles (reduce the
 //      tile's own 128-row block mean, subtract it, quantize, write q . km). Stream order makes km
 //      ready.
-// Why two launches rather than one with a ticket order: in one launch a K or Q tile must wait for
-// its head's mean from other CTAs (a ticket atomic, a ready-flag poll, then the km load: three
-// serial round trips to L2 per tile), and those round trips, not the arithmetic, bounded the
-// single kernel (docs/quantize_performance.md). Each tile now issues its loads first thing.
+// Why two launches rather than one with a ticket order: in one launch a K or Q tile waits for its
+// head's mean from other CTAs (a ticket atomic, a ready-flag poll, then the km load), which needs
+// every earlier ticket's CTA to be resident and costs round trips to L2 per tile. Split, no CTA
+// waits on another and each tile issues its loads first thing. (On the H200 the speed stayed
+// within the noise of the one-launch kernel: docs/quantize_performance.md.)
 // Padding rows/columns are written as zero data with zero scales; keys past kv_lens are padding.
 //
 // Every offset is int64. No fast-math: the scale and data divisions are correctly rounded
@@ -32,7 +33,7 @@ namespace {
 constexpr int kThreads = 256;
 // CTAs per SM for __launch_bounds__: 4 caps registers at 64 (a few bytes spill on bf16/fp16 with
 // D = 128). On the H200 that is still faster than 3 or 2 (79 registers, no spill, fewer warps):
-// 43.9 % vs 40.5 % of copy bandwidth at 32k tokens.
+// 43.9 % vs 40.5 % of copy bandwidth at 32k tokens (measured on the one-launch kernel).
 constexpr int kMinCtasPerSm = 4;
 constexpr int kWarps = kThreads / 32;
 // How far ahead (in waves of resident CTAs) a CTA prefetches a tile into L2.
@@ -100,8 +101,9 @@ __device__ __forceinline__ void load_block16(Block16<DT>& blk, const typename In
 }
 
 // Asks L2 to fetch rows [row0, row0 + rows) of head (b, h) of input t (contiguous rows of DP
-// elements, VEC), one 128-byte line per thread and step. No registers wait for it: the tile's own
-// loads later find the data in L2, so a CTA's compute no longer idles DRAM.
+// elements, VEC), one 128-byte line per thread and step. No registers wait for it, so DRAM has
+// work while the CTAs compute and the tile's own loads later hit L2. (On the shared H200 the gain
+// was within the noise of the measurement: docs/quantize_performance.md.)
 template <typename Raw, int DP>
 __device__ __forceinline__ void prefetch_rows_l2(const StridedInput& t, int64_t b, int64_t h, int64_t row0,
                                                  int64_t rows) {

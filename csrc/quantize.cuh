@@ -30,8 +30,8 @@ struct StridedInput {
 
 // Which kernel launch_quantize_qkv runs: the tile kernel (quantize.cu, any input; the default) or
 // the streaming kernel (quantize_stream.cu, opt-in: it fails with cudaErrorNotSupported where it
-// does not apply). On the H200 the streaming kernel is still a few percent slower
-// (docs/quantize_performance.md), so nothing selects it by default.
+// does not apply). On the H200 the two are within a few percent of each other, either way from run
+// to run (docs/quantize_performance.md), so the default is the kernel that takes every input.
 enum class QuantizeKernel : int32_t { kTiles = 0, kStream = 1 };
 
 struct QuantizeQkvParams {

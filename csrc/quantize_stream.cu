@@ -1,8 +1,9 @@
 // Streaming NVFP4 preprocessing of contiguous 16-bit rows (bf16/fp16, D == Dp, unit stride along
 // D, 16-byte aligned rows), sm_90 and newer. Same contract and same bytes as quantize.cu
 // (quantize.cuh; per-block code shared through quantize_block.cuh). Opt-in
-// (QuantizeKernel::kStream, NVFP4_DIT_QUANTIZE_KERNEL=stream): on the H200 it is still 2-6 %
-// slower than the tile kernel (docs/quantize_performance.md has the numbers and the profile).
+// (QuantizeKernel::kStream, NVFP4_DIT_QUANTIZE_KERNEL=stream): on the H200 it is within a few
+// percent of the tile kernel, faster in some runs and slower in others, and it takes fewer inputs
+// (docs/quantize_performance.md has the numbers and the profiles).
 //
 // Why a second kernel: quantize.cu gives each CTA one tile, loaded into registers and then
 // computed, so a warp waits for its loads before every tile; the tile kernel is latency-bound at
