@@ -114,10 +114,14 @@ __device__ __forceinline__ void prefetch_rows_l2(const StridedInput& t, int64_t 
     asm volatile("prefetch.global.L2 [%0];" ::"l"(base + (i / kLinesPerRow) * row_bytes + (i % kLinesPerRow) * 128));
 }
 
-// Rows of 128-row tile `tile` of a [heads, S] input with n_valid valid rows (0 .. 128).
-__device__ __forceinline__ int64_t tile_rows(int64_t tile, int64_t n_valid) {
-  const int64_t left = n_valid - tile * kTileRows;
-  return left <= 0 ? 0 : (left >= kTileRows ? kTileRows : left);
+// prefetch_rows_l2 of the valid rows of 128-row tile `tile` of [B, heads, S] input t (n_blocks
+// tiles per head): keys (valid up to kv_lens) or queries (valid up to seq_q).
+template <typename Raw, int DP>
+__device__ __forceinline__ void prefetch_tile_l2(const QuantizeQkvParams& p, const StridedInput& t, int64_t heads,
+                                                 int64_t n_blocks, int64_t tile, bool keys) {
+  const int64_t bh = tile / n_blocks, blk = tile % n_blocks, b = bh / heads;
+  const int64_t n_valid = keys ? valid_key_count(p, b) : p.seq_q;
+  prefetch_rows_l2<Raw, DP>(t, b, bh % heads, blk * kTileRows, rows_below(n_valid, blk * kTileRows, kTileRows));
 }
 
 ////////////////////////////////////////////////////////////////////////////////////////////////
@@ -137,8 +141,8 @@ __device__ __forceinline__ void key_mean_item(const QuantizeQkvParams& p, Shared
   const int r0 = threadIdx.x / kColGroups;
   const Raw* base = static_cast<const Raw*>(p.k.ptr) + row_offset(p.k, b, h, 0);
   if constexpr (VEC) {  // the whole chunk at once, not kUnroll loads per thread at a time
-    const int64_t first = chunk * kKeyMeanChunk, left = n_valid - first;
-    prefetch_rows_l2<Raw, DP>(p.k, b, h, first, left <= 0 ? 0 : (left < kKeyMeanChunk ? left : kKeyMeanChunk));
+    const int64_t first = chunk * kKeyMeanChunk;
+    prefetch_rows_l2<Raw, DP>(p.k, b, h, first, rows_below(n_valid, first, kKeyMeanChunk));
   }
 
   float sum[16];
@@ -229,8 +233,7 @@ __device__ __forceinline__ void q_tile(const QuantizeQkvParams& p, SharedStorage
   const int cb = threadIdx.x % Map::kColBlocks;
   const int r0 = threadIdx.x / Map::kColBlocks;
   const int64_t row0 = blk * kTileRows;
-  const int64_t rows_left = p.seq_q - row0;
-  const int valid_rows = rows_left <= 0 ? 0 : (rows_left >= kTileRows ? kTileRows : int(rows_left));
+  const int valid_rows = int(rows_below(p.seq_q, row0, kTileRows));
 
   const Raw* base = static_cast<const Raw*>(p.q.ptr) + row_offset(p.q, b, h, row0);
   Block16<DT> x[Map::kPasses];
@@ -312,8 +315,7 @@ __device__ __forceinline__ void k_tile(const QuantizeQkvParams& p, SharedStorage
   const int r0 = threadIdx.x / Map::kColBlocks;
   const int64_t row0 = blk * kTileRows;
   // Keys past kv_lens[b] are padding like the keys past seq_k (format.quantize_qkv).
-  const int64_t rows_left = valid_key_count(p, b) - row0;
-  const int valid_rows = rows_left <= 0 ? 0 : (rows_left >= kTileRows ? kTileRows : int(rows_left));
+  const int valid_rows = int(rows_below(valid_key_count(p, b), row0, kTileRows));
 
   const Raw* base = static_cast<const Raw*>(p.k.ptr) + row_offset(p.k, b, h, row0);
   Block16<DT> x[Map::kPasses];
@@ -434,18 +436,7 @@ __device__ __forceinline__ void v_tile(const QuantizeQkvParams& p, SharedStorage
     // Per column, this thread's blocks are contiguous along tokens: 8 data bytes, 1 scale each.
     const int64_t tb0 = tok0 / 16 + part * kBlocksPerThread;
 #pragma unroll
-    for (int c = 0; c < kCols; ++c) {
-      const int64_t row = bh * DP + cg * kCols + c;
-      uint8_t* data = p.vt_data + (row * p.seq_k_padded) / 2 + tb0 * 8;
-      uint8_t* sf = p.vt_sf + (row * p.seq_k_padded) / 16 + tb0;
-      if constexpr (kBlocksPerThread == 2) {
-        *reinterpret_cast<uint4*>(data) = make_uint4(words[c][0], words[c][1], words[c][2], words[c][3]);
-        *reinterpret_cast<uint16_t*>(sf) = static_cast<uint16_t>(sfs[c]);
-      } else {
-        store_u64(data, words[c][0], words[c][1]);
-        *sf = static_cast<uint8_t>(sfs[c]);
-      }
-    }
+    for (int c = 0; c < kCols; ++c) store_vt_blocks<kBlocksPerThread>(p, bh * DP + cg * kCols + c, tb0, words[c], sfs[c]);
   }
 }
 
@@ -463,11 +454,8 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
   const int64_t item = blockIdx.x;
   if constexpr (VEC) {
     const int64_t ahead = item + prefetch_distance - mean_items;  // a V^T tile (mean chunks prefetch themselves)
-    if (ahead >= 0 && ahead < p.batch * p.heads_kv * n_blocks) {
-      const int64_t bh = ahead / n_blocks, b = bh / p.heads_kv;
-      prefetch_rows_l2<Raw, DP>(p.v, b, bh % p.heads_kv, (ahead % n_blocks) * kTileRows,
-                                tile_rows(ahead % n_blocks, valid_key_count(p, b)));
-    }
+    if (ahead >= 0 && ahead < p.batch * p.heads_kv * n_blocks)
+      prefetch_tile_l2<Raw, DP>(p, p.v, p.heads_kv, n_blocks, ahead, true);
   }
   if (item < mean_items) {
     key_mean_item<DT, DP, VEC>(p, sm, item);
@@ -488,15 +476,10 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
   const int64_t item = blockIdx.x;
   if constexpr (VEC) {
     const int64_t ahead = item + prefetch_distance;
-    if (ahead < kv_tiles) {
-      const int64_t bh = ahead / n_kblocks, b = bh / p.heads_kv;
-      prefetch_rows_l2<Raw, DP>(p.k, b, bh % p.heads_kv, (ahead % n_kblocks) * kTileRows,
-                                tile_rows(ahead % n_kblocks, valid_key_count(p, b)));
-    } else if (ahead - kv_tiles < p.batch * p.heads_q * n_qblocks) {
-      const int64_t q = ahead - kv_tiles, bh = q / n_qblocks;
-      prefetch_rows_l2<Raw, DP>(p.q, bh / p.heads_q, bh % p.heads_q, (q % n_qblocks) * kTileRows,
-                                tile_rows(q % n_qblocks, p.seq_q));
-    }
+    if (ahead < kv_tiles)
+      prefetch_tile_l2<Raw, DP>(p, p.k, p.heads_kv, n_kblocks, ahead, true);
+    else if (ahead - kv_tiles < p.batch * p.heads_q * n_qblocks)
+      prefetch_tile_l2<Raw, DP>(p, p.q, p.heads_q, n_qblocks, ahead - kv_tiles, false);
   }
   if (item < kv_tiles) k_tile<DT, DP, VEC>(p, sm, item);
   else q_tile<DT, DP, VEC>(p, sm, item - kv_tiles);

@@ -134,6 +134,12 @@ __device__ __forceinline__ bool quantize_block16(const float (&v)[16], const Sca
   return false;
 }
 
+// Rows of [row0, row0 + span) below n_valid (the rest are padding): 0 .. span.
+__host__ __device__ __forceinline__ int64_t rows_below(int64_t n_valid, int64_t row0, int64_t span) {
+  const int64_t left = n_valid - row0;
+  return left <= 0 ? 0 : (left >= span ? span : left);
+}
+
 // Raise a non-finite flag (zero on entry); only threads that met a NaN/inf get here.
 __device__ __forceinline__ void raise_flag(uint32_t* flag, bool raise) {
   if (raise) atomicOr(flag, 1u);
@@ -141,6 +147,23 @@ __device__ __forceinline__ void raise_flag(uint32_t* flag, bool raise) {
 
 __device__ __forceinline__ void store_u64(uint8_t* p, uint32_t lo, uint32_t hi) {
   *reinterpret_cast<uint2*>(p) = make_uint2(lo, hi);
+}
+
+// One thread's kBlocks consecutive 16-token blocks (starting at block tb0) of V^T row `row`
+// (b * Hkv + kvh) * Dp + d: 8 data bytes and one scale byte each, one vector store each.
+template <int kBlocks>
+__device__ __forceinline__ void store_vt_blocks(const QuantizeQkvParams& p, int64_t row, int64_t tb0,
+                                                const uint32_t (&words)[2 * kBlocks], uint32_t sfs) {
+  static_assert(kBlocks == 1 || kBlocks == 2, "one or two blocks per thread");
+  uint8_t* data = p.vt_data + row * (p.seq_k_padded / 2) + tb0 * 8;
+  uint8_t* sf = p.vt_sf + row * (p.seq_k_padded / 16) + tb0;
+  if constexpr (kBlocks == 2) {
+    *reinterpret_cast<uint4*>(data) = make_uint4(words[0], words[1], words[2], words[3]);
+    *reinterpret_cast<uint16_t*>(sf) = static_cast<uint16_t>(sfs);
+  } else {
+    store_u64(data, words[0], words[1]);
+    *sf = static_cast<uint8_t>(sfs);
+  }
 }
 
 // Stored row of token t inside its 32-key group: r = 8a + 2b + c holds token 8b + 2a + c. It

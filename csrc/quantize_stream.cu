@@ -343,8 +343,7 @@ __device__ void produce(const QuantizeQkvParams& p, const StreamMaps& maps, Stre
       rows = valid_key_count(p, b);  // keys past kv_lens[b] are padding
     }
     const int64_t row0 = it.tile * kTileRows;
-    const int64_t left = rows - row0;
-    const int valid_rows = left <= 0 ? 0 : (left >= kTileRows ? kTileRows : int(left));
+    const int valid_rows = int(rows_below(rows, row0, kTileRows));
     sh.info[s] = StageInfo{it.kind, valid_rows, it.bh, it.tile, kv_head};
     if (it.kind == kEnd) {
       mbar_arrive(&sh.full[s]);
@@ -540,18 +539,7 @@ __device__ __forceinline__ void consume_v_tile(const QuantizeQkvParams& p, const
   raise_flag(p.nonfinite_kv + info.bh, nonfinite);
   const int64_t tb0 = info.tile * (kTileRows / 16) + part * kBlocksPerThread;
 #pragma unroll
-  for (int c = 0; c < 2; ++c) {
-    const int64_t row = info.bh * DP + 2 * word + c;
-    uint8_t* data = p.vt_data + row * (p.seq_k_padded / 2) + tb0 * 8;
-    uint8_t* sf = p.vt_sf + row * (p.seq_k_padded / 16) + tb0;
-    if constexpr (kBlocksPerThread == 2) {
-      *reinterpret_cast<uint4*>(data) = make_uint4(out[c][0], out[c][1], out[c][2], out[c][3]);
-      *reinterpret_cast<uint16_t*>(sf) = static_cast<uint16_t>(sfs[c]);
-    } else {
-      store_u64(data, out[c][0], out[c][1]);
-      *sf = static_cast<uint8_t>(sfs[c]);
-    }
-  }
+  for (int c = 0; c < 2; ++c) store_vt_blocks<kBlocksPerThread>(p, info.bh * DP + 2 * word + c, tb0, out[c], sfs[c]);
 }
 
 // One tile of a K mean: its column sums go to the workspace. The CTA that completes a chunk's
