@@ -178,19 +178,26 @@ __device__ __forceinline__ int k_row_perm(int t) {
 // km-ready flag, then (streaming kernel) per chunk the arrivals of its tile sums.
 __device__ __forceinline__ uint32_t* arrivals(const QuantizeQkvParams& p) { return p.work_counters + 1; }
 
-// The K mean is finished by whichever CTA adds the last partial sum. Each CTA publishes its
-// partial (fence), then counts itself on `counter`; `slot` (shared) carries thread 0's verdict to
-// the others, `sync` is the barrier of the threads taking part (__syncthreads or a named one).
-// The last arriver fences again so that it reads every other CTA's partial.
+// The K mean is finished by whichever CTA adds the last partial sum. Each CTA's threads store
+// their partials and meet at `sync` (__syncthreads or a named barrier of the threads taking part);
+// then thread 0 alone releases them at gpu scope and counts the CTA on `counter` (a fence is
+// cumulative over the writes the barrier ordered before it: CUTLASS's semaphore pattern). The last
+// arriver's thread 0 fences again (acquire) before its CTA reads the other CTAs' partials; `slot`
+// (shared) carries its verdict to the others. fence.acq_rel rather than __threadfence, which is
+// fence.sc.gpu (MEMBAR.SC.GPU) in every thread.
+__device__ __forceinline__ void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
+
 template <typename Sync>
 __device__ __forceinline__ bool arrived_last(uint32_t* counter, int64_t expected, uint32_t& slot, Sync sync) {
-  __threadfence();
   sync();
-  if (threadIdx.x == 0) slot = atomicAdd(counter, 1u) == static_cast<uint32_t>(expected - 1);
+  if (threadIdx.x == 0) {
+    fence_acq_rel_gpu();
+    const bool last = atomicAdd(counter, 1u) == static_cast<uint32_t>(expected - 1);
+    if (last) fence_acq_rel_gpu();
+    slot = last;
+  }
   sync();
-  if (!slot) return false;
-  __threadfence();
-  return true;
+  return slot;
 }
 
 // km from the sum over the n_valid valid keys: zero when a batch has none (format.k_mean clamps

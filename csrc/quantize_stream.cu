@@ -113,9 +113,11 @@ __device__ __forceinline__ uint32_t* chunk_arrivals(const QuantizeQkvParams& p) 
 // After km is stored by the participating threads: make km visible, then raise bh's ready flag.
 template <typename Sync>
 __device__ __forceinline__ void publish_key_mean(const QuantizeQkvParams& p, int64_t bh, Sync sync) {
-  __threadfence();
   sync();
-  if (threadIdx.x == 0) atomicExch(km_ready(p) + bh, 1u);
+  if (threadIdx.x == 0) {
+    fence_acq_rel_gpu();
+    atomicExch(km_ready(p) + bh, 1u);
+  }
 }
 
 // Spin (this thread) until km of kv head bh is published. The mean items hold lower tickets than
