@@ -198,6 +198,20 @@ __device__ __forceinline__ void key_mean_item(const QuantizeQkvParams& p, Shared
 // Shared index of column c of a per-column vector: 4 floats of padding after every 16 columns.
 __device__ __forceinline__ int padded_column(int c) { return c + (c >> 4) * 4; }
 
+// Columns cb * 16 .. cb * 16 + 15 of such a vector as four 16-byte loads (the compiler cannot see
+// through padded_column that they are contiguous and aligned, and issued up to 16 scalar loads).
+__device__ __forceinline__ void load_column_block(const float* vec, int cb, float (&out)[16]) {
+  const float4* src = reinterpret_cast<const float4*>(vec + padded_column(cb * 16));
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float4 t = src[i];
+    out[4 * i] = t.x;
+    out[4 * i + 1] = t.y;
+    out[4 * i + 2] = t.z;
+    out[4 * i + 3] = t.w;
+  }
+}
+
 template <int DP>
 struct SharedStorage {
   union {
@@ -284,12 +298,14 @@ __device__ __forceinline__ void q_tile(const QuantizeQkvParams& p, SharedStorage
     uint32_t lo = 0, hi = 0, sf_bits = 0;
     float dot = 0.0f;
     if (r < valid_rows) {
-      float v[16];
+      float v[16], qm[16], km[16];
+      load_column_block(sm.mean, cb, qm);
+      load_column_block(sm.km, cb, km);
 #pragma unroll
       for (int e = 0; e < 16; ++e) {
         const float xe = x[ps].get(e);
-        v[e] = xe - sm.mean[padded_column(cb * 16 + e)];
-        dot = fmaf(xe, sm.km[padded_column(cb * 16 + e)], dot);
+        v[e] = xe - qm[e];
+        dot = fmaf(xe, km[e], dot);
       }
       nonfinite |= quantize_block16(v, sm.tables, lo, hi, sf_bits);
     }
@@ -341,9 +357,10 @@ __device__ __forceinline__ void k_tile(const QuantizeQkvParams& p, SharedStorage
     const int r = r0 + ps * Map::kRowsPerPass;
     uint32_t lo = 0, hi = 0, sf_bits = 0;
     if (r < valid_rows) {
-      float v[16];
+      float v[16], km[16];
+      load_column_block(sm.mean, cb, km);
 #pragma unroll
-      for (int e = 0; e < 16; ++e) v[e] = x[ps].get(e) - sm.mean[padded_column(cb * 16 + e)];
+      for (int e = 0; e < 16; ++e) v[e] = x[ps].get(e) - km[e];
       nonfinite |= quantize_block16(v, sm.tables, lo, hi, sf_bits);
     }
     store_u64(data + ps * Map::kRowsPerPass * (DP / 2), lo, hi);
