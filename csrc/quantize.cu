@@ -224,8 +224,8 @@ struct SharedStorage {
   // Per-column vectors, column c at padded_column(c): a warp's eight column blocks then read
   // them as 16-byte vectors without bank conflicts (a pitch of 16 floats would put four
   // blocks on the same banks).
-  float mean[DP + DP / 4];  // q block mean (Q tiles) or km (K tiles)
-  float km[DP + DP / 4];    // km for q . km (Q tiles)
+  float mean[DP + DP / 4];  // the Q tile's block mean
+  float km[DP + DP / 4];    // km of the tile's kv head (K tiles: subtracted; Q tiles: q . km)
   ScaleTables tables;
   uint32_t last_arrival;  // this CTA added a head's last K-mean chunk
 };
@@ -345,7 +345,7 @@ __device__ __forceinline__ void k_tile(const QuantizeQkvParams& p, SharedStorage
     if (r < valid_rows) load_block16<DT, VEC>(x[ps], base + r * p.k.stride_s, p.k.stride_d, cb * 16, int(p.head_dim));
   }
   // While the loads are in flight: km (written by the previous launch) and the scale tables.
-  if (threadIdx.x < DP) sm.mean[padded_column(threadIdx.x)] = __ldcg(p.k_mean + bh * DP + threadIdx.x);
+  if (threadIdx.x < DP) sm.km[padded_column(threadIdx.x)] = __ldcg(p.k_mean + bh * DP + threadIdx.x);
   fill_scale_tables(sm.tables);
   __syncthreads();
 
@@ -361,7 +361,7 @@ __device__ __forceinline__ void k_tile(const QuantizeQkvParams& p, SharedStorage
     uint32_t lo = 0, hi = 0, sf_bits = 0;
     if (r < valid_rows) {
       float v[16], km[16];
-      load_column_block(sm.mean, cb, km);
+      load_column_block(sm.km, cb, km);
 #pragma unroll
       for (int e = 0; e < 16; ++e) v[e] = x[ps].get(e) - km[e];
       nonfinite |= quantize_block16(v, sm.tables, lo, hi, sf_bits);
