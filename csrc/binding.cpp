@@ -51,14 +51,15 @@ at::Tensor checked_kv_lens(const std::optional<at::Tensor>& kv_lens, int64_t bat
 
 int64_t round_up_128(int64_t n) { return (std::max<int64_t>(n, 1) + 127) / 128 * 128; }
 
-// NVFP4_DIT_QUANTIZE_KERNEL: unset or "tiles" (the tile kernel), or "stream" (the opt-in
-// streaming kernel; tests and scripts/bench_quantize.py run both).
+// NVFP4_DIT_QUANTIZE_KERNEL: unset or "auto" (the streaming kernel where it applies, else the tile
+// kernel), "tiles" or "stream" (force one; tests and scripts/bench_quantize.py run each).
 nvfp4_dit::QuantizeKernel quantize_kernel_choice() {
   const char* env = std::getenv("NVFP4_DIT_QUANTIZE_KERNEL");
   const std::string value = env == nullptr ? "" : env;
-  if (value.empty() || value == "tiles") return nvfp4_dit::QuantizeKernel::kTiles;
+  if (value.empty() || value == "auto") return nvfp4_dit::QuantizeKernel::kAuto;
+  if (value == "tiles") return nvfp4_dit::QuantizeKernel::kTiles;
   if (value == "stream") return nvfp4_dit::QuantizeKernel::kStream;
-  TORCH_CHECK(false, "NVFP4_DIT_QUANTIZE_KERNEL must be tiles or stream, not '", value, "'");
+  TORCH_CHECK(false, "NVFP4_DIT_QUANTIZE_KERNEL must be auto, tiles or stream, not '", value, "'");
 }
 
 std::vector<at::Tensor> quantize_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -89,7 +90,7 @@ std::vector<at::Tensor> quantize_qkv(const at::Tensor& q, const at::Tensor& k, c
   at::Tensor k_mean = at::empty({b, hkv, dp}, f32);
   at::Tensor q_dot_km = at::empty({b, h, sq}, f32);
   const nvfp4_dit::QuantizeKernel kernel = quantize_kernel_choice();
-  const bool streaming = kernel == nvfp4_dit::QuantizeKernel::kStream;
+  const bool streaming = kernel != nvfp4_dit::QuantizeKernel::kTiles;  // may run the streaming kernel
   at::Tensor partial = at::empty({nvfp4_dit::quantize_qkv_workspace_floats(b, hkv, sk, dp, streaming)}, f32);
   // One zeroed int32 buffer (one memset): the work counters, then the non-finite flags.
   const int64_t n_counters = nvfp4_dit::quantize_qkv_workspace_counters(b, hkv, sk);

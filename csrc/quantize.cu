@@ -186,8 +186,7 @@ __device__ __forceinline__ void key_mean_item(const QuantizeQkvParams& p, Shared
     partial[chunk * DP + threadIdx.x] = s;
   }
   // Publish the chunk sum, then count arrivals; the last CTA of this head finishes the mean.
-  const auto sync = [] { __syncthreads(); };
-  if (!arrived_last(arrivals(p) + bh, n_chunks, sm.last_arrival, sync)) return;
+  if (!cta_arrived_last(arrivals(p) + bh, n_chunks, sm.last_arrival)) return;
   if (threadIdx.x < DP) {
     float s = 0.0f;
     for (int64_t c = 0; c < n_chunks; ++c) s += __ldcg(partial + c * DP + threadIdx.x);
@@ -204,15 +203,7 @@ __device__ __forceinline__ int padded_column(int c) { return c + (c >> 4) * 4; }
 // Columns cb * 16 .. cb * 16 + 15 of such a vector as four 16-byte loads (the compiler cannot see
 // through padded_column that they are contiguous and aligned, and issued up to 16 scalar loads).
 __device__ __forceinline__ void load_column_block(const float* vec, int cb, float (&out)[16]) {
-  const float4* src = reinterpret_cast<const float4*>(vec + padded_column(cb * 16));
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float4 t = src[i];
-    out[4 * i] = t.x;
-    out[4 * i + 1] = t.y;
-    out[4 * i + 2] = t.z;
-    out[4 * i + 3] = t.w;
-  }
+  load_floats16(vec + padded_column(cb * 16), out);
 }
 
 template <int DP>
@@ -453,10 +444,15 @@ __device__ __forceinline__ void v_tile(const QuantizeQkvParams& p, SharedStorage
       }
     }
     raise_flag(p.nonfinite_kv + bh, nonfinite);
-    // Per column, this thread's blocks are contiguous along tokens: 8 data bytes, 1 scale each.
-    const int64_t tb0 = tok0 / 16 + part * kBlocksPerThread;
+    // The sub-tile's V^T rows gathered in the staging buffer (its inputs consumed), then stored whole.
+    const VtRowGather<DP, kSubRows> gather{smem_addr(sm.v_tile)};
+    static_assert(VtRowGather<DP, kSubRows>::kBytes <= kVTileBytes, "the gather fits the staging buffer");
+    __syncthreads();
 #pragma unroll
-    for (int c = 0; c < kCols; ++c) store_vt_blocks<kBlocksPerThread>(p, bh * DP + cg * kCols + c, tb0, words[c], sfs[c]);
+    for (int c = 0; c < kCols; ++c)
+      gather.template put<kBlocksPerThread>(cg * kCols + c, part * kBlocksPerThread, words[c], sfs[c]);
+    __syncthreads();
+    gather.store(p, bh, tok0, threadIdx.x, kThreads);
   }
 }
 
@@ -544,7 +540,10 @@ cudaError_t launch_quantize_qkv(const QuantizeQkvParams& p, cudaStream_t stream)
       p.seq_q_padded < p.seq_q || p.seq_k_padded < p.seq_k || p.seq_q_padded <= 0 || p.seq_k_padded <= 0 ||
       p.head_dim <= 0 || p.head_dim > p.head_dim_padded)
     return cudaErrorInvalidValue;
-  if (p.kernel == QuantizeKernel::kStream) return launch_quantize_qkv_stream(p, stream);
+  if (p.kernel != QuantizeKernel::kTiles) {
+    const cudaError_t err = launch_quantize_qkv_stream(p, stream);
+    if (err != cudaErrorNotSupported || p.kernel == QuantizeKernel::kStream) return err;
+  }
   switch (p.dtype) {
     case InputDtype::kBFloat16: return launch_dtype<InputDtype::kBFloat16>(p, stream);
     case InputDtype::kFloat16: return launch_dtype<InputDtype::kFloat16>(p, stream);

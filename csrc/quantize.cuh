@@ -28,11 +28,12 @@ struct StridedInput {
   int64_t stride_d;
 };
 
-// Which kernel launch_quantize_qkv runs: the tile kernel (quantize.cu, any input; the default) or
-// the streaming kernel (quantize_stream.cu, opt-in: it fails with cudaErrorNotSupported where it
-// does not apply). On the H200 the two are within a few percent of each other, either way from run
-// to run (docs/quantize_performance.md), so the default is the kernel that takes every input.
-enum class QuantizeKernel : int32_t { kTiles = 0, kStream = 1 };
+// Which kernel launch_quantize_qkv runs: the tile kernel (quantize.cu, any input), the streaming
+// kernel (quantize_stream.cu: it fails with cudaErrorNotSupported where it does not apply), or
+// (kAuto, the default) the streaming kernel where it applies in the configuration measured faster
+// on the H200 (two CTAs of three or more stages per SM), else the tile kernel
+// (docs/quantize_performance.md).
+enum class QuantizeKernel : int32_t { kTiles = 0, kStream = 1, kAuto = 2 };
 
 struct QuantizeQkvParams {
   StridedInput q, k, v;

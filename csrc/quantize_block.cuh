@@ -134,6 +134,19 @@ __device__ __forceinline__ bool quantize_block16(const float (&v)[16], const Sca
   return false;
 }
 
+// 16 consecutive floats of shared memory (16-byte aligned) as four 16-byte loads.
+__device__ __forceinline__ void load_floats16(const float* src, float (&out)[16]) {
+  const float4* v = reinterpret_cast<const float4*>(src);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float4 t = v[i];
+    out[4 * i] = t.x;
+    out[4 * i + 1] = t.y;
+    out[4 * i + 2] = t.z;
+    out[4 * i + 3] = t.w;
+  }
+}
+
 // Rows of [row0, row0 + span) below n_valid (the rest are padding): 0 .. span.
 __host__ __device__ __forceinline__ int64_t rows_below(int64_t n_valid, int64_t row0, int64_t span) {
   const int64_t left = n_valid - row0;
@@ -149,22 +162,79 @@ __device__ __forceinline__ void store_u64(uint8_t* p, uint32_t lo, uint32_t hi) 
   *reinterpret_cast<uint2*>(p) = make_uint2(lo, hi);
 }
 
-// One thread's kBlocks consecutive 16-token blocks (starting at block tb0) of V^T row `row`
-// (b * Hkv + kvh) * Dp + d: 8 data bytes and one scale byte each, one vector store each.
-template <int kBlocks>
-__device__ __forceinline__ void store_vt_blocks(const QuantizeQkvParams& p, int64_t row, int64_t tb0,
-                                                const uint32_t (&words)[2 * kBlocks], uint32_t sfs) {
-  static_assert(kBlocks == 1 || kBlocks == 2, "one or two blocks per thread");
-  uint8_t* data = p.vt_data + row * (p.seq_k_padded / 2) + tb0 * 8;
-  uint8_t* sf = p.vt_sf + row * (p.seq_k_padded / 16) + tb0;
-  if constexpr (kBlocks == 2) {
-    *reinterpret_cast<uint4*>(data) = make_uint4(words[0], words[1], words[2], words[3]);
-    *reinterpret_cast<uint16_t*>(sf) = static_cast<uint16_t>(sfs);
-  } else {
-    store_u64(data, words[0], words[1]);
-    *sf = static_cast<uint8_t>(sfs);
-  }
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
+
+__device__ __forceinline__ uint4 lds128(uint32_t addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
+  return v;
+}
+
+// The V^T outputs of kTokens tokens (a tile or a sub-tile) of one kv head: DP rows of kTokens / 2
+// data and kTokens / 16 scale bytes, each row quantized by several threads of different warps
+// (kBlocks 16-token blocks each). Stored by those threads, a warp's store would touch 32 rows with
+// a partial 32-byte sector each; on the H200 that cost up to a fifth of the streaming kernel's time
+// at 118.8k tokens (docs/quantize_performance.md). So the threads put their bytes into shared
+// memory (`base`, kBytes), meet at a barrier, and store whole rows: kTokens / 32 lanes per row.
+template <int DP, int kTokens>
+struct VtRowGather {
+  static constexpr int kRowBytes = kTokens / 2;
+  static constexpr int kChunks = kRowBytes / 16;  // 16-byte chunks per row
+  static constexpr int kScaleRowBytes = kTokens / 16;
+  static constexpr int kBytes = DP * (kRowBytes + kScaleRowBytes);
+  static_assert(kChunks == 2 || kChunks == 4, "a sub-tile of 64 or a tile of 128 tokens");
+  uint32_t base;
+
+  // Byte `byte` of row `row`, its 16-byte chunk swizzled by the row: the writers of one store
+  // instruction (rows 2 apart) then hit two banks each instead of eight.
+  __device__ __forceinline__ uint32_t data(int row, int byte) const {
+    return base + row * kRowBytes + (byte ^ (((row >> 1) & (kChunks - 1)) << 4));
+  }
+  __device__ __forceinline__ uint32_t scale(int row, int byte) const {
+    return base + DP * kRowBytes + row * kScaleRowBytes + byte;
+  }
+
+  // This thread's kBlocks blocks of row `row` from block `tb` of the tile (8 data bytes and one
+  // scale byte each).
+  template <int kBlocks>
+  __device__ __forceinline__ void put(int row, int tb, const uint32_t (&words)[2 * kBlocks], uint32_t sfs) const {
+    static_assert(kBlocks == 1 || kBlocks == 2, "one or two blocks per thread");
+    if constexpr (kBlocks == 2) {
+      asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(data(row, tb * 8)), "r"(words[0]), "r"(words[1]),
+                   "r"(words[2]), "r"(words[3])
+                   : "memory");
+      asm volatile("st.shared.u16 [%0], %1;" ::"r"(scale(row, tb)), "h"(static_cast<uint16_t>(sfs)) : "memory");
+    } else {
+      asm volatile("st.shared.v2.u32 [%0], {%1, %2};" ::"r"(data(row, tb * 8)), "r"(words[0]), "r"(words[1]) : "memory");
+      asm volatile("st.shared.u8 [%0], %1;" ::"r"(scale(row, tb)), "h"(static_cast<uint16_t>(sfs)) : "memory");
+    }
+  }
+
+  // After the barrier: the rows of kv head bh (b * Hkv + kvh) at tokens [tok0, tok0 + kTokens),
+  // by `threads` threads (thread `tid`).
+  __device__ __forceinline__ void store(const QuantizeQkvParams& p, int64_t bh, int64_t tok0, int tid,
+                                        int threads) const {
+    for (int i = tid; i < DP * kChunks; i += threads) {
+      const int row = i / kChunks, chunk = i % kChunks;
+      *reinterpret_cast<uint4*>(p.vt_data + (bh * DP + row) * (p.seq_k_padded / 2) + tok0 / 2 + chunk * 16) =
+          lds128(data(row, chunk * 16));
+    }
+    for (int row = tid; row < DP; row += threads) {
+      uint8_t* dst = p.vt_sf + (bh * DP + row) * (p.seq_k_padded / 16) + tok0 / 16;
+      if constexpr (kScaleRowBytes == 8) {
+        uint2 v;
+        asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "r"(scale(row, 0)));
+        *reinterpret_cast<uint2*>(dst) = v;
+      } else {
+        uint32_t v;
+        asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(scale(row, 0)));
+        *reinterpret_cast<uint32_t*>(dst) = v;
+      }
+    }
+  }
+};
 
 // Stored row of token t inside its 32-key group: r = 8a + 2b + c holds token 8b + 2a + c. It
 // moves rows only inside their group: k_row_perm(t + 32 n) = k_row_perm(t) + 32 n.
@@ -179,24 +249,26 @@ __device__ __forceinline__ int k_row_perm(int t) {
 __device__ __forceinline__ uint32_t* arrivals(const QuantizeQkvParams& p) { return p.work_counters + 1; }
 
 // The K mean is finished by whichever CTA adds the last partial sum. Each CTA's threads store
-// their partials and meet at `sync` (__syncthreads or a named barrier of the threads taking part);
-// then thread 0 alone releases them at gpu scope and counts the CTA on `counter` (a fence is
-// cumulative over the writes the barrier ordered before it: CUTLASS's semaphore pattern). The last
-// arriver's thread 0 fences again (acquire) before its CTA reads the other CTAs' partials; `slot`
-// (shared) carries its verdict to the others. fence.acq_rel rather than __threadfence, which is
-// fence.sc.gpu (MEMBAR.SC.GPU) in every thread.
+// their partials and meet at a barrier (the CTA's, or a warp's: __syncwarp); then one thread
+// counts the CTA on `counter` with count_arrival: it releases the partials at gpu scope first (a
+// fence is cumulative over the writes the barrier ordered before it: CUTLASS's semaphore pattern),
+// and the last arriver fences again (acquire) before its threads, after another barrier, read the
+// other CTAs' partials. fence.acq_rel rather than __threadfence, which is fence.sc.gpu
+// (MEMBAR.SC.GPU) in every thread.
 __device__ __forceinline__ void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
 
-template <typename Sync>
-__device__ __forceinline__ bool arrived_last(uint32_t* counter, int64_t expected, uint32_t& slot, Sync sync) {
-  sync();
-  if (threadIdx.x == 0) {
-    fence_acq_rel_gpu();
-    const bool last = atomicAdd(counter, 1u) == static_cast<uint32_t>(expected - 1);
-    if (last) fence_acq_rel_gpu();
-    slot = last;
-  }
-  sync();
+__device__ __forceinline__ bool count_arrival(uint32_t* counter, int64_t expected) {
+  fence_acq_rel_gpu();
+  const bool last = atomicAdd(counter, 1u) == static_cast<uint32_t>(expected - 1);
+  if (last) fence_acq_rel_gpu();
+  return last;
+}
+
+// count_arrival for a whole CTA: `slot` (shared) carries thread 0's verdict to the others.
+__device__ __forceinline__ bool cta_arrived_last(uint32_t* counter, int64_t expected, uint32_t& slot) {
+  __syncthreads();
+  if (threadIdx.x == 0) slot = count_arrival(counter, expected);
+  __syncthreads();
   return slot;
 }
 

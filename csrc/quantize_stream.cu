@@ -1,31 +1,35 @@
 // Streaming NVFP4 preprocessing of contiguous 16-bit rows (bf16/fp16, D == Dp, unit stride along
 // D, 16-byte aligned rows), sm_90 and newer. Same contract and same bytes as quantize.cu
-// (quantize.cuh; per-block code shared through quantize_block.cuh). Opt-in
-// (QuantizeKernel::kStream, NVFP4_DIT_QUANTIZE_KERNEL=stream): on the H200 it is within a few
-// percent of the tile kernel, faster in some runs and slower in others, and it takes fewer inputs
-// (docs/quantize_performance.md has the numbers and the profiles).
+// (quantize.cuh; per-block code shared through quantize_block.cuh). The default where it applies
+// (QuantizeKernel::kAuto); docs/quantize_performance.md has the numbers and the profiles.
 //
 // Why a second kernel: quantize.cu gives each CTA one tile, loaded into registers and then
-// computed, so a warp waits for its loads before every tile; the tile kernel is latency-bound at
-// 35-43 % of copy bandwidth. Here CTAs are persistent and copies run ahead of the arithmetic:
-//  * one producer thread draws tickets and, for each 128-row tile, starts DP / 64 TMA box copies
-//    (cp.async.bulk.tensor, 64 columns x 128 rows each) into a free shared-memory stage of a
-//    ring; they complete on the stage's "full" mbarrier;
+// computed, so a warp waits for its loads before every tile, and its two launches read K twice
+// from DRAM. Here CTAs are persistent, copies run ahead of the arithmetic, and every warp has one
+// job (warp specialisation):
+//  * the producer warp draws tickets and, for each 128-row tile, starts DP / 64 TMA box copies
+//    (cp.async.bulk.tensor, 64 columns x 128 rows each) into a free shared-memory stage of a ring
+//    (they complete on the stage's "full" mbarrier); for K and Q tiles it also puts the head's km
+//    into the stage;
 //  * eight consumer warps quantize the stage straight from shared memory, write the outputs and
-//    release the stage on its "empty" mbarrier. They meet at a barrier only inside Q tiles (the
-//    block mean) and K-mean tiles, never to wait for memory.
+//    release the stage on its "empty" mbarrier. They never wait on global memory: they meet at a
+//    barrier only inside Q tiles (the block mean) and V^T tiles (gathering the output rows);
+//  * the reducer warp counts the K-mean tiles' arrivals across CTAs and finishes the means (the
+//    round trips to L2 that the consumers used to wait for).
 // Column sums (Q block means, K-mean tiles) run on tensor cores: ones(16x16) . tile, the tile read
 // with ldmatrix.trans, fp32 accumulation.
 //
 // Ticket order, per (b, kv head) g: V(g), M(g + L), K(g), Q(g) after a prologue M(0 .. L-1), where
 // M(g) are g's K-mean tiles, V/K its V^T and K tiles and Q the tiles of the query heads that share
-// g. Every item depends only on lower tickets (K(g) and Q(g) need km(g), finished by M(g)), so the
-// lowest unfinished ticket never waits; the lookahead L (host-chosen, about three pipeline
-// depths) keeps K tiles from waiting for means still queued behind them.
+// g. Every item depends only on lower tickets (K(g) and Q(g) need km(g), finished by M(g)), and
+// only the producer warp waits for one (km), so the lowest unfinished ticket never waits; the
+// lookahead L (host-chosen, about three pipeline depths) keeps producers from waiting for means
+// still queued behind them.
 //
 // Stages hold TMA boxes with the 128-byte swizzle, under which the thread layouts below read
 // shared memory without bank conflicts (16-byte row reads, 4-byte V column reads and ldmatrix).
 #include <cfloat>
+#include <type_traits>
 
 #include <cuda.h>  // CUtensorMap and its enums (types only: the encoder comes from the runtime)
 #include <cuda_fp16.h>
@@ -40,8 +44,9 @@ namespace {
 
 constexpr int kConsumerWarps = 8;
 constexpr int kConsumers = kConsumerWarps * 32;
-constexpr int kStreamThreads = kConsumers + 32;  // + the producer warp
+constexpr int kStreamThreads = kConsumers + 64;    // + the producer and the reducer warp
 constexpr int kMaxStages = 8;
+constexpr int kMeanJobs = 8;  // K-mean tiles handed from the consumers to the reducer warp, in flight
 
 // A stage holds one 128-row tile as DP / 64 TMA boxes of 128 rows x 128 bytes, each stored with
 // the 128-byte swizzle: 16-byte chunk c of row r sits at chunk c ^ (r % 8) of that row.
@@ -64,15 +69,23 @@ struct StageInfo {
   int64_t kv_head;     // b * Hkv + kvh of the K mean it needs (K, Q)
 };
 
+// A K-mean tile whose column sums the consumers stored, for the reducer warp to count.
+struct MeanJob {
+  int64_t bh;    // b * Hkv + kvh
+  int64_t tile;  // its 128-key tile; -1: no more jobs
+};
+
 template <int DP>
 struct StreamShared {
   uint64_t full[kMaxStages];
   uint64_t empty[kMaxStages];
+  uint64_t job_ready[kMeanJobs];  // the consumer warps stored the job's tile sums
+  uint64_t job_free[kMeanJobs];   // the reducer warp took the job
   StageInfo info[kMaxStages];
-  float mean[kMaxStages][DP];         // Q: the tile's block mean
-  float red[kConsumers / DP][DP];     // K mean: partial sums of the final reduction
+  MeanJob jobs[kMeanJobs];
+  float mean[kMaxStages][DP];  // Q: the tile's block mean
+  float km[kMaxStages][DP];    // K, Q: km of the tile's kv head, put there by the producer warp
   ScaleTables tables;
-  uint32_t last_arrival;              // K mean: this CTA completed a chunk / the head
 };
 
 // Dynamic shared memory: StreamShared, then the stages from the next 1024-byte boundary (the
@@ -88,11 +101,19 @@ struct StreamMaps {
   CUtensorMap q, k, v;
 };
 
+// Host side: whether every ticket of these sizes fits the streaming schedule's 32-bit counts.
+inline bool schedule_fits_32_bits(const QuantizeQkvParams& p) {
+  const int64_t unit = 3 * (p.seq_k_padded / kTileRows) + (p.heads_q / p.heads_kv) * (p.seq_q_padded / kTileRows);
+  return p.batch * p.heads_q <= 0x7FFFFFFFLL && unit <= 0x7FFFFFFFLL / (p.batch * p.heads_kv);
+}
+
 // The device code needs sm_90 (mbarrier transaction counts, TMA); an sm_80 build keeps only an
 // empty kernel, which the launcher never starts (cudaFuncAttributes::binaryVersion).
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
 
 constexpr int kConsumerBarrier = 1;  // named barrier of the consumer warps (0 is __syncthreads)
+constexpr int kProducerWarp = kConsumerWarps;     // warp 8
+constexpr int kReducerWarp = kConsumerWarps + 1;  // warp 9
 constexpr int64_t kChunkTiles = kKeyMeanChunk / kTileRows;
 static_assert(kKeyMeanChunk % kTileRows == 0, "K-mean chunks are whole tiles");
 
@@ -110,19 +131,17 @@ __device__ __forceinline__ uint32_t* chunk_arrivals(const QuantizeQkvParams& p) 
   return p.work_counters + 1 + 2 * p.batch * p.heads_kv;
 }
 
-// After km is stored by the participating threads: make km visible, then raise bh's ready flag.
-template <typename Sync>
-__device__ __forceinline__ void publish_key_mean(const QuantizeQkvParams& p, int64_t bh, Sync sync) {
-  sync();
-  if (threadIdx.x == 0) {
-    fence_acq_rel_gpu();
-    atomicExch(km_ready(p) + bh, 1u);
-  }
+// One thread, after km of kv head bh was stored by it or by threads synchronised with it: make km
+// visible at gpu scope, then raise bh's ready flag.
+__device__ __forceinline__ void publish_key_mean(const QuantizeQkvParams& p, int64_t bh) {
+  fence_acq_rel_gpu();
+  atomicExch(km_ready(p) + bh, 1u);
 }
 
-// Spin (this thread) until km of kv head bh is published. The mean items hold lower tickets than
-// every item that waits, and a ticket is only drawn by a running CTA, so they are running or
-// done: the wait always ends.
+// Spin (this thread) until km of kv head bh is published. Only the producer warp waits, for a K
+// or Q ticket; the mean tiles of that head hold lower tickets, and every lower ticket finishes
+// without waiting on a higher one (consumers and the reducer warp wait on nothing but their own
+// CTA's queues), so the wait always ends.
 __device__ __forceinline__ void wait_key_mean_ready(const QuantizeQkvParams& p, int64_t bh) {
   const uint32_t* flag = km_ready(p) + bh;
   uint32_t ready;
@@ -135,10 +154,6 @@ __device__ __forceinline__ void wait_key_mean_ready(const QuantizeQkvParams& p, 
 
 ////////////////////////////////////////////////////////////////////////////////////////////////
 // PTX wrappers
-
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
 
 __device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count) : "memory");
@@ -187,12 +202,6 @@ __device__ __forceinline__ void load_box(uint32_t dst, const CUtensorMap* map, i
 
 __device__ __forceinline__ void consumer_barrier() {
   asm volatile("bar.sync %0, %1;" ::"n"(kConsumerBarrier), "n"(kConsumers) : "memory");
-}
-
-__device__ __forceinline__ uint4 lds128(uint32_t addr) {
-  uint4 v;
-  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
-  return v;
 }
 
 __device__ __forceinline__ uint32_t lds32(uint32_t addr) {
@@ -257,26 +266,46 @@ __device__ __forceinline__ void zero_padding_rows(uint32_t stage, int valid_rows
   consumer_barrier();
 }
 
+// Position in the ring of stages: the stage index and the parity of its current phase, advanced
+// by one per item (no division by the run-time stage count per item).
+struct StageRing {
+  int count, stage = 0;
+  uint32_t phase = 0;
+  __device__ __forceinline__ explicit StageRing(int num_stages) : count(num_stages) {}
+  __device__ __forceinline__ void next() {
+    if (++stage == count) {
+      stage = 0;
+      phase ^= 1u;
+    }
+  }
+};
+
 ////////////////////////////////////////////////////////////////////////////////////////////////
 // Ticket order
 
+// All counts in 32 bits (the launcher checks that every ticket fits): the producer decodes one
+// ticket per stage, and 64-bit divisions there were a serial chain of several hundred cycles.
 struct Schedule {
-  int64_t heads;      // B * Hkv
-  int64_t n_kv;       // K (and V^T, and K-mean) tiles per kv head
-  int64_t n_qh;       // Q tiles per query head
-  int64_t group;      // query heads per kv head
-  int64_t lookahead;  // heads whose K mean runs ahead of their K tiles
-  int64_t prologue;   // tickets of M(0 .. lookahead - 1)
-  int64_t unit;       // tickets of one kv head g: V(g), M(g + lookahead), K(g), Q(g)
-  int64_t full_units; // heads whose unit holds an M
-  int64_t total;
+  uint32_t heads;       // B * Hkv
+  uint32_t heads_kv;    // Hkv
+  uint32_t heads_q;     // H
+  uint32_t n_kv;        // K (and V^T, and K-mean) tiles per kv head
+  uint32_t n_qh;        // Q tiles per query head
+  uint32_t group;       // query heads per kv head
+  uint32_t lookahead;   // heads whose K mean runs ahead of their K tiles
+  uint32_t prologue;    // tickets of M(0 .. lookahead - 1)
+  uint32_t unit;        // tickets of one kv head g: V(g), M(g + lookahead), K(g), Q(g)
+  uint32_t full_units;  // heads whose unit holds an M
+  uint32_t total;
 
   __device__ __forceinline__ Schedule(const QuantizeQkvParams& p, int64_t mean_lookahead) {
-    heads = p.batch * p.heads_kv;
-    n_kv = p.seq_k_padded / kTileRows;
-    n_qh = p.seq_q_padded / kTileRows;
-    group = p.heads_q / p.heads_kv;
-    lookahead = mean_lookahead < heads ? mean_lookahead : heads;
+    heads = uint32_t(p.batch * p.heads_kv);
+    heads_kv = uint32_t(p.heads_kv);
+    heads_q = uint32_t(p.heads_q);
+    n_kv = uint32_t(p.seq_k_padded / kTileRows);
+    n_qh = uint32_t(p.seq_q_padded / kTileRows);
+    group = heads_q / heads_kv;
+    lookahead = mean_lookahead < int64_t(heads) ? uint32_t(mean_lookahead) : heads;
     prologue = lookahead * n_kv;
     unit = 3 * n_kv + group * n_qh;
     full_units = heads - lookahead;
@@ -286,80 +315,118 @@ struct Schedule {
 
 struct Item {
   int32_t kind;
-  int64_t bh, tile;
+  uint32_t bh;       // b * Hkv + kvh (M, V, K) or b * H + h (Q)
+  uint32_t tile;     // 128-row tile of that head
+  uint32_t kv_head;  // b * Hkv + kvh whose K mean it needs (K, Q) or that it reduces (M)
 };
 
 // Ticket t -> work item.
-__device__ __forceinline__ Item decode_ticket(const Schedule& sc, const QuantizeQkvParams& p, int64_t t) {
-  if (t >= sc.total) return Item{kEnd, 0, 0};
-  if (t < sc.prologue) return Item{kMeanTile, t / sc.n_kv, t % sc.n_kv};
+__device__ __forceinline__ Item decode_ticket(const Schedule& sc, uint32_t t) {
+  if (t >= sc.total) return Item{kEnd, 0, 0, 0};
+  if (t < sc.prologue) return Item{kMeanTile, t / sc.n_kv, t % sc.n_kv, t / sc.n_kv};
   t -= sc.prologue;
-  int64_t g, r;
-  bool has_mean = t < sc.full_units * sc.unit;
+  uint32_t g, r;
+  const bool has_mean = t < sc.full_units * sc.unit;
   if (has_mean) {
     g = t / sc.unit;
-    r = t % sc.unit;
+    r = t - g * sc.unit;
   } else {
     t -= sc.full_units * sc.unit;
-    g = sc.full_units + t / (sc.unit - sc.n_kv);
-    r = t % (sc.unit - sc.n_kv);
+    const uint32_t short_unit = sc.unit - sc.n_kv;
+    g = t / short_unit;
+    r = t - g * short_unit;
+    g += sc.full_units;
   }
-  if (r < sc.n_kv) return Item{kVTile, g, r};
+  if (r < sc.n_kv) return Item{kVTile, g, r, g};
   r -= sc.n_kv;
   if (has_mean) {
-    if (r < sc.n_kv) return Item{kMeanTile, g + sc.lookahead, r};
+    if (r < sc.n_kv) return Item{kMeanTile, g + sc.lookahead, r, g + sc.lookahead};
     r -= sc.n_kv;
   }
-  if (r < sc.n_kv) return Item{kKTile, g, r};
+  if (r < sc.n_kv) return Item{kKTile, g, r, g};
   r -= sc.n_kv;
-  const int64_t b = g / p.heads_kv, kvh = g % p.heads_kv;
-  return Item{kQTile, b * p.heads_q + kvh * sc.group + r / sc.n_qh, r % sc.n_qh};
+  const uint32_t b = g / sc.heads_kv, kvh = g - b * sc.heads_kv, head_in_group = r / sc.n_qh;
+  return Item{kQTile, b * sc.heads_q + kvh * sc.group + head_in_group, r - head_in_group * sc.n_qh, g};
 }
 
 ////////////////////////////////////////////////////////////////////////////////////////////////
 // Producer warp
 
-// One thread: draws a ticket per stage, waits for the stage to be free, publishes what it holds
-// and starts its TMA boxes.
+// Where an item's rows come from: its tensor map, batch and head, and the rows of data (the rest
+// of the tile is padding: past S, or keys past kv_lens[b]).
+struct ItemSource {
+  const CUtensorMap* map;
+  uint32_t b, h;
+  int64_t rows;
+};
+
+__device__ __forceinline__ ItemSource item_source(const QuantizeQkvParams& p, const StreamMaps& maps,
+                                                  const Schedule& sc, const Item& it) {
+  if (it.kind == kQTile) {
+    const uint32_t b = it.bh / sc.heads_q;
+    return ItemSource{&maps.q, b, it.bh - b * sc.heads_q, p.seq_q};
+  }
+  const uint32_t b = it.bh / sc.heads_kv;
+  return ItemSource{it.kind == kVTile ? &maps.v : &maps.k, b, it.bh - b * sc.heads_kv, valid_key_count(p, b)};
+}
+
+// Lane 0 of the producer warp: publishes what stage s will hold, arrives on its full barrier with
+// the bytes to expect and starts its TMA boxes (for kEnd, only the arrival).
+template <int DP>
+__device__ __forceinline__ void start_stage(const QuantizeQkvParams& p, const StreamMaps& maps, const Schedule& sc,
+                                            StreamShared<DP>& sh, const Item& it, int s, uint32_t stages) {
+  using G = StageGeometry<DP>;
+  if (it.kind == kEnd) {
+    sh.info[s] = StageInfo{kEnd, 0, 0, 0, 0};
+    mbar_arrive(&sh.full[s]);
+    return;
+  }
+  const ItemSource src = item_source(p, maps, sc, it);
+  const int64_t row0 = int64_t(it.tile) * kTileRows;
+  sh.info[s] = StageInfo{it.kind, int(rows_below(src.rows, row0, kTileRows)), it.bh, it.tile, it.kv_head};
+  // Boxes are whole (TMA fills rows past S with zeros), so every stage receives G::kBytes.
+  mbar_arrive_expect_tx(&sh.full[s], G::kBytes);
+  // The K-mean read of the keys asks L2 to keep them for the K tiles' second read; every other
+  // read is the data's last.
+  const uint32_t dst = stages + uint32_t(s) * G::kBytes;
+#pragma unroll
+  for (int box = 0; box < G::kBoxes; ++box)
+    load_box(dst + box * G::kBoxBytes, src.map, box * G::kBoxCols, int(row0), int(src.h), int(src.b), &sh.full[s],
+             it.kind == kMeanTile);
+}
+
+// The producer warp: lane 0 draws a ticket per stage; the warp waits for the stage to be free and,
+// for a K or Q tile, puts its head's km into the stage (waiting for the head's ready flag when the
+// head changes), so that no consumer waits on global memory; lane 0 then starts the stage. The
+// next ticket's atomic is issued before the wait for a free stage, so its L2 round trip overlaps
+// the wait. (Holding one ticket ahead keeps the schedule's guarantee: the held ticket is higher
+// than every ticket in this CTA's stages.) Every barrier of the ring is arrived on by each thread
+// that accessed the stage, after its own accesses, so each access is ordered by its own
+// release/acquire pair.
 template <int DP>
 __device__ void produce(const QuantizeQkvParams& p, const StreamMaps& maps, StreamShared<DP>& sh, uint32_t stages,
                         int num_stages, int64_t mean_lookahead) {
-  using G = StageGeometry<DP>;
+  constexpr int kKmLanes = DP / 4;  // lanes holding four floats of km each
+  const int lane = threadIdx.x & 31;
   const Schedule sc(p, mean_lookahead);
-  for (uint32_t n = 0;; ++n) {
-    const Item it = decode_ticket(sc, p, atomicAdd(p.work_counters, 1u));
-    const int s = int(n % uint32_t(num_stages));
-    mbar_wait(&sh.empty[s], ((n / uint32_t(num_stages)) & 1u) ^ 1u);
-    const CUtensorMap* map = nullptr;
-    int64_t rows = 0, b = 0, h = 0, kv_head = it.bh;
-    if (it.kind == kQTile) {
-      map = &maps.q;
-      b = it.bh / p.heads_q;
-      h = it.bh % p.heads_q;
-      kv_head = b * p.heads_kv + h / sc.group;
-      rows = p.seq_q;
-    } else if (it.kind != kEnd) {
-      map = it.kind == kVTile ? &maps.v : &maps.k;
-      b = it.bh / p.heads_kv;
-      h = it.bh % p.heads_kv;
-      rows = valid_key_count(p, b);  // keys past kv_lens[b] are padding
+  uint32_t ticket = lane == 0 ? atomicAdd(p.work_counters, 1u) : 0u;
+  float4 km = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  int64_t km_head = -1;  // kv head whose km the lanes hold
+  for (StageRing ring(num_stages);; ring.next()) {
+    const Item it = decode_ticket(sc, __shfl_sync(0xFFFFFFFFu, ticket, 0));
+    if (lane == 0 && it.kind != kEnd) ticket = atomicAdd(p.work_counters, 1u);
+    mbar_wait(&sh.empty[ring.stage], ring.phase ^ 1u);
+    if (it.kind == kKTile || it.kind == kQTile) {
+      if (int64_t(it.kv_head) != km_head) {
+        wait_key_mean_ready(p, it.kv_head);  // in every lane: its acquire orders its load
+        if (lane < kKmLanes) km = __ldcg(reinterpret_cast<const float4*>(p.k_mean + int64_t(it.kv_head) * DP) + lane);
+        km_head = it.kv_head;
+      }
+      if (lane < kKmLanes) reinterpret_cast<float4*>(sh.km[ring.stage])[lane] = km;
     }
-    const int64_t row0 = it.tile * kTileRows;
-    const int valid_rows = int(rows_below(rows, row0, kTileRows));
-    sh.info[s] = StageInfo{it.kind, valid_rows, it.bh, it.tile, kv_head};
-    if (it.kind == kEnd) {
-      mbar_arrive(&sh.full[s]);
-      return;
-    }
-    // Boxes are whole (TMA fills rows past S with zeros), so every stage receives G::kBytes.
-    mbar_arrive_expect_tx(&sh.full[s], G::kBytes);
-    // The K-mean read of the keys asks L2 to keep them for the K tiles' second read; every
-    // other read is the data's last.
-    const uint32_t dst = stages + uint32_t(s) * G::kBytes;
-#pragma unroll
-    for (int box = 0; box < G::kBoxes; ++box)
-      load_box(dst + box * G::kBoxBytes, map, box * G::kBoxCols, int(row0), int(h), int(b), &sh.full[s],
-               it.kind == kMeanTile);
+    if (lane == 0) start_stage<DP>(p, maps, sc, sh, it, ring.stage, stages);
+    else mbar_arrive(&sh.full[ring.stage]);
+    if (it.kind == kEnd) return;
   }
 }
 
@@ -395,22 +462,6 @@ __device__ __forceinline__ void load_row16(uint32_t stage, int row, int chunk, f
   for (int i = 0; i < 8; ++i) {
     x[2 * i] = InputTraits<DT>::to_float(w[i] & 0xFFFFu);
     x[2 * i + 1] = InputTraits<DT>::to_float(w[i] >> 16);
-  }
-}
-
-// km of kv head bh into the 16 registers of column block cb, once km is ready (the K-mean
-// chunks hold lower tickets, see the schedule).
-template <int DP>
-__device__ __forceinline__ void load_key_mean(const QuantizeQkvParams& p, int64_t bh, int cb, float (&km)[16]) {
-  wait_key_mean_ready(p, bh);
-  const float4* src = reinterpret_cast<const float4*>(p.k_mean + bh * DP + cb * 16);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float4 t = __ldcg(src + i);
-    km[4 * i] = t.x;
-    km[4 * i + 1] = t.y;
-    km[4 * i + 2] = t.z;
-    km[4 * i + 3] = t.w;
   }
 }
 
@@ -475,8 +526,7 @@ __device__ __forceinline__ void consume_q_tile(const QuantizeQkvParams& p, Strea
 
   const Map map;
   float qm[16];
-#pragma unroll
-  for (int e = 0; e < 16; ++e) qm[e] = sh.mean[s][map.cb * 16 + e];
+  load_floats16(sh.mean[s] + map.cb * 16, qm);
   uint8_t* data = p.q_data + (info.bh * p.seq_q_padded + row0) * (DP / 2) + map.cb * 8;
   uint8_t* sf = p.q_sf + (info.bh * p.seq_q_padded + row0) * (DP / 16) + map.cb;
   float* dot_out = p.q_dot_km + info.bh * p.seq_q + row0;
@@ -511,7 +561,6 @@ __device__ __forceinline__ void consume_q_tile(const QuantizeQkvParams& p, Strea
 template <InputDtype DT, int DP, bool FULL>
 __device__ __forceinline__ void consume_v_tile(const QuantizeQkvParams& p, const StreamShared<DP>& sh,
                                                const StageInfo& info, uint32_t stage) {
-  using G = StageGeometry<DP>;
   constexpr int kWordsPerRow = DP / 2;
   constexpr int kParts = kConsumers / kWordsPerRow;          // 4 (DP = 128) or 8 (DP = 64)
   constexpr int kBlocksPerThread = kTileRows / 16 / kParts;  // 2 or 1
@@ -539,24 +588,47 @@ __device__ __forceinline__ void consume_v_tile(const QuantizeQkvParams& p, const
     }
   }
   raise_flag(p.nonfinite_kv + info.bh, nonfinite);
-  const int64_t tb0 = info.tile * (kTileRows / 16) + part * kBlocksPerThread;
+  // The V^T rows gathered in the stage (its inputs consumed), then stored whole.
+  const VtRowGather<DP, kTileRows> gather{stage};
+  consumer_barrier();
 #pragma unroll
-  for (int c = 0; c < 2; ++c) store_vt_blocks<kBlocksPerThread>(p, info.bh * DP + 2 * word + c, tb0, out[c], sfs[c]);
+  for (int c = 0; c < 2; ++c) gather.template put<kBlocksPerThread>(2 * word + c, part * kBlocksPerThread, out[c], sfs[c]);
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // generic writes, then TMA's again
+  consumer_barrier();
+  gather.store(p, info.bh, info.tile * kTileRows, threadIdx.x, kConsumers);
 }
 
-// One tile of a K mean: its column sums go to the workspace. The CTA that completes a chunk's
-// tiles adds their sums (fixed order) into the chunk's sum, and the CTA that completes a head's
-// chunks adds those (fixed order), writes km and raises the head's ready flag: deterministic, and
-// the tiles of a head reduce in parallel across CTAs.
+// K means, in three levels: per 128-key tile (column sums, by the consumer warps), per chunk of
+// kChunkTiles tiles and per head (by the reducer warp of whichever CTA completes the chunk or the
+// head, in a fixed order: deterministic). Workspace: chunk sums [B * Hkv, k_chunks, DP], then tile
+// sums [B * Hkv, k_tiles, DP].
+__device__ __forceinline__ float* key_chunk_sums(const QuantizeQkvParams& p, int64_t bh, int64_t n_chunks, int dp) {
+  return p.k_partial_sums + bh * n_chunks * dp;
+}
+__device__ __forceinline__ float* key_tile_sums(const QuantizeQkvParams& p, int64_t bh, int64_t n_chunks,
+                                                int64_t n_tiles, int dp) {
+  return p.k_partial_sums + p.batch * p.heads_kv * n_chunks * dp + bh * n_tiles * dp;
+}
+
+// Consumer threads: hand job number `job` (counted alike by every consumer thread) to the reducer
+// warp, once its slot is free: thread 0 writes it, and every thread's arrival releases its own
+// stores (the job, the tile sums).
+template <int DP>
+__device__ __forceinline__ void post_mean_job(StreamShared<DP>& sh, uint32_t job, const MeanJob& what) {
+  const int slot = int(job % kMeanJobs);
+  mbar_wait(&sh.job_free[slot], ((job / kMeanJobs) & 1u) ^ 1u);
+  if (threadIdx.x == 0) sh.jobs[slot] = what;
+  mbar_arrive(&sh.job_ready[slot]);
+}
+
+// One tile of a K mean: its column sums go to the workspace, and the tile to the reducer warp. The
+// consumers never wait for the other CTAs' arrivals.
 template <InputDtype DT, int DP>
 __device__ __forceinline__ void consume_mean_tile(const QuantizeQkvParams& p, StreamShared<DP>& sh,
-                                                  const StageInfo& info, uint32_t stage) {
+                                                  const StageInfo& info, uint32_t stage, uint32_t job) {
   constexpr int kGroups = ColumnSumMap<DP>::kGroupsPerWarp;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int64_t n_chunks = quantize_qkv_k_chunks(p.seq_k), n_tiles = p.seq_k_padded / kTileRows;
-  float* chunk_sums = p.k_partial_sums + info.bh * n_chunks * DP;
-  float* tile_sums = p.k_partial_sums + p.batch * p.heads_kv * n_chunks * DP + info.bh * n_tiles * DP;
-
+  float* tile_sums = key_tile_sums(p, info.bh, quantize_qkv_k_chunks(p.seq_k), p.seq_k_padded / kTileRows, DP);
   if (info.valid_rows < kTileRows) zero_padding_rows<DP>(stage, info.valid_rows);
 #pragma unroll
   for (int g = 0; g < kGroups; ++g) {
@@ -565,60 +637,98 @@ __device__ __forceinline__ void consume_mean_tile(const QuantizeQkvParams& p, St
     add_column_sums8<DT>(stage, n0, acc);
     if (lane < 4) *reinterpret_cast<float2*>(tile_sums + info.tile * DP + n0 + 2 * lane) = make_float2(acc[0], acc[1]);
   }
-  const int64_t chunk = info.tile / kChunkTiles, first = chunk * kChunkTiles;
+  post_mean_job(sh, job, MeanJob{info.bh, info.tile});
+}
+
+// Reducer warp, one job: count the tile on its chunk; the last tile of a chunk adds the chunk's
+// tile sums into the chunk sum and counts the chunk on its head; the last chunk of a head adds
+// the chunk sums, writes km and raises the head's ready flag. Lane l holds columns
+// [l * kCols, l * kCols + kCols); loads go out kChunkTiles at a time.
+template <int DP>
+__device__ __forceinline__ void reduce_mean_job(const QuantizeQkvParams& p, const MeanJob& job) {
+  constexpr int kCols = DP / 32;
+  using Vec = typename std::conditional<kCols == 4, float4, float2>::type;
+  const int lane = threadIdx.x & 31;
+  const int64_t n_chunks = quantize_qkv_k_chunks(p.seq_k), n_tiles = p.seq_k_padded / kTileRows;
+  const int64_t chunk = job.tile / kChunkTiles, first = chunk * kChunkTiles;
   const int64_t tiles = n_tiles - first < kChunkTiles ? n_tiles - first : kChunkTiles;
-  const auto sync = [] { consumer_barrier(); };
-  if (!arrived_last(chunk_arrivals(p) + info.bh * n_chunks + chunk, tiles, sh.last_arrival, sync)) return;
-  if (threadIdx.x < DP) {
-    float sum = 0.0f;
-    for (int64_t t = first; t < first + tiles; ++t) sum += __ldcg(tile_sums + t * DP + threadIdx.x);
-    chunk_sums[chunk * DP + threadIdx.x] = sum;
-  }
-  if (!arrived_last(arrivals(p) + info.bh, n_chunks, sh.last_arrival, sync)) return;
-  constexpr int kParts = kConsumers / DP;
-  const int d = threadIdx.x % DP, part = threadIdx.x / DP;
-  float sum = 0.0f;
-#pragma unroll 8
-  for (int64_t c = part; c < n_chunks; c += kParts) sum += __ldcg(chunk_sums + c * DP + d);
-  sh.red[part][d] = sum;
-  consumer_barrier();
-  if (threadIdx.x < DP) {
-    float total = 0.0f;
+  // Adds rows [0, n) of a [n, DP] float array in row order into acc (this lane's columns).
+  const auto add_rows = [lane](const float* rows, int64_t n, float (&acc)[kCols]) {
+    for (int64_t r0 = 0; r0 < n; r0 += kChunkTiles) {
+      Vec part[kChunkTiles];
 #pragma unroll
-    for (int i = 0; i < kParts; ++i) total += sh.red[i][threadIdx.x];
-    p.k_mean[info.bh * DP + threadIdx.x] = key_mean(total, valid_key_count(p, info.bh / p.heads_kv));
+      for (int u = 0; u < kChunkTiles; ++u)
+        if (r0 + u < n) part[u] = __ldcg(reinterpret_cast<const Vec*>(rows + (r0 + u) * DP) + lane);
+#pragma unroll
+      for (int u = 0; u < kChunkTiles; ++u)
+        if (r0 + u < n)
+#pragma unroll
+          for (int c = 0; c < kCols; ++c) acc[c] += reinterpret_cast<const float*>(&part[u])[c];
+    }
+  };
+
+  bool last = lane == 0 && count_arrival(chunk_arrivals(p) + job.bh * n_chunks + chunk, tiles);
+  last = __shfl_sync(0xFFFFFFFFu, last, 0);
+  __syncwarp();  // lane 0's acquire before the other lanes' loads
+  if (!last) return;
+  float acc[kCols] = {};
+  add_rows(key_tile_sums(p, job.bh, n_chunks, n_tiles, DP) + first * DP, tiles, acc);
+  float* chunk_sums = key_chunk_sums(p, job.bh, n_chunks, DP);
+#pragma unroll
+  for (int c = 0; c < kCols; ++c) chunk_sums[chunk * DP + lane * kCols + c] = acc[c];
+  __syncwarp();  // the lanes' chunk sums before lane 0's release
+  last = lane == 0 && count_arrival(arrivals(p) + job.bh, n_chunks);
+  last = __shfl_sync(0xFFFFFFFFu, last, 0);
+  __syncwarp();
+  if (!last) return;
+  float total[kCols] = {};
+  add_rows(chunk_sums, n_chunks, total);
+  const int64_t n_valid = valid_key_count(p, job.bh / p.heads_kv);
+#pragma unroll
+  for (int c = 0; c < kCols; ++c) p.k_mean[job.bh * DP + lane * kCols + c] = key_mean(total[c], n_valid);
+  __syncwarp();  // the lanes' km before lane 0's release
+  if (lane == 0) publish_key_mean(p, job.bh);
+}
+
+// The reducer warp: takes the consumers' K-mean jobs in order until the end job (tile -1).
+template <int DP>
+__device__ void reduce_key_means(const QuantizeQkvParams& p, StreamShared<DP>& sh) {
+  for (uint32_t n = 0;; ++n) {
+    const int slot = int(n % kMeanJobs);
+    mbar_wait(&sh.job_ready[slot], (n / kMeanJobs) & 1u);
+    const MeanJob job = sh.jobs[slot];
+    mbar_arrive(&sh.job_free[slot]);  // every lane, after its read of the job
+    if (job.tile < 0) return;
+    reduce_mean_job<DP>(p, job);
   }
-  publish_key_mean(p, info.bh, sync);
 }
 
 template <InputDtype DT, int DP>
 __device__ void consume(const QuantizeQkvParams& p, StreamShared<DP>& sh, uint32_t stages, int num_stages) {
   using G = StageGeometry<DP>;
-  const int lane = threadIdx.x & 31;
   const RowMap<DP> map;
-  float km[16];
-  int64_t km_head = -1;  // kv head whose km is in km[]
-  for (uint32_t n = 0;; ++n) {
-    const int s = int(n % uint32_t(num_stages));
-    mbar_wait(&sh.full[s], (n / uint32_t(num_stages)) & 1u);
+  uint32_t mean_jobs = 0;
+  for (StageRing ring(num_stages);; ring.next()) {
+    const int s = ring.stage;
+    mbar_wait(&sh.full[s], ring.phase);
     const StageInfo info = sh.info[s];
-    if (info.kind == kEnd) return;
+    if (info.kind == kEnd) {
+      post_mean_job(sh, mean_jobs, MeanJob{0, -1});
+      return;
+    }
     const uint32_t stage = stages + uint32_t(s) * G::kBytes;
     if (info.kind == kMeanTile) {
-      consume_mean_tile<DT, DP>(p, sh, info, stage);
+      consume_mean_tile<DT, DP>(p, sh, info, stage, mean_jobs++);
     } else if (info.kind == kVTile) {
       if (info.valid_rows == kTileRows) consume_v_tile<DT, DP, true>(p, sh, info, stage);
       else consume_v_tile<DT, DP, false>(p, sh, info, stage);
     } else {
-      if (info.kv_head != km_head) {
-        load_key_mean<DP>(p, info.kv_head, map.cb, km);
-        km_head = info.kv_head;
-      }
+      float km[16];  // the producer warp put the head's km into the stage
+      load_floats16(sh.km[s] + map.cb * 16, km);
       if (info.kind == kKTile) consume_k_tile<DT, DP>(p, sh, info, stage, km);
       else consume_q_tile<DT, DP>(p, sh, info, s, stage, km);
     }
-    __syncwarp();
-    if (lane == 0) mbar_arrive(&sh.empty[s]);
+    mbar_arrive(&sh.empty[s]);  // every thread, after its reads of the stage
   }
 }
 
@@ -633,15 +743,22 @@ __global__ void __launch_bounds__(kStreamThreads, 2) quantize_qkv_stream_kernel(
   const uint32_t stages = (smem_addr(smem) + uint32_t(sizeof(StreamShared<DP>)) + 1023u) & ~1023u;
   fill_scale_tables(sh.tables);
   if (threadIdx.x == 0) {
+    // Arrival counts: every thread of the warps that access a stage or a job slot.
     for (int s = 0; s < num_stages; ++s) {
-      mbar_init(&sh.full[s], 1);
-      mbar_init(&sh.empty[s], kConsumerWarps);
+      mbar_init(&sh.full[s], 32);
+      mbar_init(&sh.empty[s], kConsumers);
+    }
+    for (int j = 0; j < kMeanJobs; ++j) {
+      mbar_init(&sh.job_ready[j], kConsumers);
+      mbar_init(&sh.job_free[j], 32);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
-  if (threadIdx.x == kConsumers) produce<DP>(p, maps, sh, stages, num_stages, mean_lookahead);
-  else if (threadIdx.x < kConsumers) consume<DT, DP>(p, sh, stages, num_stages);
+  const int warp = threadIdx.x / 32;
+  if (warp == kProducerWarp) produce<DP>(p, maps, sh, stages, num_stages, mean_lookahead);
+  else if (warp == kReducerWarp) reduce_key_means<DP>(p, sh);
+  else consume<DT, DP>(p, sh, stages, num_stages);
 #endif
 }
 
@@ -692,6 +809,7 @@ cudaError_t launch_stream_typed(const QuantizeQkvParams& p, cudaStream_t stream)
   cudaError_t err = cudaFuncGetAttributes(&attr, kernel);
   if (err != cudaSuccess) return err;
   if (attr.binaryVersion < 90) return cudaErrorNotSupported;  // built for sm_80: no TMA
+  if (!schedule_fits_32_bits(p)) return cudaErrorNotSupported;
   StreamMaps maps;
   if (!encode_input_map<DP>(&maps.q, p.q, p.dtype, p.batch, p.heads_q, p.seq_q) ||
       !encode_input_map<DP>(&maps.k, p.k, p.dtype, p.batch, p.heads_kv, p.seq_k) ||
@@ -704,11 +822,15 @@ cudaError_t launch_stream_typed(const QuantizeQkvParams& p, cudaStream_t stream)
       (err = cudaDeviceGetAttribute(&smem_block, cudaDevAttrMaxSharedMemoryPerBlockOptin, device)) != cudaSuccess ||
       (err = cudaDeviceGetAttribute(&reserved, cudaDevAttrReservedSharedMemoryPerBlock, device)) != cudaSuccess)
     return err;
-  // Two CTAs per SM where three stages each fit (the H200 at DP = 128), else one.
+  // Two CTAs per SM where three stages each fit (the H200), else one, which QuantizeKernel::kAuto
+  // leaves to the tile kernel (measured only on the H200).
   constexpr int kStage = StageGeometry<DP>::kBytes;
   constexpr int kFixed = SharedLayout<DP>::kFixedBytes;
   int stages = (smem_sm / 2 - reserved - kFixed) / kStage;
-  if (stages < 3) stages = (smem_block - kFixed) / kStage;
+  if (stages < 3) {
+    if (p.kernel == QuantizeKernel::kAuto) return cudaErrorNotSupported;
+    stages = (smem_block - kFixed) / kStage;
+  }
   if (stages > kMaxStages) stages = kMaxStages;
   if (stages < 2) return cudaErrorNotSupported;
   const int smem = kFixed + stages * kStage;

@@ -2,10 +2,13 @@
 
 :func:`quantize_qkv_cuda` is the CUDA twin of :func:`nvfp4_dit.format.quantize_qkv`: the same
 bytes and scales (tests compare them exactly), means equal up to reduction order, read straight
-from the strides of NHD or HND inputs. It is two kernel launches after one memset of a small
-counter buffer: the K-mean chunks and the V^T tiles, then the K and Q tiles, which need the K mean
-(``csrc/quantize.cu``; the K mean is a reduction over the whole sequence, hence the second
-launch). The launches also raise the NaN/inf flags (``FusedQuantizedQKV.nonfinite``).
+from the strides of NHD or HND inputs. After one memset of a small counter buffer it is one launch
+of the streaming kernel (``csrc/quantize_stream.cu``: persistent CTAs whose producer warp feeds
+TMA copies of 128-row tiles to consumer warps, K means a few heads ahead of the K tiles) where that
+applies - bf16/fp16 rows contiguous with D of 64 or 128, sm_90+ - and otherwise two launches of the
+tile kernel (``csrc/quantize.cu``: the K-mean chunks and the V^T tiles, then the K and Q tiles,
+which need the whole-sequence K mean). ``NVFP4_DIT_QUANTIZE_KERNEL=tiles|stream`` forces one. Both
+raise the NaN/inf flags (``FusedQuantizedQKV.nonfinite``).
 
 It keeps no fp32 copy of ``k - km``. The correction ``delta = qm . (k - km)^T`` is
 ``B*H*Sq/128*Skp`` fp32 (17.6 GB at 118,800 tokens and 40 heads), so it is produced for a chunk

@@ -215,11 +215,19 @@ def _run_case(b, h, hkv, sq, sk, d, layout, dtype, kv_lens=None, seed=0):
     return qq, ref, (q, k, v, lens)
 
 
+@pytest.fixture(params=["auto", "tiles"])
+def kernel_choice(request, monkeypatch):
+    """Runs a test with the default kernel choice (the streaming kernel where it applies) and with
+    the tile kernel forced, so both kernels meet every input of the test."""
+    monkeypatch.setenv("NVFP4_DIT_QUANTIZE_KERNEL", request.param)
+    return request.param
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
-def test_bytes_equal_format_4096(layout, dtype, d):
+def test_bytes_equal_format_4096(kernel_choice, layout, dtype, d):
     kv_lens = [4096, 3001] if dtype == torch.float16 else None
     _run_case(2, 4, 2, 4096, 4096, d, layout, dtype, kv_lens=kv_lens)
 
@@ -230,7 +238,7 @@ def test_bytes_equal_format_4096(layout, dtype, d):
     (2, 2, 2, 1, 300, 40, "NHD", torch.bfloat16, [0, 45]),     # one query row, D padded to 64, empty batch
     (1, 8, 2, 257, 4133, 128, "NHD", torch.float16, [4100]),  # GQA 4:1, tails inside a 32-key group
 ])
-def test_bytes_equal_format_ragged(b, h, hkv, sq, sk, d, layout, dtype, kv_lens):
+def test_bytes_equal_format_ragged(kernel_choice, b, h, hkv, sq, sk, d, layout, dtype, kv_lens):
     qq, ref, (q, k, v, lens) = _run_case(b, h, hkv, sq, sk, d, layout, dtype, kv_lens=kv_lens, seed=1)
     # The chunked correction equals format.qk_correction (same means) up to summation order.
     want = fmt.qk_correction(ref)
@@ -264,7 +272,7 @@ def _abs_copy(ref):
 
 
 @pytest.mark.cuda
-def test_non_unit_strides_and_specials():
+def test_non_unit_strides_and_specials(kernel_choice):
     """Strided views (no copy; D not unit-stride) and NaN, inf, -0, huge values."""
     gen = torch.Generator(device="cuda").manual_seed(3)
     b, s, h, d = 2, 700, 2, 64
@@ -302,7 +310,7 @@ def _has_streaming_kernel() -> bool:
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("kernel", ["stream", "tiles"])
+@pytest.mark.parametrize("kernel", ["stream", "tiles", "auto"])
 @pytest.mark.parametrize("b, h, hkv, sq, sk, d, layout, dtype, kv_lens", [
     (1, 1, 1, 1, 50, 64, "NHD", torch.bfloat16, None),            # one query row, keys < a tile: TMA zero fill
     (2, 4, 2, 300, 1500, 128, "HND", torch.float16, [0, 1111]),  # a batch without keys, a tail in a chunk
@@ -311,7 +319,7 @@ def _has_streaming_kernel() -> bool:
 def test_streaming_and_tile_kernels(monkeypatch, kernel, b, h, hkv, sq, sk, d, layout, dtype, kv_lens):
     """Both quantize kernels give format.py's bytes on inputs both take (NVFP4_DIT_QUANTIZE_KERNEL
     forces one; "stream" raises where the streaming kernel does not apply, so it cannot silently
-    fall back here)."""
+    fall back here; "auto", the default, picks the streaming kernel for these)."""
     if kernel == "stream" and not _has_streaming_kernel():
         pytest.skip("the streaming kernel needs sm_90+")
     monkeypatch.setenv("NVFP4_DIT_QUANTIZE_KERNEL", kernel)
@@ -326,7 +334,7 @@ def test_kernel_choice_errors(monkeypatch):
     with pytest.raises(RuntimeError, match="streaming kernel needs bf16/fp16"):
         cq.quantize_qkv_cuda(q, q, q, layout="NHD")
     monkeypatch.setenv("NVFP4_DIT_QUANTIZE_KERNEL", "fastest")
-    with pytest.raises(RuntimeError, match="must be tiles or stream"):
+    with pytest.raises(RuntimeError, match="must be auto, tiles or stream"):
         cq.quantize_qkv_cuda(q, q, q, layout="NHD")
 
 
@@ -337,7 +345,7 @@ def test_kernel_choice_errors(monkeypatch):
     ("NHD", torch.float32, 40, [1, 300]),     # scalar loads (D < Dp)
     ("HND", torch.bfloat16, 72, [0, 250]),    # a batch without keys
 ])
-def test_nonfinite_flags_equal_torch(layout, dtype, d, kv_lens):
+def test_nonfinite_flags_equal_torch(kernel_choice, layout, dtype, d, kv_lens):
     """The quantiser's NaN/inf flags (per Q block, per kv head) equal format.nonfinite_blocks:
     values past kv_lens are ignored, huge finite values are not flagged."""
     gen = torch.Generator(device="cuda").manual_seed(11)
