@@ -522,7 +522,7 @@ def test_diffusers_backend_passes_sdpa_errors_through(gen, case):
     dispatch, backend, _ = _diffusers()
     q, k, v = _qkv(gen, sq=300, sk=300)
     kw = {}
-    if case == "mask_with_causal":  # SDPA refuses an explicit mask with is_causal
+    if case == "mask_with_causal":  # recent SDPA refuses an explicit mask with is_causal
         q, k, v = q, k.repeat_interleave(2, 2), v.repeat_interleave(2, 2)
         kw = dict(attn_mask=torch.ones(B, 300, dtype=torch.bool), is_causal=True)
     if case == "batch_mismatch":
@@ -539,7 +539,8 @@ def test_diffusers_backend_passes_sdpa_errors_through(gen, case):
                 errors.append(None)
             except Exception as e:  # the same exception type as the native backend, never an abort
                 errors.append(type(e))
-    assert errors[0] is not None and errors[0] == errors[1]
+    # Recent torch refuses a mask with is_causal, older releases (2.11) accept it: then ours must too.
+    assert errors[0] == errors[1] and (errors[0] is not None or case == "mask_with_causal")
 
 
 def test_diffusers_backend_nan_input_is_not_hidden(gen):
