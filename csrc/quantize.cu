@@ -178,7 +178,7 @@ __device__ __forceinline__ void key_mean_item(const QuantizeQkvParams& p, Shared
     for (int e = 0; e < 16; ++e) sm.red[warp][lane * 16 + e] = sum[e];
   __syncthreads();
 
-  float* partial = p.k_partial_sums + bh * n_chunks * DP;
+  float* partial = key_chunk_sums(p, bh, n_chunks, DP);
   if (threadIdx.x < DP) {
     float s = 0.0f;
 #pragma unroll

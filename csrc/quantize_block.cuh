@@ -166,6 +166,12 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
+__device__ __forceinline__ uint32_t lds32(uint32_t addr) {
+  uint32_t v;
+  asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(addr));
+  return v;
+}
+
 __device__ __forceinline__ uint4 lds128(uint32_t addr) {
   uint4 v;
   asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
@@ -228,9 +234,7 @@ struct VtRowGather {
         asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "r"(scale(row, 0)));
         *reinterpret_cast<uint2*>(dst) = v;
       } else {
-        uint32_t v;
-        asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(scale(row, 0)));
-        *reinterpret_cast<uint32_t*>(dst) = v;
+        *reinterpret_cast<uint32_t*>(dst) = lds32(scale(row, 0));
       }
     }
   }
@@ -247,6 +251,11 @@ __device__ __forceinline__ int k_row_perm(int t) {
 // kernel's ticket dispenser, then per (b, kv-head) the chunk arrivals and (streaming kernel) the
 // km-ready flag, then (streaming kernel) per chunk the arrivals of its tile sums.
 __device__ __forceinline__ uint32_t* arrivals(const QuantizeQkvParams& p) { return p.work_counters + 1; }
+
+// The K-mean chunk sums of kv head bh in the workspace: [n_chunks, dp] (QuantizeQkvParams::k_partial_sums).
+__device__ __forceinline__ float* key_chunk_sums(const QuantizeQkvParams& p, int64_t bh, int64_t n_chunks, int dp) {
+  return p.k_partial_sums + bh * n_chunks * dp;
+}
 
 // The K mean is finished by whichever CTA adds the last partial sum. Each CTA's threads store
 // their partials and meet at a barrier (the CTA's, or a warp's: __syncwarp); then one thread

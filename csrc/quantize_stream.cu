@@ -101,10 +101,15 @@ struct StreamMaps {
   CUtensorMap q, k, v;
 };
 
+// Tickets of one kv head g in the schedule below: its V^T, K-mean and K tiles and the Q tiles of
+// its query heads.
+__host__ __device__ inline int64_t tickets_per_kv_head(const QuantizeQkvParams& p) {
+  return 3 * (p.seq_k_padded / kTileRows) + (p.heads_q / p.heads_kv) * (p.seq_q_padded / kTileRows);
+}
+
 // Host side: whether every ticket of these sizes fits the streaming schedule's 32-bit counts.
 inline bool schedule_fits_32_bits(const QuantizeQkvParams& p) {
-  const int64_t unit = 3 * (p.seq_k_padded / kTileRows) + (p.heads_q / p.heads_kv) * (p.seq_q_padded / kTileRows);
-  return p.batch * p.heads_q <= 0x7FFFFFFFLL && unit <= 0x7FFFFFFFLL / (p.batch * p.heads_kv);
+  return p.batch * p.heads_q <= 0x7FFFFFFFLL && tickets_per_kv_head(p) <= 0x7FFFFFFFLL / (p.batch * p.heads_kv);
 }
 
 // The device code needs sm_90 (mbarrier transaction counts, TMA); an sm_80 build keeps only an
@@ -204,12 +209,6 @@ __device__ __forceinline__ void consumer_barrier() {
   asm volatile("bar.sync %0, %1;" ::"n"(kConsumerBarrier), "n"(kConsumers) : "memory");
 }
 
-__device__ __forceinline__ uint32_t lds32(uint32_t addr) {
-  uint32_t v;
-  asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(addr));
-  return v;
-}
-
 // acc += ones(16x16) . B for one 16x8 B operand (b_lo: k 0-7, b_hi: k 8-15) of the input dtype:
 // every row of acc receives the 8 column sums of B (products by 1 are exact, fp32 accumulation).
 template <InputDtype DT>
@@ -307,7 +306,7 @@ struct Schedule {
     group = heads_q / heads_kv;
     lookahead = mean_lookahead < int64_t(heads) ? uint32_t(mean_lookahead) : heads;
     prologue = lookahead * n_kv;
-    unit = 3 * n_kv + group * n_qh;
+    unit = 3 * n_kv + group * n_qh;  // tickets_per_kv_head(p), from the 32-bit counts
     full_units = heads - lookahead;
     total = heads * unit;  // each head's M once: in the prologue or in a unit
   }
@@ -602,9 +601,6 @@ __device__ __forceinline__ void consume_v_tile(const QuantizeQkvParams& p, const
 // kChunkTiles tiles and per head (by the reducer warp of whichever CTA completes the chunk or the
 // head, in a fixed order: deterministic). Workspace: chunk sums [B * Hkv, k_chunks, DP], then tile
 // sums [B * Hkv, k_tiles, DP].
-__device__ __forceinline__ float* key_chunk_sums(const QuantizeQkvParams& p, int64_t bh, int64_t n_chunks, int dp) {
-  return p.k_partial_sums + bh * n_chunks * dp;
-}
 __device__ __forceinline__ float* key_tile_sums(const QuantizeQkvParams& p, int64_t bh, int64_t n_chunks,
                                                 int64_t n_tiles, int dp) {
   return p.k_partial_sums + p.batch * p.heads_kv * n_chunks * dp + bh * n_tiles * dp;
@@ -810,11 +806,6 @@ cudaError_t launch_stream_typed(const QuantizeQkvParams& p, cudaStream_t stream)
   if (err != cudaSuccess) return err;
   if (attr.binaryVersion < 90) return cudaErrorNotSupported;  // built for sm_80: no TMA
   if (!schedule_fits_32_bits(p)) return cudaErrorNotSupported;
-  StreamMaps maps;
-  if (!encode_input_map<DP>(&maps.q, p.q, p.dtype, p.batch, p.heads_q, p.seq_q) ||
-      !encode_input_map<DP>(&maps.k, p.k, p.dtype, p.batch, p.heads_kv, p.seq_k) ||
-      !encode_input_map<DP>(&maps.v, p.v, p.dtype, p.batch, p.heads_kv, p.seq_k))
-    return cudaErrorNotSupported;
   int device = 0, sms = 0, smem_sm = 0, smem_block = 0, reserved = 0;
   if ((err = cudaGetDevice(&device)) != cudaSuccess ||
       (err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device)) != cudaSuccess ||
@@ -840,11 +831,18 @@ cudaError_t launch_stream_typed(const QuantizeQkvParams& p, cudaStream_t stream)
   if ((err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kStreamThreads, smem)) != cudaSuccess)
     return err;
   if (per_sm < 1) return cudaErrorNotSupported;
+  // The descriptors last: where the kernel does not apply (kAuto then runs the tile kernel), no
+  // driver call is spent on them.
+  StreamMaps maps;
+  if (!encode_input_map<DP>(&maps.q, p.q, p.dtype, p.batch, p.heads_q, p.seq_q) ||
+      !encode_input_map<DP>(&maps.k, p.k, p.dtype, p.batch, p.heads_kv, p.seq_k) ||
+      !encode_input_map<DP>(&maps.v, p.v, p.dtype, p.batch, p.heads_kv, p.seq_k))
+    return cudaErrorNotSupported;
   // K means run ahead of the K tiles by about three pipeline depths (stages in flight on the
   // device): a K tile's consumer then finds km ready instead of waiting for tiles still queued
   // behind it. That is ~3 * depth / 4 tiles of keys kept in L2 (~20 MB on the H200) whatever S.
   const int64_t grid = int64_t(sms) * per_sm;
-  const int64_t unit = 3 * (p.seq_k_padded / kTileRows) + (p.heads_q / p.heads_kv) * (p.seq_q_padded / kTileRows);
+  const int64_t unit = tickets_per_kv_head(p);
   const int64_t lookahead = (3 * grid * stages + unit - 1) / unit;
   kernel<<<unsigned(grid), kStreamThreads, smem, stream>>>(p, maps, stages, lookahead);
   return cudaGetLastError();

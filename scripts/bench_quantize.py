@@ -22,6 +22,7 @@ Measured figures and a profile: docs/quantize_performance.md.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -75,21 +76,29 @@ def output_bytes(qq) -> int:
                                                 "k_mean", "q_dot_km"))
 
 
-def time_forced_kernel(choice: str, fn, iters: int):
-    """Seconds of ``fn()`` with NVFP4_DIT_QUANTIZE_KERNEL=choice, or None where that kernel does not
-    apply (the streaming kernel before sm_90)."""
+@contextlib.contextmanager
+def kernel_choice(choice: str):
+    """NVFP4_DIT_QUANTIZE_KERNEL=choice inside the block; the caller's setting after it."""
     previous = os.environ.get(KERNEL_ENV)
     os.environ[KERNEL_ENV] = choice
     try:
-        return cuda_time(fn, iters, warmup=2)
-    except RuntimeError as err:
-        print(f"{choice} kernel: {err}", file=sys.stderr)
-        return None
+        yield
     finally:
         if previous is None:
             del os.environ[KERNEL_ENV]
         else:
             os.environ[KERNEL_ENV] = previous
+
+
+def time_forced_kernel(choice: str, fn, iters: int):
+    """Seconds of ``fn()`` with NVFP4_DIT_QUANTIZE_KERNEL=choice, or None where that kernel does not
+    apply (the streaming kernel before sm_90)."""
+    with kernel_choice(choice):
+        try:
+            return cuda_time(fn, iters, warmup=2)
+        except RuntimeError as err:
+            print(f"{choice} kernel: {err}", file=sys.stderr)
+            return None
 
 
 def run_corrections(qq) -> None:
@@ -133,8 +142,7 @@ def bench_one(seq: int, heads: int, dim: int, iters: int) -> dict:
     del qq
     torch.cuda.empty_cache()
     return dict(seq=seq, heads=heads, dim=dim, traffic_bytes=traffic, t_fused=t_fused, t_tiles=t_tiles, t_stream=t_stream,
-                t_copy=t_copy,
-                t_torch=t_torch, t_corr=t_corr, t_sdpa=t_sdpa, mem_fused=mem_fused, mem_torch=mem_torch,
+                t_copy=t_copy, t_torch=t_torch, t_corr=t_corr, t_sdpa=t_sdpa, mem_fused=mem_fused, mem_torch=mem_torch,
                 mem_corr=mem_corr, corr_chunks=n_chunks)
 
 
@@ -149,11 +157,10 @@ def smoke() -> int:
                 q, k, v = (torch.randn(*shape, device="cuda", dtype=dtype, generator=gen) for _ in range(3))
                 lens = torch.tensor([300, 170], device="cuda", dtype=torch.int32)
                 for choice in ("auto", "tiles"):  # the default takes the streaming kernel where it applies
-                    os.environ[KERNEL_ENV] = choice
-                    qq = cq.quantize_qkv_cuda(q, k, v, layout=layout, kv_lens=lens)
+                    with kernel_choice(choice):
+                        qq = cq.quantize_qkv_cuda(q, k, v, layout=layout, kv_lens=lens)
                     for _ in cq.iter_qk_corrections(qq, budget=2 * 2 * 384 * 4):
                         pass
-    os.environ.pop(KERNEL_ENV, None)
     torch.cuda.synchronize()
     print("smoke ok")
     return 0
