@@ -75,6 +75,8 @@ struct QuantizeQkvParams {
   QuantizeKernel kernel;
 };
 
+constexpr int kTileRows = 128;  // rows of a Q/K tile and tokens of a V^T tile, in every kernel
+
 // Keys reduced by one K-mean work item (quantize.cu), or per chunk of tile sums (quantize_stream.cu).
 constexpr int64_t kKeyMeanChunk = 1024;
 

@@ -15,8 +15,6 @@
 namespace nvfp4_dit {
 namespace {
 
-constexpr int kTileRows = 128;  // rows of a Q/K tile and tokens of a V^T tile
-
 ////////////////////////////////////////////////////////////////////////////////////////////////
 // One block of 16 values -> 8 data bytes (two words) + one scale byte, exactly as format.py.
 

@@ -19,12 +19,7 @@
 // Column sums (Q block means, K-mean tiles) run on tensor cores: ones(16x16) . tile, the tile read
 // with ldmatrix.trans, fp32 accumulation.
 //
-// Ticket order, per (b, kv head) g: V(g), M(g + L), K(g), Q(g) after a prologue M(0 .. L-1), where
-// M(g) are g's K-mean tiles, V/K its V^T and K tiles and Q the tiles of the query heads that share
-// g. Every item depends only on lower tickets (K(g) and Q(g) need km(g), finished by M(g)), and
-// only the producer warp waits for one (km), so the lowest unfinished ticket never waits; the
-// lookahead L (host-chosen, about three pipeline depths) keeps producers from waiting for means
-// still queued behind them.
+// Ticket order: quantize_schedule.cuh.
 //
 // Stages hold TMA boxes with the 128-byte swizzle, under which the thread layouts below read
 // shared memory without bank conflicts (16-byte row reads, 4-byte V column reads and ldmatrix).
@@ -38,6 +33,7 @@
 #include "quantize.cuh"
 #include "quantize_block.cuh"
 #include "quantize_math.cuh"
+#include "quantize_schedule.cuh"
 
 namespace nvfp4_dit {
 namespace {
@@ -58,7 +54,6 @@ struct StageGeometry {
   static constexpr int kBytes = kBoxes * kBoxBytes;
 };
 
-enum ItemKind : int32_t { kEnd = 0, kMeanTile = 1, kVTile = 2, kKTile = 3, kQTile = 4 };
 
 // What a stage holds, written by the producer before it arrives on the stage's full barrier.
 struct StageInfo {
@@ -100,17 +95,6 @@ struct SharedLayout {
 struct StreamMaps {
   CUtensorMap q, k, v;
 };
-
-// Tickets of one kv head g in the schedule below: its V^T, K-mean and K tiles and the Q tiles of
-// its query heads.
-__host__ __device__ inline int64_t tickets_per_kv_head(const QuantizeQkvParams& p) {
-  return 3 * (p.seq_k_padded / kTileRows) + (p.heads_q / p.heads_kv) * (p.seq_q_padded / kTileRows);
-}
-
-// Host side: whether every ticket of these sizes fits the streaming schedule's 32-bit counts.
-inline bool schedule_fits_32_bits(const QuantizeQkvParams& p) {
-  return p.batch * p.heads_q <= 0x7FFFFFFFLL && tickets_per_kv_head(p) <= 0x7FFFFFFFLL / (p.batch * p.heads_kv);
-}
 
 // The device code needs sm_90 (mbarrier transaction counts, TMA); an sm_80 build keeps only an
 // empty kernel, which the launcher never starts (cudaFuncAttributes::binaryVersion).
@@ -280,75 +264,6 @@ struct StageRing {
 };
 
 ////////////////////////////////////////////////////////////////////////////////////////////////
-// Ticket order
-
-// All counts in 32 bits (the launcher checks that every ticket fits): the producer decodes one
-// ticket per stage, and 64-bit divisions there were a serial chain of several hundred cycles.
-struct Schedule {
-  uint32_t heads;       // B * Hkv
-  uint32_t heads_kv;    // Hkv
-  uint32_t heads_q;     // H
-  uint32_t n_kv;        // K (and V^T, and K-mean) tiles per kv head
-  uint32_t n_qh;        // Q tiles per query head
-  uint32_t group;       // query heads per kv head
-  uint32_t lookahead;   // heads whose K mean runs ahead of their K tiles
-  uint32_t prologue;    // tickets of M(0 .. lookahead - 1)
-  uint32_t unit;        // tickets of one kv head g: V(g), M(g + lookahead), K(g), Q(g)
-  uint32_t full_units;  // heads whose unit holds an M
-  uint32_t total;
-
-  __device__ __forceinline__ Schedule(const QuantizeQkvParams& p, int64_t mean_lookahead) {
-    heads = uint32_t(p.batch * p.heads_kv);
-    heads_kv = uint32_t(p.heads_kv);
-    heads_q = uint32_t(p.heads_q);
-    n_kv = uint32_t(p.seq_k_padded / kTileRows);
-    n_qh = uint32_t(p.seq_q_padded / kTileRows);
-    group = heads_q / heads_kv;
-    lookahead = mean_lookahead < int64_t(heads) ? uint32_t(mean_lookahead) : heads;
-    prologue = lookahead * n_kv;
-    unit = 3 * n_kv + group * n_qh;  // tickets_per_kv_head(p), from the 32-bit counts
-    full_units = heads - lookahead;
-    total = heads * unit;  // each head's M once: in the prologue or in a unit
-  }
-};
-
-struct Item {
-  int32_t kind;
-  uint32_t bh;       // b * Hkv + kvh (M, V, K) or b * H + h (Q)
-  uint32_t tile;     // 128-row tile of that head
-  uint32_t kv_head;  // b * Hkv + kvh whose K mean it needs (K, Q) or that it reduces (M)
-};
-
-// Ticket t -> work item.
-__device__ __forceinline__ Item decode_ticket(const Schedule& sc, uint32_t t) {
-  if (t >= sc.total) return Item{kEnd, 0, 0, 0};
-  if (t < sc.prologue) return Item{kMeanTile, t / sc.n_kv, t % sc.n_kv, t / sc.n_kv};
-  t -= sc.prologue;
-  uint32_t g, r;
-  const bool has_mean = t < sc.full_units * sc.unit;
-  if (has_mean) {
-    g = t / sc.unit;
-    r = t - g * sc.unit;
-  } else {
-    t -= sc.full_units * sc.unit;
-    const uint32_t short_unit = sc.unit - sc.n_kv;
-    g = t / short_unit;
-    r = t - g * short_unit;
-    g += sc.full_units;
-  }
-  if (r < sc.n_kv) return Item{kVTile, g, r, g};
-  r -= sc.n_kv;
-  if (has_mean) {
-    if (r < sc.n_kv) return Item{kMeanTile, g + sc.lookahead, r, g + sc.lookahead};
-    r -= sc.n_kv;
-  }
-  if (r < sc.n_kv) return Item{kKTile, g, r, g};
-  r -= sc.n_kv;
-  const uint32_t b = g / sc.heads_kv, kvh = g - b * sc.heads_kv, head_in_group = r / sc.n_qh;
-  return Item{kQTile, b * sc.heads_q + kvh * sc.group + head_in_group, r - head_in_group * sc.n_qh, g};
-}
-
-////////////////////////////////////////////////////////////////////////////////////////////////
 // Producer warp
 
 // Where an item's rows come from: its tensor map, batch and head, and the rows of data (the rest
@@ -404,10 +319,10 @@ __device__ __forceinline__ void start_stage(const QuantizeQkvParams& p, const St
 // release/acquire pair.
 template <int DP>
 __device__ void produce(const QuantizeQkvParams& p, const StreamMaps& maps, StreamShared<DP>& sh, uint32_t stages,
-                        int num_stages, int64_t mean_lookahead) {
+                        int num_stages, const ScheduleShape& shape) {
   constexpr int kKmLanes = DP / 4;  // lanes holding four floats of km each
   const int lane = threadIdx.x & 31;
-  const Schedule sc(p, mean_lookahead);
+  const Schedule sc(p, shape);
   uint32_t ticket = lane == 0 ? atomicAdd(p.work_counters, 1u) : 0u;
   float4 km = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
   int64_t km_head = -1;  // kv head whose km the lanes hold
@@ -732,7 +647,7 @@ __device__ void consume(const QuantizeQkvParams& p, StreamShared<DP>& sh, uint32
 
 template <InputDtype DT, int DP>
 __global__ void __launch_bounds__(kStreamThreads, 2) quantize_qkv_stream_kernel(
-    const QuantizeQkvParams p, const __grid_constant__ StreamMaps maps, int num_stages, int64_t mean_lookahead) {
+    const QuantizeQkvParams p, const __grid_constant__ StreamMaps maps, int num_stages, const ScheduleShape shape) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   extern __shared__ __align__(128) unsigned char smem[];
   auto& sh = *reinterpret_cast<StreamShared<DP>*>(smem);
@@ -752,7 +667,7 @@ __global__ void __launch_bounds__(kStreamThreads, 2) quantize_qkv_stream_kernel(
   }
   __syncthreads();
   const int warp = threadIdx.x / 32;
-  if (warp == kProducerWarp) produce<DP>(p, maps, sh, stages, num_stages, mean_lookahead);
+  if (warp == kProducerWarp) produce<DP>(p, maps, sh, stages, num_stages, shape);
   else if (warp == kReducerWarp) reduce_key_means<DP>(p, sh);
   else consume<DT, DP>(p, sh, stages, num_stages);
 #endif
@@ -838,13 +753,8 @@ cudaError_t launch_stream_typed(const QuantizeQkvParams& p, cudaStream_t stream)
       !encode_input_map<DP>(&maps.k, p.k, p.dtype, p.batch, p.heads_kv, p.seq_k) ||
       !encode_input_map<DP>(&maps.v, p.v, p.dtype, p.batch, p.heads_kv, p.seq_k))
     return cudaErrorNotSupported;
-  // K means run ahead of the K tiles by about three pipeline depths (stages in flight on the
-  // device): a K tile's consumer then finds km ready instead of waiting for tiles still queued
-  // behind it. That is ~3 * depth / 4 tiles of keys kept in L2 (~20 MB on the H200) whatever S.
   const int64_t grid = int64_t(sms) * per_sm;
-  const int64_t unit = tickets_per_kv_head(p);
-  const int64_t lookahead = (3 * grid * stages + unit - 1) / unit;
-  kernel<<<unsigned(grid), kStreamThreads, smem, stream>>>(p, maps, stages, lookahead);
+  kernel<<<unsigned(grid), kStreamThreads, smem, stream>>>(p, maps, stages, schedule_shape(p, grid * stages));
   return cudaGetLastError();
 }
 

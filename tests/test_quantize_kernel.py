@@ -5,7 +5,8 @@ summation order differs, so they are compared with a tolerance, and the exact co
 kernel's own means into format.quantize_qkv (its q_mean / k_mean_override arguments).
 
 CPU tests: the kernel's fast per-element arithmetic (csrc/quantize_math.cuh) equals the reference
-formulation exhaustively on the host; the correction chunking obeys its budget.
+formulation exhaustively on the host; the streaming kernel's ticket order (csrc/quantize_schedule.cuh)
+holds every work item once and after what it waits for; the correction chunking obeys its budget.
 """
 
 import shutil
@@ -20,6 +21,19 @@ from nvfp4_dit import format as fmt
 
 CSRC = Path(__file__).resolve().parents[1] / "csrc"
 BYTE_FIELDS = ("q_data", "q_sf", "k_data", "k_sf", "vt_data", "vt_sf")
+
+
+def _compile_host_program(tmp_path, name: str, source: str) -> Path:
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("nvcc not found")
+    src = tmp_path / f"{name}.cu"
+    src.write_text(source)
+    exe = tmp_path / name
+    subprocess.run([nvcc, "-std=c++17", "-O2", f"-I{CSRC}", str(src), "-o", str(exe)], check=True,
+                   capture_output=True)
+    return exe
+
 
 # ---------------------------------------------------------------------------------------------
 # Host checks of quantize_math.cuh
@@ -100,14 +114,7 @@ int main() {
 
 
 def test_fast_element_math_equals_reference_on_host(tmp_path):
-    nvcc = shutil.which("nvcc")
-    if nvcc is None:
-        pytest.skip("nvcc not found")
-    src = tmp_path / "qmath.cu"
-    src.write_text(HOST_PROGRAM)
-    exe = tmp_path / "qmath"
-    subprocess.run([nvcc, "-std=c++17", "-O2", f"-I{CSRC}", str(src), "-o", str(exe)], check=True,
-                   capture_output=True)
+    exe = _compile_host_program(tmp_path, "qmath", HOST_PROGRAM)
     bad_bound, coarse_over7, bad_enc, bad_div, n_div = map(int, subprocess.run(
         [str(exe)], capture_output=True, text=True, check=True).stdout.split())
     assert bad_bound == 0, f"{bad_bound} amax values take the fast path with quotients >= 7"
@@ -115,6 +122,88 @@ def test_fast_element_math_equals_reference_on_host(tmp_path):
     assert bad_enc == 0, f"{bad_enc} fp32 values encode differently from float_to_e2m1_sw"
     assert n_div > 90_000_000
     assert bad_div == 0, f"{bad_div} of {n_div} quotients differ from IEEE division"
+
+
+# The streaming kernel's ticket order (quantize_schedule.cuh), every ticket decoded on the host:
+# each work item exactly once, every K and Q tile after all K-mean tiles of its kv head (the only
+# dependency; the lowest unfinished ticket then never waits), the head of a Q tile's K mean right
+# for GQA, the unit a divisor of B * Hkv whose runs fill the pipeline depth where one can.
+# Arguments: batch heads_q heads_kv seq_q seq_k depth. Prints "ok" or the first violation.
+SCHEDULE_PROGRAM = r"""
+#include "quantize_schedule.cuh"
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+using namespace nvfp4_dit;
+#define FAIL(...) do { printf(__VA_ARGS__); printf("\n"); return 0; } while (0)
+int main(int argc, char** argv) {
+  QuantizeQkvParams p{};
+  p.batch = atoll(argv[1]); p.heads_q = atoll(argv[2]); p.heads_kv = atoll(argv[3]);
+  p.seq_q = atoll(argv[4]); p.seq_k = atoll(argv[5]);
+  const int64_t depth = atoll(argv[6]);
+  p.seq_q_padded = (p.seq_q + 127) / 128 * 128; p.seq_k_padded = (p.seq_k + 127) / 128 * 128;
+  if (!schedule_fits_32_bits(p)) FAIL("does not fit 32 bits");
+  const int64_t heads = p.batch * p.heads_kv, n_kv = p.seq_k_padded / 128, n_qh = p.seq_q_padded / 128;
+  const int64_t group = p.heads_q / p.heads_kv;
+  const ScheduleShape shape = schedule_shape(p, depth);
+  if (shape.unit_heads < 1 || heads % shape.unit_heads || shape.lookahead < 1) FAIL("bad shape");
+  if (shape.unit_heads < heads && shape.unit_heads * n_kv < depth) FAIL("runs shorter than the depth");
+  for (int64_t g = 1; g < shape.unit_heads; ++g)
+    if (heads % g == 0 && g * n_kv >= depth) FAIL("a smaller unit reaches the depth");
+  const Schedule sc(p, shape);
+  if (int64_t(sc.total) != heads * tickets_per_kv_head(p)) FAIL("total %u", sc.total);
+  // Ticket of every item: [kind][head][tile], -1 = not seen.
+  std::vector<int64_t> mean(heads * n_kv, -1), v(heads * n_kv, -1), k(heads * n_kv, -1);
+  std::vector<int64_t> q(p.batch * p.heads_q * n_qh, -1);
+  std::vector<int64_t> last_mean(heads, -1);
+  for (uint32_t t = 0; t < sc.total; ++t) {
+    const Item it = decode_ticket(sc, t);
+    std::vector<int64_t>* seen = it.kind == kMeanTile ? &mean : it.kind == kVTile ? &v : it.kind == kKTile ? &k
+                               : it.kind == kQTile ? &q : nullptr;
+    if (seen == nullptr) FAIL("ticket %u: kind %d", t, it.kind);
+    const int64_t per_head = it.kind == kQTile ? n_qh : n_kv;
+    const int64_t n_heads = it.kind == kQTile ? p.batch * p.heads_q : heads;
+    if (int64_t(it.bh) >= n_heads || int64_t(it.tile) >= per_head) FAIL("ticket %u: item out of range", t);
+    int64_t& slot = (*seen)[it.bh * per_head + it.tile];
+    if (slot >= 0) FAIL("ticket %u: kind %d head %u tile %u again", t, it.kind, it.bh, it.tile);
+    slot = t;
+    const int64_t kv_head = it.kind == kQTile ? (it.bh / p.heads_q) * p.heads_kv + (it.bh % p.heads_q) / group
+                                              : int64_t(it.bh);
+    if (int64_t(it.kv_head) != kv_head) FAIL("ticket %u: kv head %u, expected %ld", t, it.kv_head, (long)kv_head);
+    if (it.kind == kMeanTile) last_mean[it.bh] = t;
+  }
+  if (decode_ticket(sc, sc.total).kind != kEnd) FAIL("no end after the last ticket");
+  for (const auto* seen : {&mean, &v, &k, &q})
+    for (int64_t s : *seen)
+      if (s < 0) FAIL("an item has no ticket");
+  for (int64_t i = 0; i < heads * n_kv; ++i)
+    for (int64_t h = i / n_kv, m = 0; m < n_kv; ++m)
+      if (mean[h * n_kv + m] > k[i]) FAIL("K tile before its head's mean tiles");
+  for (int64_t i = 0; i < p.batch * p.heads_q * n_qh; ++i) {
+    const int64_t bh = i / n_qh, kvh = (bh / p.heads_q) * p.heads_kv + (bh % p.heads_q) / group;
+    if (last_mean[kvh] > q[i]) FAIL("Q tile before its kv head's mean tiles");
+  }
+  printf("ok\n");
+  return 0;
+}
+"""
+
+
+@pytest.mark.parametrize("args", [
+    (1, 40, 40, 32768, 32768, 792),    # the benchmark: units of 4 heads at 32k on an H200
+    (1, 40, 40, 118800, 118800, 792),  # one head per unit
+    (2, 40, 40, 8192, 8192, 792),      # CFG batch
+    (1, 8, 2, 257, 4133, 792),         # GQA 4:1, one unit of all heads
+    (2, 12, 4, 300, 1500, 10),         # GQA 3:1, several units and units of lookahead
+    (3, 6, 3, 1000, 700, 5),
+    (1, 7, 7, 4096, 4096, 100),        # a prime head count: no divisor reaches the depth
+    (1, 1, 1, 1, 50, 792),
+    (2, 24, 24, 75600, 70000, 1000),   # Sq != Sk
+])
+def test_streaming_schedule_on_host(tmp_path, args):
+    exe = _compile_host_program(tmp_path, "schedule", SCHEDULE_PROGRAM)
+    out = subprocess.run([str(exe), *map(str, args)], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "ok", out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -315,6 +404,10 @@ def _has_streaming_kernel() -> bool:
     (1, 1, 1, 1, 50, 64, "NHD", torch.bfloat16, None),            # one query row, keys < a tile: TMA zero fill
     (2, 4, 2, 300, 1500, 128, "HND", torch.float16, [0, 1111]),  # a batch without keys, a tail in a chunk
     (1, 8, 2, 257, 4133, 128, "NHD", torch.bfloat16, [4100]),    # GQA 4:1, several K-mean chunks
+    # Several units of kv heads in the streaming schedule on an H200 (8 heads of 128 tiles fill
+    # its ~800 stages), MHA and GQA 2:1 with Sq != Sk:
+    (1, 40, 40, 16384, 16384, 128, "NHD", torch.bfloat16, None),
+    (2, 16, 8, 4096, 16384, 128, "HND", torch.float16, [16384, 9000]),
 ])
 def test_streaming_and_tile_kernels(monkeypatch, kernel, b, h, hkv, sq, sk, d, layout, dtype, kv_lens):
     """Both quantize kernels give format.py's bytes on inputs both take (NVFP4_DIT_QUANTIZE_KERNEL

@@ -1,0 +1,142 @@
+// The streaming quantiser's ticket order (quantize_stream.cu): which work item each ticket of the
+// persistent CTAs' shared counter stands for, and the shape the host picks for it. Torch-free and
+// __host__ __device__, so that tests/test_quantize_kernel.py can enumerate every ticket on the host
+// and check that each item comes exactly once and after everything it waits for.
+//
+// Ticket order, per unit u of consecutive (b, kv head) pairs: V(u), M(u + L), K(u), Q(u) after a
+// prologue M(0 .. L-1), where M(u) are its heads' K-mean tiles, V/K their V^T and K tiles and Q
+// the tiles of the query heads that share them. Every item depends only on lower tickets (K(u) and
+// Q(u) need the km of u's heads, finished by M(u)), and only the producer warp waits for one (km),
+// so the lowest unfinished ticket never waits. The host picks the unit (heads enough that a run of
+// one kind fills the pipeline) and the lookahead L (about three pipeline depths, so that producers
+// do not wait for means still queued behind them): schedule_shape().
+#pragma once
+
+#include <cstdint>
+
+#include "quantize.cuh"
+
+namespace nvfp4_dit {
+
+enum ItemKind : int32_t { kEnd = 0, kMeanTile = 1, kVTile = 2, kKTile = 3, kQTile = 4 };
+
+// The ticket order's shape (see the schedule below), chosen on the host: kv heads per unit and
+// units of K-mean lookahead.
+struct ScheduleShape {
+  int64_t unit_heads;  // divides B * Hkv
+  int64_t lookahead;
+};
+
+// Tickets of one kv head g in the schedule below: its V^T, K-mean and K tiles and the Q tiles of
+// its query heads.
+__host__ __device__ inline int64_t tickets_per_kv_head(const QuantizeQkvParams& p) {
+  return 3 * (p.seq_k_padded / kTileRows) + (p.heads_q / p.heads_kv) * (p.seq_q_padded / kTileRows);
+}
+
+// Host side: whether every ticket of these sizes fits the streaming schedule's 32-bit counts.
+inline bool schedule_fits_32_bits(const QuantizeQkvParams& p) {
+  return p.batch * p.heads_q <= 0x7FFFFFFFLL && tickets_per_kv_head(p) <= 0x7FFFFFFFLL / (p.batch * p.heads_kv);
+}
+
+// Units of kv heads whose runs of one tile kind (V^T, K-mean, K, Q) last at least one pipeline
+// depth (`depth`: stages in flight on the device), so that each SM runs one or two kinds' code at a
+// time: with shorter runs (one head below ~100k tokens on the H200) four kinds were in flight at
+// once and the consumers stalled on instruction fetch. A unit is the fewest heads that divides
+// B * Hkv and reaches the depth (all heads where none does). K means run ahead of the K tiles by
+// about three depths: a K tile's producer then finds km ready instead of waiting for mean tiles
+// still queued behind it.
+inline ScheduleShape schedule_shape(const QuantizeQkvParams& p, int64_t depth) {
+  const int64_t heads = p.batch * p.heads_kv, n_kv = p.seq_k_padded / kTileRows;
+  int64_t unit_heads = heads;
+  for (int64_t g = 1; g < heads; ++g)
+    if (heads % g == 0 && g * n_kv >= depth) {
+      unit_heads = g;
+      break;
+    }
+  const int64_t unit = unit_heads * tickets_per_kv_head(p);
+  return ScheduleShape{unit_heads, (3 * depth + unit - 1) / unit};
+}
+
+// All counts in 32 bits (the launcher checks that every ticket fits): the producer decodes one
+// ticket per stage, and 64-bit divisions there were a serial chain of several hundred cycles.
+struct Schedule {
+  uint32_t heads_kv;    // Hkv
+  uint32_t heads_q;     // H
+  uint32_t n_kv;        // K (and V^T, and K-mean) tiles per kv head
+  uint32_t n_qh;        // Q tiles per query head
+  uint32_t group;       // query heads per kv head
+  uint32_t unit_heads;  // kv heads per unit
+  uint32_t unit_kv;     // V^T (and K-mean, and K) tiles of a unit
+  uint32_t unit_q_per_head;  // Q tiles of one kv head's query heads
+  uint32_t lookahead;   // units whose K mean runs ahead of their K tiles
+  uint32_t prologue;    // tickets of M(0 .. lookahead - 1)
+  uint32_t unit;        // tickets of unit u: V(u), M(u + lookahead), K(u), Q(u)
+  uint32_t full_units;  // units that hold an M
+  uint32_t total;
+
+  __host__ __device__ __forceinline__ Schedule(const QuantizeQkvParams& p, const ScheduleShape& shape) {
+    const uint32_t heads = uint32_t(p.batch * p.heads_kv), units = heads / uint32_t(shape.unit_heads);
+    heads_kv = uint32_t(p.heads_kv);
+    heads_q = uint32_t(p.heads_q);
+    n_kv = uint32_t(p.seq_k_padded / kTileRows);
+    n_qh = uint32_t(p.seq_q_padded / kTileRows);
+    group = heads_q / heads_kv;
+    unit_heads = uint32_t(shape.unit_heads);
+    unit_kv = unit_heads * n_kv;
+    unit_q_per_head = group * n_qh;
+    lookahead = shape.lookahead < int64_t(units) ? uint32_t(shape.lookahead) : units;
+    prologue = lookahead * unit_kv;
+    unit = unit_heads * (3 * n_kv + unit_q_per_head);  // unit_heads * tickets_per_kv_head(p)
+    full_units = units - lookahead;
+    total = units * unit;  // each unit's M once: in the prologue or in a unit
+  }
+};
+
+struct Item {
+  int32_t kind;
+  uint32_t bh;       // b * Hkv + kvh (M, V, K) or b * H + h (Q)
+  uint32_t tile;     // 128-row tile of that head
+  uint32_t kv_head;  // b * Hkv + kvh whose K mean it needs (K, Q) or that it reduces (M)
+};
+
+// Tile r (0 .. unit_kv - 1) of a V^T, K-mean or K run of unit u: head-major.
+__host__ __device__ __forceinline__ Item unit_kv_item(const Schedule& sc, int32_t kind, uint32_t u, uint32_t r) {
+  const uint32_t sub = r / sc.n_kv, g = u * sc.unit_heads + sub;
+  return Item{kind, g, r - sub * sc.n_kv, g};
+}
+
+// Ticket t -> work item.
+__host__ __device__ __forceinline__ Item decode_ticket(const Schedule& sc, uint32_t t) {
+  if (t >= sc.total) return Item{kEnd, 0, 0, 0};
+  if (t < sc.prologue) {
+    const uint32_t u = t / sc.unit_kv;
+    return unit_kv_item(sc, kMeanTile, u, t - u * sc.unit_kv);
+  }
+  t -= sc.prologue;
+  uint32_t u, r;
+  const bool has_mean = t < sc.full_units * sc.unit;
+  if (has_mean) {
+    u = t / sc.unit;
+    r = t - u * sc.unit;
+  } else {
+    t -= sc.full_units * sc.unit;
+    const uint32_t short_unit = sc.unit - sc.unit_kv;
+    u = t / short_unit;
+    r = t - u * short_unit;
+    u += sc.full_units;
+  }
+  if (r < sc.unit_kv) return unit_kv_item(sc, kVTile, u, r);
+  r -= sc.unit_kv;
+  if (has_mean) {
+    if (r < sc.unit_kv) return unit_kv_item(sc, kMeanTile, u + sc.lookahead, r);
+    r -= sc.unit_kv;
+  }
+  if (r < sc.unit_kv) return unit_kv_item(sc, kKTile, u, r);
+  r -= sc.unit_kv;
+  const uint32_t sub = r / sc.unit_q_per_head, g = u * sc.unit_heads + sub;
+  r -= sub * sc.unit_q_per_head;
+  const uint32_t b = g / sc.heads_kv, kvh = g - b * sc.heads_kv, head_in_group = r / sc.n_qh;
+  return Item{kQTile, b * sc.heads_q + kvh * sc.group + head_in_group, r - head_in_group * sc.n_qh, g};
+}
+
+}  // namespace nvfp4_dit
