@@ -54,7 +54,6 @@ struct StageGeometry {
   static constexpr int kBytes = kBoxes * kBoxBytes;
 };
 
-
 // What a stage holds, written by the producer before it arrives on the stage's full barrier.
 struct StageInfo {
   int32_t kind;

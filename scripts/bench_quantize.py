@@ -13,8 +13,8 @@ For B=1, H=40, D=128, bf16 NHD inputs at S = 8k, 32k, 77k and 118.8k tokens:
 Fused, tile, streaming and copy are timed in interleaved rounds (``--rounds``), each peer's best
 round kept. "Bytes" = the inputs read once plus every output written (the fused path's minimum
 traffic); the copy moves half that many bytes (read + write = the same traffic). Peak memory is
-the allocator's peak above what was allocated before the call. Prints a markdown table, writes JSON and a PNG.
-Measured figures and a profile: docs/quantize_performance.md.
+the allocator's peak above what was allocated before the call. Prints a markdown table, writes
+JSON and a PNG. Measured figures and a profile: docs/quantize_performance.md.
 
     python scripts/bench_quantize.py --out bench_out
     python scripts/bench_quantize.py --plot-only bench_out/bench_quantize.json   # redraw the PNG
@@ -103,15 +103,18 @@ def time_forced_kernel(choice: str, fn, iters: int):
 
 
 def best_of_rounds(timers: dict, rounds: int) -> dict:
-    """Each timer (name -> a function returning seconds or None) called once per round, the rounds
-    interleaved, and its best round kept. Timed once in a fixed order, whichever peer ran first at
-    a new size measured up to 10 % slower than the same kernel timed a few calls later (two H200
-    runs; likely clocks recovering from the previous size's SDPA), charged to that peer alone."""
-    times = {name: [] for name in timers}
+    """Each timer (name -> a function returning seconds, or None where it does not apply) called once
+    per round, the rounds interleaved, and its best round kept; a timer that returned None is not
+    called again. Timed once in a fixed order, whichever peer ran first at a new size measured up to
+    10 % slower than the same kernel timed a few calls later (two H200 runs; likely clocks
+    recovering from the previous size's SDPA), charged to that peer alone."""
+    best = {name: float("inf") for name in timers}
     for _ in range(rounds):
         for name, timer in timers.items():
-            times[name].append(timer())
-    return {name: None if None in ts else min(ts) for name, ts in times.items()}
+            if best[name] is not None:
+                t = timer()
+                best[name] = None if t is None else min(best[name], t)
+    return best
 
 
 def run_corrections(qq) -> None:
