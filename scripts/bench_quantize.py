@@ -249,6 +249,8 @@ def main() -> int:
     parser.add_argument("--smoke", action="store_true",
                         help="run each kernel variant once on small inputs and exit (for compute-sanitizer)")
     args = parser.parse_args()
+    if args.iters < 1 or args.rounds < 1:
+        parser.error("--iters and --rounds must be at least 1")
     if args.smoke:
         return smoke()
     if args.plot_only:
