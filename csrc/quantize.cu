@@ -439,7 +439,8 @@ __device__ __forceinline__ void v_tile(const QuantizeQkvParams& p, SharedStorage
 #pragma unroll
       for (int c = 0; c < kCols; ++c) {
         uint32_t sf_bits;
-        nonfinite |= quantize_block16(v[c], sm.tables, words[c][2 * i], words[c][2 * i + 1], sf_bits);
+        nonfinite |= quantize_block16<DT != InputDtype::kFloat32>(v[c], sm.tables, words[c][2 * i], words[c][2 * i + 1],
+                                                                 sf_bits);
         sfs[c] |= sf_bits << (8 * i);
       }
     }
