@@ -1,5 +1,5 @@
 // Thin torch binding of the NVFP4 attention kernel: checks tensors, fills AttentionFwdParams,
-// launches. Ops join the nvfp4_dit_cuda library (the TORCH_LIBRARY block is csrc/binding.cpp).
+// launches. Ops join the nvfp4_dit_cuda library (the TORCH_LIBRARY block is csrc/quantize_binding.cpp).
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -8,10 +8,11 @@
 #include <cmath>
 
 #include "attention/api.h"
+#include "common/config.h"
 
 namespace {
 
-using nvfp4_attn::AttentionFwdParams;
+using nvfp4_dit::AttentionFwdParams;
 
 void check_plane(const at::Tensor& t, const char* name, const at::Tensor& like) {
   TORCH_CHECK(t.is_cuda(), name, " must be a CUDA tensor");
@@ -34,7 +35,7 @@ void attention_fwd(const at::Tensor& q_data, const at::Tensor& q_sf, const at::T
   check_plane(vt_sf, "vt_sf", q_data);
   const int64_t B = q_data.size(0), H = q_data.size(1), sqp = q_data.size(2), dp = q_data.size(3) * 2;
   const int64_t hkv = k_data.size(1), skp = k_data.size(2);
-  TORCH_CHECK(dp == 64 || dp == 128, "padded head dim must be 64 or 128, got ", dp);
+  TORCH_CHECK(nvfp4_dit::padded_head_dim(dp) == dp, "padded head dim ", dp, " has no kernel instantiation");
   TORCH_CHECK(sqp % 128 == 0 && skp % 128 == 0, "sequences must be padded to multiples of 128");
   TORCH_CHECK(hkv > 0 && H % hkv == 0, "q heads ", H, " not a multiple of kv heads ", hkv);
   TORCH_CHECK(q_sf.sizes() == at::IntArrayRef({B, H, sqp, dp / 16}), "q_sf shape ", q_sf.sizes());
@@ -107,7 +108,7 @@ void attention_fwd(const at::Tensor& q_data, const at::Tensor& q_sf, const at::T
                 reinterpret_cast<uintptr_t>(out.data_ptr()) % 4 == 0) ? 1 : 0;
 
   const c10::cuda::CUDAGuard guard(q_data.device());
-  const cudaError_t err = nvfp4_attn::attention_fwd(p, int(dp), lse.has_value(), native,
+  const cudaError_t err = nvfp4_dit::attention_fwd(p, int(dp), lse.has_value(), native,
                                                     at::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "nvfp4 attention launch failed: ", cudaGetErrorString(err));
 }
@@ -127,7 +128,7 @@ at::Tensor mma_fp4_probe(const at::Tensor& a, const at::Tensor& b, const at::Ten
   chk(c, at::kFloat, {32, 4}, "c");
   const c10::cuda::CUDAGuard guard(a.device());
   at::Tensor d = at::empty({32, 4}, c.options());
-  const cudaError_t err = nvfp4_attn::mma_fp4_probe(
+  const cudaError_t err = nvfp4_dit::mma_fp4_probe(
       reinterpret_cast<const uint32_t*>(a.data_ptr<int32_t>()), reinterpret_cast<const uint32_t*>(b.data_ptr<int32_t>()),
       reinterpret_cast<const uint32_t*>(sfa.data_ptr<int32_t>()), reinterpret_cast<const uint32_t*>(sfb.data_ptr<int32_t>()),
       c.data_ptr<float>(), d.data_ptr<float>(), int(tid_a), int(tid_b), native, at::cuda::getCurrentCUDAStream());

@@ -3,9 +3,9 @@
 #pragma once
 #include <cuda_runtime_api.h>
 
-#include "params.h"
+#include "attention/params.h"
 
-namespace nvfp4_attn {
+namespace nvfp4_dit {
 
 template <int kHeadDim, bool kWithLse, class Mma>
 cudaError_t launch_attention_fwd(AttentionFwdParams p, cudaStream_t stream);
@@ -20,4 +20,4 @@ cudaError_t attention_fwd(const AttentionFwdParams& p, int head_dim, bool with_l
 cudaError_t mma_fp4_probe(const uint32_t* a, const uint32_t* b, const uint32_t* sfa, const uint32_t* sfb,
                           const float* c, float* d, int tid_a, int tid_b, bool native, cudaStream_t stream);
 
-}  // namespace nvfp4_attn
+}  // namespace nvfp4_dit

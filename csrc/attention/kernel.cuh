@@ -18,12 +18,12 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include "mask.cuh"
-#include "params.h"
-#include "softmax.cuh"
-#include "traits.cuh"
+#include "attention/mask.cuh"
+#include "attention/params.h"
+#include "attention/softmax.cuh"
+#include "attention/traits.cuh"
 
-namespace nvfp4_attn {
+namespace nvfp4_dit {
 
 namespace detail {
 
@@ -397,4 +397,4 @@ attention_fwd_kernel(const __grid_constant__ AttentionFwdParams p) {
   }
 }
 
-}  // namespace nvfp4_attn
+}  // namespace nvfp4_dit

@@ -4,10 +4,10 @@
 #include <algorithm>
 #include <cuda_runtime.h>
 
-#include "api.h"
-#include "kernel.cuh"
+#include "attention/api.h"
+#include "attention/kernel.cuh"
 
-namespace nvfp4_attn {
+namespace nvfp4_dit {
 
 template <int kHeadDim, bool kWithLse, class Mma>
 cudaError_t launch_attention_fwd(AttentionFwdParams p, cudaStream_t stream) {
@@ -26,4 +26,4 @@ cudaError_t launch_attention_fwd(AttentionFwdParams p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-}  // namespace nvfp4_attn
+}  // namespace nvfp4_dit

@@ -5,7 +5,7 @@
 // hold stored row 8j + 2t + e, i.e. token 32*(j/4) + 8t + 2*(j%4) + e of the tile.
 #pragma once
 
-namespace nvfp4_attn {
+namespace nvfp4_dit {
 
 __device__ __forceinline__ int score_token(int tile_start, int j, int t, int e) {
   return tile_start + 32 * (j >> 2) + 8 * t + 2 * (j & 3) + e;
@@ -31,4 +31,4 @@ __device__ __forceinline__ void apply_key_mask(float (&s)[kNTiles][4], int tile_
   }
 }
 
-}  // namespace nvfp4_attn
+}  // namespace nvfp4_dit

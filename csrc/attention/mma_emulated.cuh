@@ -1,4 +1,4 @@
-// Emulated back-end (sm_80 / sm_90): takes the *same* registers as MmaSm120a::mma (packed e2m1
+// Emulated back-end (sm_80 / sm_90): takes the *same* registers as MmaNative::mma (packed e2m1
 // A/B fragments, ue4m3 scale registers, selectors) and reproduces the block-scaled m16n8k64
 // with four fp16 mma.sync.m16n8k16 steps. e2m1 x ue4m3 has at most 6 significant bits and lies
 // in [2^-10, 2688], so the dequantised operands and their products are exact in fp16 and the
@@ -16,9 +16,10 @@
 #include <cstdint>
 #include <cuda_fp16.h>
 
-#include "mma_selectors.cuh"
+#include "attention/mma_selectors.cuh"
+#include "common/config.h"
 
-namespace nvfp4_attn {
+namespace nvfp4_dit {
 
 namespace emu {
 
@@ -58,7 +59,7 @@ __device__ __forceinline__ void mma_f16_16816(float (&d)[4], const uint32_t (&a)
 
 struct MmaEmulated {
   static constexpr const char* kName = "emulated";
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800 && __CUDA_ARCH__ < 1000
+#if defined(NVFP4_DIT_EMULATED_MMA)
   static constexpr bool kCompiledHere = true;
 #else
   static constexpr bool kCompiledHere = false;
@@ -93,4 +94,4 @@ struct MmaEmulated {
   }
 };
 
-}  // namespace nvfp4_attn
+}  // namespace nvfp4_dit

@@ -4,7 +4,7 @@
 // passed in registers were seen accepted silently, hence the static_asserts.
 #pragma once
 
-namespace nvfp4_attn {
+namespace nvfp4_dit {
 
 template <int kTidA, int kTidB>
 struct ScaleSelectors4X {
@@ -13,4 +13,4 @@ struct ScaleSelectors4X {
   static constexpr bool kValid = true;
 };
 
-}  // namespace nvfp4_attn
+}  // namespace nvfp4_dit

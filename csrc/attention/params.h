@@ -4,7 +4,7 @@
 #pragma once
 #include <cstdint>
 
-namespace nvfp4_attn {
+namespace nvfp4_dit {
 
 struct AttentionFwdParams {
   // Quantized operands (format: DEVELOPERS.md). Each [S, X] plane per (batch, head) is
@@ -55,4 +55,4 @@ struct AttentionFwdParams {
   int grid_size;         // persistent CTAs launched
 };
 
-}  // namespace nvfp4_attn
+}  // namespace nvfp4_dit

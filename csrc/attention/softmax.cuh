@@ -5,9 +5,9 @@
 // reductions use shfl-xor 1 and 2 only; xor 4 would mix rows g and g+1 (FlashInfer #3838).
 #pragma once
 #include <cstdint>
-#include "../nvfp4_format.cuh"
+#include "common/format.cuh"
 
-namespace nvfp4_attn {
+namespace nvfp4_dit {
 
 // log2(2688): P' = exp2((s - m) * scale * log2(e) + log2(448 * 6)) lies in [0, 2688].
 constexpr float kLog2PRange = 11.392317422778761f;
@@ -45,14 +45,14 @@ __device__ __forceinline__ float fast_exp2(float x) {
 // the scale byte in *sf_out. Multiplying by the reciprocal instead of dividing can differ from
 // P'/sf by an ulp, which changes a code only for a P'/sf within an ulp of a rounding threshold.
 __device__ __forceinline__ uint32_t quantize_p_block(float (&pv)[8], float block_max, uint32_t* sf_out) {
-  const uint32_t sf = nvfp4::float_to_e4m3(__fdiv_rn(block_max, nvfp4::kE2m1Max));   // e4m3_rn_satfinite(max / 6)
+  const uint32_t sf = nvfp4_dit::float_to_e4m3(__fdiv_rn(block_max, nvfp4_dit::kE2m1Max));   // e4m3_rn_satfinite(max / 6)
   const float sf_val = ue4m3_to_float(sf);
   float inv = 0.0f;
   if (sf_val > 0.0f) asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(inv) : "f"(sf_val));
 #pragma unroll
   for (int i = 0; i < 8; ++i) pv[i] *= inv;
   *sf_out = sf;
-  return nvfp4::pack8_e2m1(pv);
+  return nvfp4_dit::pack8_e2m1(pv);
 }
 
-}  // namespace nvfp4_attn
+}  // namespace nvfp4_dit

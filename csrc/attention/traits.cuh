@@ -3,12 +3,14 @@
 #pragma once
 #include <cstdint>
 
-namespace nvfp4_attn {
+#include "common/config.h"
+
+namespace nvfp4_dit {
 
 template <int kHeadDim_>
 struct AttentionTraits {
   static constexpr int kHeadDim = kHeadDim_;
-  static_assert(kHeadDim == 64 || kHeadDim == 128, "head dim must be 64 or 128");
+  static_assert(padded_head_dim(kHeadDim) == kHeadDim, "kHeadDim must be one of kHeadDims (common/config.h)");
   static constexpr int kBlockM = 128;       // Q rows per tile
   static constexpr int kBlockN = 128;       // keys per tile
   static constexpr int kWarps = 8;          // every warp owns 16 Q rows
@@ -50,4 +52,4 @@ struct AttentionTraits {
   }
 };
 
-}  // namespace nvfp4_attn
+}  // namespace nvfp4_dit

@@ -1,9 +1,9 @@
 // Streaming NVFP4 preprocessing of contiguous 16-bit rows (bf16/fp16, D == Dp, unit stride along
-// D, 16-byte aligned rows), sm_90 and newer. Same contract and same bytes as quantize.cu
+// D, 16-byte aligned rows), sm_90 and newer. Same contract and same bytes as quantize_tiles.cu
 // (quantize.cuh; per-block code shared through quantize_block.cuh). The default where it applies
-// (QuantizeKernel::kAuto); docs/quantize_performance.md has the numbers and the profiles.
+// (QuantizeKernel::kAuto); docs/quantize.md has the numbers.
 //
-// Why a second kernel: quantize.cu gives each CTA one tile, loaded into registers and then
+// Why a second kernel: quantize_tiles.cu gives each CTA one tile, loaded into registers and then
 // computed, so a warp waits for its loads before every tile, and its two launches read K twice
 // from DRAM. Here CTAs are persistent, copies run ahead of the arithmetic, and every warp has one
 // job (warp specialisation):
@@ -29,11 +29,11 @@
 #include <cuda.h>  // CUtensorMap and its enums (types only: the encoder comes from the runtime)
 #include <cuda_fp16.h>
 
-#include "nvfp4_format.cuh"
-#include "quantize.cuh"
-#include "quantize_block.cuh"
-#include "quantize_math.cuh"
-#include "quantize_schedule.cuh"
+#include "common/format.cuh"
+#include "quantize/quantize.cuh"
+#include "quantize/quantize_block.cuh"
+#include "quantize/quantize_math.cuh"
+#include "quantize/quantize_schedule.cuh"
 
 namespace nvfp4_dit {
 namespace {
@@ -767,13 +767,9 @@ cudaError_t launch_quantize_qkv_stream(const QuantizeQkvParams& p, cudaStream_t 
       !vector_loads_ok(p.k, 2, p.head_dim, p.head_dim_padded) || !vector_loads_ok(p.v, 2, p.head_dim, p.head_dim_padded))
     return cudaErrorNotSupported;
   const bool bf16 = p.dtype == InputDtype::kBFloat16;
-  if (p.head_dim_padded == 128)
-    return bf16 ? launch_stream_typed<InputDtype::kBFloat16, 128>(p, stream)
-                : launch_stream_typed<InputDtype::kFloat16, 128>(p, stream);
-  if (p.head_dim_padded == 64)
-    return bf16 ? launch_stream_typed<InputDtype::kBFloat16, 64>(p, stream)
-                : launch_stream_typed<InputDtype::kFloat16, 64>(p, stream);
-  return cudaErrorNotSupported;
+  return NVFP4_DIT_HEAD_DIM_SWITCH(p.head_dim_padded, DP,
+                                   bf16 ? launch_stream_typed<InputDtype::kBFloat16, DP>(p, stream)
+                                        : launch_stream_typed<InputDtype::kFloat16, DP>(p, stream));
 }
 
 }  // namespace nvfp4_dit

@@ -1,4 +1,6 @@
-// Fused NVFP4 preprocessing of Q, K and V (see quantize.cuh for the contract).
+// The tile kernel of the NVFP4 preprocessing of Q, K and V (contract: quantize.cuh). It takes any
+// input (fp32, strided, D < Dp, any GPU); quantize_stream.cu is the faster kernel for contiguous
+// 16-bit rows on sm_90+.
 //
 // Two kernel launches (after the caller's memset of a small counter workspace), each CTA one
 // work item by blockIdx, none waiting for another:
@@ -12,11 +14,9 @@
 // Why two launches rather than one with a ticket order: in one launch a K or Q tile waits for its
 // head's mean from other CTAs (a ticket atomic, a ready-flag poll, then the km load), which needs
 // every earlier ticket's CTA to be resident and costs round trips to L2 per tile. Split, no CTA
-// waits on another and each tile issues its loads first thing. (On the H200 the speed stayed
-// within the noise of the one-launch kernel: docs/quantize_performance.md.) The price: K is read
-// twice from DRAM (by its mean chunks, then by its tiles after every head's mean), and that
-// traffic alone, with no arithmetic, reaches only 75-77 % of copy bandwidth on the H200; the
-// streaming kernel's per-head order serves the second read from L2.
+// waits on another and each tile issues its loads first thing. The price: K is read twice from
+// DRAM (by its mean chunks, then by its tiles after every head's mean); the streaming kernel's
+// per-head order serves the second read from L2 (docs/quantize.md).
 // Padding rows/columns are written as zero data with zero scales; keys past kv_lens are padding.
 //
 // Every offset is int64. No fast-math: the scale and data divisions are correctly rounded
@@ -25,18 +25,18 @@
 
 #include <cuda_fp16.h>
 
-#include "nvfp4_format.cuh"
-#include "quantize.cuh"
-#include "quantize_block.cuh"
-#include "quantize_math.cuh"
+#include "common/format.cuh"
+#include "quantize/quantize.cuh"
+#include "quantize/quantize_block.cuh"
+#include "quantize/quantize_math.cuh"
 
 namespace nvfp4_dit {
 namespace {
 
 constexpr int kThreads = 256;
 // CTAs per SM for __launch_bounds__: 4 caps registers at 64 (a few bytes spill on bf16/fp16 with
-// D = 128). On the H200 that is still faster than 3 or 2 (79 registers, no spill, fewer warps):
-// 43.9 % vs 40.5 % of copy bandwidth at 32k tokens (measured on the one-launch kernel).
+// D = 128), and the extra warps hide more memory latency than the spill costs (faster than 3 or 2
+// on the H200).
 constexpr int kMinCtasPerSm = 4;
 constexpr int kWarps = kThreads / 32;
 // How far ahead (in waves of resident CTAs) a CTA prefetches a tile into L2.
@@ -105,8 +105,7 @@ __device__ __forceinline__ void load_block16(Block16<DT>& blk, const typename In
 
 // Asks L2 to fetch rows [row0, row0 + rows) of head (b, h) of input t (contiguous rows of DP
 // elements, VEC), one 128-byte line per thread and step. No registers wait for it, so DRAM has
-// work while the CTAs compute and the tile's own loads later hit L2. (On the shared H200 the gain
-// was within the noise of the measurement: docs/quantize_performance.md.)
+// work while the CTAs compute and the tile's own loads later hit L2.
 template <typename Raw, int DP>
 __device__ __forceinline__ void prefetch_rows_l2(const StridedInput& t, int64_t b, int64_t h, int64_t row0,
                                                  int64_t rows) {
@@ -526,11 +525,8 @@ cudaError_t launch_dtype(const QuantizeQkvParams& p, cudaStream_t stream) {
   const bool vec = vector_loads_ok(p.q, eb, p.head_dim, p.head_dim_padded) &&
                    vector_loads_ok(p.k, eb, p.head_dim, p.head_dim_padded) &&
                    vector_loads_ok(p.v, eb, p.head_dim, p.head_dim_padded);
-  if (p.head_dim_padded == 128)
-    return vec ? launch_typed<DT, 128, true>(p, stream) : launch_typed<DT, 128, false>(p, stream);
-  if (p.head_dim_padded == 64)
-    return vec ? launch_typed<DT, 64, true>(p, stream) : launch_typed<DT, 64, false>(p, stream);
-  return cudaErrorInvalidValue;
+  return NVFP4_DIT_HEAD_DIM_SWITCH(
+      p.head_dim_padded, DP, vec ? launch_typed<DT, DP, true>(p, stream) : launch_typed<DT, DP, false>(p, stream));
 }
 
 }  // namespace
@@ -539,7 +535,7 @@ cudaError_t launch_quantize_qkv(const QuantizeQkvParams& p, cudaStream_t stream)
   if (p.batch <= 0 || p.heads_q <= 0 || p.heads_kv <= 0 || p.heads_q % p.heads_kv != 0 ||
       p.seq_q_padded % kTileRows != 0 || p.seq_k_padded % kTileRows != 0 ||
       p.seq_q_padded < p.seq_q || p.seq_k_padded < p.seq_k || p.seq_q_padded <= 0 || p.seq_k_padded <= 0 ||
-      p.head_dim <= 0 || p.head_dim > p.head_dim_padded)
+      padded_head_dim(p.head_dim) != p.head_dim_padded)
     return cudaErrorInvalidValue;
   if (p.kernel != QuantizeKernel::kTiles) {
     const cudaError_t err = launch_quantize_qkv_stream(p, stream);

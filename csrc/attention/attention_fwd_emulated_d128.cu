@@ -3,7 +3,7 @@
 #include "attention/launcher.cuh"
 #include "attention/mma_emulated.cuh"
 
-namespace nvfp4_attn {
+namespace nvfp4_dit {
 template cudaError_t launch_attention_fwd<128, false, MmaEmulated>(AttentionFwdParams, cudaStream_t);
 template cudaError_t launch_attention_fwd<128, true, MmaEmulated>(AttentionFwdParams, cudaStream_t);
-}  // namespace nvfp4_attn
+}  // namespace nvfp4_dit

@@ -11,8 +11,8 @@
 // multiplied). Every offset is int64.
 #include <cuda_fp16.h>
 
-#include "quantize.cuh"
-#include "quantize_math.cuh"
+#include "quantize/quantize.cuh"
+#include "quantize/quantize_math.cuh"
 
 namespace nvfp4_dit {
 namespace {
@@ -34,7 +34,7 @@ struct SliceRegs {
 };
 
 template <InputDtype DT, int DP, bool VEC_LOAD>
-__device__ __forceinline__ void load_slice(SliceRegs<DT>& r, const QkCorrectionParams& p, const float* qm_row,
+__device__ __forceinline__ void load_slice(SliceRegs<DT>& r, const CorrectionParams& p, const float* qm_row,
                                            bool m_valid, const typename InputTraits<DT>::Raw* k_row, bool key_valid,
                                            int d0) {
   using Raw = typename InputTraits<DT>::Raw;
@@ -79,7 +79,7 @@ __device__ __forceinline__ float slice_k(const SliceRegs<DT>& r, int e) {
 }
 
 template <InputDtype DT, int DP, bool VEC_LOAD, bool VEC_STORE>
-__global__ void __launch_bounds__(kThreads) qk_correction_kernel(const QkCorrectionParams p) {
+__global__ void __launch_bounds__(kThreads) correction_kernel(const CorrectionParams p) {
   using Raw = typename InputTraits<DT>::Raw;
   __shared__ __align__(16) float qs[2][kSliceD][kTileM];
   __shared__ __align__(16) float ks[2][kSliceD][kTileN + kPadN];
@@ -172,7 +172,7 @@ __global__ void __launch_bounds__(kThreads) qk_correction_kernel(const QkCorrect
 }
 
 template <InputDtype DT, int DP>
-cudaError_t launch_typed(const QkCorrectionParams& p, cudaStream_t stream) {
+cudaError_t launch_typed(const CorrectionParams& p, cudaStream_t stream) {
   const int64_t rows = p.block_end - p.block_begin;
   const dim3 grid(unsigned(p.seq_k_padded / kTileN), unsigned((rows + kTileM - 1) / kTileM),
                   unsigned(p.batch * p.heads_q));
@@ -182,29 +182,27 @@ cudaError_t launch_typed(const QkCorrectionParams& p, cudaStream_t stream) {
   const bool vec_load = p.head_dim == DP && p.k.stride_d == 1 && (reinterpret_cast<uintptr_t>(p.k.ptr) & 15u) == 0 &&
                         p.k.stride_b % per16 == 0 && p.k.stride_h % per16 == 0 && p.k.stride_s % per16 == 0;
   if (vec_load) {
-    if (vec_store) qk_correction_kernel<DT, DP, true, true><<<grid, kThreads, 0, stream>>>(p);
-    else qk_correction_kernel<DT, DP, true, false><<<grid, kThreads, 0, stream>>>(p);
+    if (vec_store) correction_kernel<DT, DP, true, true><<<grid, kThreads, 0, stream>>>(p);
+    else correction_kernel<DT, DP, true, false><<<grid, kThreads, 0, stream>>>(p);
   } else {
-    if (vec_store) qk_correction_kernel<DT, DP, false, true><<<grid, kThreads, 0, stream>>>(p);
-    else qk_correction_kernel<DT, DP, false, false><<<grid, kThreads, 0, stream>>>(p);
+    if (vec_store) correction_kernel<DT, DP, false, true><<<grid, kThreads, 0, stream>>>(p);
+    else correction_kernel<DT, DP, false, false><<<grid, kThreads, 0, stream>>>(p);
   }
   return cudaGetLastError();
 }
 
 template <InputDtype DT>
-cudaError_t launch_dtype(const QkCorrectionParams& p, cudaStream_t stream) {
-  if (p.head_dim_padded == 128) return launch_typed<DT, 128>(p, stream);
-  if (p.head_dim_padded == 64) return launch_typed<DT, 64>(p, stream);
-  return cudaErrorInvalidValue;
+cudaError_t launch_dtype(const CorrectionParams& p, cudaStream_t stream) {
+  return NVFP4_DIT_HEAD_DIM_SWITCH(p.head_dim_padded, DP, launch_typed<DT, DP>(p, stream));
 }
 
 }  // namespace
 
-cudaError_t launch_qk_correction(const QkCorrectionParams& p, cudaStream_t stream) {
+cudaError_t launch_correction(const CorrectionParams& p, cudaStream_t stream) {
   const int64_t rows = p.block_end - p.block_begin;
   if (p.batch <= 0 || p.heads_q <= 0 || p.heads_kv <= 0 || p.heads_q % p.heads_kv != 0 ||
       p.block_begin < 0 || p.block_end > p.num_q_blocks || rows < 0 || p.seq_k_padded % kTileN != 0 ||
-      p.seq_k_padded < p.seq_k || p.head_dim <= 0 || p.head_dim > p.head_dim_padded)
+      p.seq_k_padded < p.seq_k || padded_head_dim(p.head_dim) != p.head_dim_padded)
     return cudaErrorInvalidValue;
   if (rows == 0) return cudaSuccess;
   if (p.batch * p.heads_q > 65535 || (rows + kTileM - 1) / kTileM > 65535) return cudaErrorInvalidConfiguration;

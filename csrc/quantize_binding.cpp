@@ -11,7 +11,7 @@
 #include <torch/library.h>
 #include <torch/types.h>
 
-#include "quantize.cuh"
+#include "quantize/quantize.cuh"
 
 namespace {
 
@@ -32,9 +32,10 @@ StridedInput strided(const at::Tensor& t) {
   return StridedInput{t.data_ptr(), t.stride(0), t.stride(1), t.stride(2), t.stride(3)};
 }
 
-int64_t padded_head_dim(int64_t d) {
-  TORCH_CHECK(d > 0 && d <= 128, "nvfp4_dit_cuda: head dim must be in [1, 128], got ", d);
-  return d <= 64 ? 64 : 128;
+int64_t checked_padded_head_dim(int64_t d) {
+  const int64_t dp = nvfp4_dit::padded_head_dim(d);
+  TORCH_CHECK(dp > 0, "nvfp4_dit_cuda: head dim must be in [1, ", nvfp4_dit::kMaxHeadDim, "], got ", d);
+  return dp;
 }
 
 // kv_lens as the kernels read it: [B] int32/int64 on the device, contiguous (undefined if absent).
@@ -74,7 +75,7 @@ std::vector<at::Tensor> quantize_qkv(const at::Tensor& q, const at::Tensor& k, c
   TORCH_CHECK(k.size(0) == b && v.size(0) == b && v.size(1) == hkv && v.size(2) == sk && k.size(3) == d && v.size(3) == d,
               "nvfp4_dit_cuda::quantize_qkv: shape mismatch between q, k, v");
   TORCH_CHECK(hkv > 0 && h % hkv == 0, "nvfp4_dit_cuda::quantize_qkv: heads of q must be a multiple of heads of k");
-  const int64_t dp = padded_head_dim(d);
+  const int64_t dp = checked_padded_head_dim(d);
   const int64_t sqp = round_up_128(sq), skp = round_up_128(sk);
   const c10::cuda::CUDAGuard guard(q.device());
   const auto u8 = q.options().dtype(at::kByte);
@@ -138,29 +139,29 @@ std::vector<at::Tensor> quantize_qkv(const at::Tensor& q, const at::Tensor& k, c
   return {q_data, q_sf, k_data, k_sf, vt_data, vt_sf, q_mean, k_mean, q_dot_km, nonfinite_q, nonfinite_kv};
 }
 
-void qk_correction(const at::Tensor& q_mean, const at::Tensor& k, const at::Tensor& k_mean,
+void correction(const at::Tensor& q_mean, const at::Tensor& k, const at::Tensor& k_mean,
                    const std::optional<at::Tensor>& kv_lens, int64_t block_begin, at::Tensor& out) {
   TORCH_CHECK(q_mean.is_cuda() && k.is_cuda() && k_mean.is_cuda() && out.is_cuda(),
-              "nvfp4_dit_cuda::qk_correction: all tensors must be CUDA tensors");
+              "nvfp4_dit_cuda::correction: all tensors must be CUDA tensors");
   TORCH_CHECK(q_mean.scalar_type() == at::kFloat && k_mean.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
-              "nvfp4_dit_cuda::qk_correction: q_mean, k_mean and out must be float32");
-  TORCH_CHECK(q_mean.dim() == 4 && q_mean.is_contiguous(), "nvfp4_dit_cuda::qk_correction: q_mean must be contiguous [B, H, nblk, Dp]");
-  TORCH_CHECK(k.dim() == 4, "nvfp4_dit_cuda::qk_correction: k must be 4-D [B, Hkv, Sk, D]");
-  TORCH_CHECK(k_mean.dim() == 3 && k_mean.is_contiguous(), "nvfp4_dit_cuda::qk_correction: k_mean must be contiguous [B, Hkv, Dp]");
-  TORCH_CHECK(out.dim() == 4 && out.stride(3) == 1, "nvfp4_dit_cuda::qk_correction: out must be [B, H, n, Skp], last dim contiguous");
+              "nvfp4_dit_cuda::correction: q_mean, k_mean and out must be float32");
+  TORCH_CHECK(q_mean.dim() == 4 && q_mean.is_contiguous(), "nvfp4_dit_cuda::correction: q_mean must be contiguous [B, H, nblk, Dp]");
+  TORCH_CHECK(k.dim() == 4, "nvfp4_dit_cuda::correction: k must be 4-D [B, Hkv, Sk, D]");
+  TORCH_CHECK(k_mean.dim() == 3 && k_mean.is_contiguous(), "nvfp4_dit_cuda::correction: k_mean must be contiguous [B, Hkv, Dp]");
+  TORCH_CHECK(out.dim() == 4 && out.stride(3) == 1, "nvfp4_dit_cuda::correction: out must be [B, H, n, Skp], last dim contiguous");
   const int64_t b = q_mean.size(0), h = q_mean.size(1), nblk = q_mean.size(2), dp = q_mean.size(3);
   const int64_t hkv = k.size(1), sk = k.size(2), d = k.size(3);
   const int64_t skp = round_up_128(sk);
-  TORCH_CHECK(dp == padded_head_dim(d), "nvfp4_dit_cuda::qk_correction: q_mean head dim ", dp, " does not match k's ", d);
+  TORCH_CHECK(dp == checked_padded_head_dim(d), "nvfp4_dit_cuda::correction: q_mean head dim ", dp, " does not match k's ", d);
   TORCH_CHECK(k.size(0) == b && hkv > 0 && h % hkv == 0 && k_mean.size(0) == b && k_mean.size(1) == hkv && k_mean.size(2) == dp,
-              "nvfp4_dit_cuda::qk_correction: shape mismatch between q_mean, k, k_mean");
+              "nvfp4_dit_cuda::correction: shape mismatch between q_mean, k, k_mean");
   TORCH_CHECK(out.size(0) == b && out.size(1) == h && out.size(3) == skp,
-              "nvfp4_dit_cuda::qk_correction: out must be [B, H, n, Skp] with Skp = ", skp);
-  TORCH_CHECK(block_begin >= 0 && block_begin + out.size(2) <= nblk, "nvfp4_dit_cuda::qk_correction: blocks [", block_begin,
+              "nvfp4_dit_cuda::correction: out must be [B, H, n, Skp] with Skp = ", skp);
+  TORCH_CHECK(block_begin >= 0 && block_begin + out.size(2) <= nblk, "nvfp4_dit_cuda::correction: blocks [", block_begin,
               ", ", block_begin + out.size(2), ") outside [0, ", nblk, ")");
-  const at::Tensor lens = checked_kv_lens(kv_lens, b, q_mean.device(), "qk_correction");
+  const at::Tensor lens = checked_kv_lens(kv_lens, b, q_mean.device(), "correction");
   const c10::cuda::CUDAGuard guard(q_mean.device());
-  nvfp4_dit::QkCorrectionParams p{};
+  nvfp4_dit::CorrectionParams p{};
   p.kv_lens = lens.defined() ? lens.data_ptr() : nullptr;
   p.kv_lens_int64 = lens.defined() && lens.scalar_type() == at::kLong;
   p.q_mean = q_mean.data_ptr<float>();
@@ -181,18 +182,18 @@ void qk_correction(const at::Tensor& q_mean, const at::Tensor& k, const at::Tens
   p.num_q_blocks = nblk;
   p.block_begin = block_begin;
   p.block_end = block_begin + out.size(2);
-  const cudaError_t err = nvfp4_dit::launch_qk_correction(p, c10::cuda::getCurrentCUDAStream().stream());
-  TORCH_CHECK(err == cudaSuccess, "nvfp4_dit_cuda::qk_correction: launch failed: ", cudaGetErrorString(err));
+  const cudaError_t err = nvfp4_dit::launch_correction(p, c10::cuda::getCurrentCUDAStream().stream());
+  TORCH_CHECK(err == cudaSuccess, "nvfp4_dit_cuda::correction: launch failed: ", cudaGetErrorString(err));
 }
 
 }  // namespace
 
 TORCH_LIBRARY(nvfp4_dit_cuda, m) {
   m.def("quantize_qkv(Tensor q, Tensor k, Tensor v, Tensor? kv_lens) -> Tensor[]");
-  m.def("qk_correction(Tensor q_mean, Tensor k, Tensor k_mean, Tensor? kv_lens, int block_begin, Tensor(a!) out) -> ()");
+  m.def("correction(Tensor q_mean, Tensor k, Tensor k_mean, Tensor? kv_lens, int block_begin, Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(nvfp4_dit_cuda, CUDA, m) {
   m.impl("quantize_qkv", &quantize_qkv);
-  m.impl("qk_correction", &qk_correction);
+  m.impl("correction", &correction);
 }

@@ -4,26 +4,20 @@
 
 #include "attention/api.h"
 #include "attention/mma_emulated.cuh"
-#include "attention/mma_sm120a.cuh"
+#include "attention/mma_native.cuh"
 
-namespace nvfp4_attn {
+namespace nvfp4_dit {
 
 cudaError_t attention_fwd(const AttentionFwdParams& p, int head_dim, bool with_lse, bool native,
                           cudaStream_t stream) {
-#define NVFP4_ATTN_CASE(D, MMA)                                                        \
-  if (head_dim == D) {                                                                 \
-    return with_lse ? launch_attention_fwd<D, true, MMA>(p, stream)                    \
-                    : launch_attention_fwd<D, false, MMA>(p, stream);                  \
-  }
-  if (native) {
-    NVFP4_ATTN_CASE(64, MmaSm120a)
-    NVFP4_ATTN_CASE(128, MmaSm120a)
-  } else {
-    NVFP4_ATTN_CASE(64, MmaEmulated)
-    NVFP4_ATTN_CASE(128, MmaEmulated)
-  }
-#undef NVFP4_ATTN_CASE
-  return cudaErrorInvalidValue;
+  return NVFP4_DIT_HEAD_DIM_SWITCH(head_dim, kHeadDim, [&] {
+    if (native) {
+      return with_lse ? launch_attention_fwd<kHeadDim, true, MmaNative>(p, stream)
+                      : launch_attention_fwd<kHeadDim, false, MmaNative>(p, stream);
+    }
+    return with_lse ? launch_attention_fwd<kHeadDim, true, MmaEmulated>(p, stream)
+                    : launch_attention_fwd<kHeadDim, false, MmaEmulated>(p, stream);
+  }());
 }
 
 template <class Mma, int kTidA, int kTidB>
@@ -68,8 +62,8 @@ static cudaError_t probe_dispatch(const uint32_t* a, const uint32_t* b, const ui
 cudaError_t mma_fp4_probe(const uint32_t* a, const uint32_t* b, const uint32_t* sfa, const uint32_t* sfb,
                           const float* c, float* d, int tid_a, int tid_b, bool native, cudaStream_t stream) {
   if (tid_a < 0 || tid_a > 1 || tid_b < 0 || tid_b > 3) return cudaErrorInvalidValue;
-  return native ? probe_dispatch<MmaSm120a>(a, b, sfa, sfb, c, d, tid_a, tid_b, stream)
+  return native ? probe_dispatch<MmaNative>(a, b, sfa, sfb, c, d, tid_a, tid_b, stream)
                 : probe_dispatch<MmaEmulated>(a, b, sfa, sfb, c, d, tid_a, tid_b, stream);
 }
 
-}  // namespace nvfp4_attn
+}  // namespace nvfp4_dit

@@ -1,4 +1,4 @@
-// Per-block NVFP4 quantization shared by the quantize kernels (quantize.cu: any strides and
+// Per-block NVFP4 quantization shared by the quantize kernels (quantize_tiles.cu: any strides and
 // dtypes, register tiles; quantize_stream.cu: contiguous 16-bit rows streamed through shared
 // memory). Torch-free; device code only, in an unnamed namespace so each TU has its own copy.
 #pragma once
@@ -8,9 +8,9 @@
 
 #include <cuda_fp16.h>
 
-#include "nvfp4_format.cuh"
-#include "quantize.cuh"
-#include "quantize_math.cuh"
+#include "common/format.cuh"
+#include "quantize/quantize.cuh"
+#include "quantize/quantize_math.cuh"
 
 namespace nvfp4_dit {
 namespace {
@@ -46,7 +46,7 @@ struct ScaleTables {
 
 __device__ __forceinline__ void fill_scale_tables(ScaleTables& t) {
   if (threadIdx.x < 128) {
-    const float sf = nvfp4::e4m3_to_float(threadIdx.x);
+    const float sf = nvfp4_dit::e4m3_to_float(threadIdx.x);
     t.value[threadIdx.x] = sf;
     t.rcp[threadIdx.x] = sf > 0.0f ? __frcp_rn(sf) : 0.0f;  // 0x7F (NaN) gives NaN; 0 is unused
   }
@@ -55,12 +55,12 @@ __device__ __forceinline__ void fill_scale_tables(ScaleTables& t) {
 // Eight quotients |v| / sf (correctly rounded, clamped at 6 where they may exceed 7) and their
 // values -> one word of e2m1 nibbles.
 __device__ __forceinline__ uint32_t encode8(const float (&quot)[8], const float* v) {
-#if NVFP4_NATIVE_E2M1_CVT
+#if NVFP4_DIT_NATIVE_E2M1_CVT
   // The hardware conversion rounds the signed quotient (nearest even, satfinite, sign kept).
   float signed_quot[8];
 #pragma unroll
   for (int e = 0; e < 8; ++e) signed_quot[e] = copysignf(quot[e], v[e]);
-  return nvfp4::pack8_e2m1(signed_quot);
+  return nvfp4_dit::pack8_e2m1(signed_quot);
 #else
   uint32_t code[8];
   float v8[8];
@@ -84,13 +84,13 @@ struct Block16Bytes {
 __device__ __noinline__ Block16Bytes quantize_block16_ieee(float4 v0, float4 v1, float4 v2, float4 v3, float amax) {
   const float v[16] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w, v2.x, v2.y, v2.z, v2.w, v3.x, v3.y, v3.z, v3.w};
   Block16Bytes out{0, 0, 0};
-  const float sf = nvfp4::block_scale_value(amax, &out.sf_bits);
+  const float sf = nvfp4_dit::block_scale_value(amax, &out.sf_bits);
   if (!(sf > 0.0f)) return out;  // NaN scale: x / NaN encodes as 0
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     float quot[8];
 #pragma unroll
-    for (int e = 0; e < 8; ++e) quot[e] = fminf(__fdiv_rn(fabsf(v[8 * half + e]), sf), nvfp4::kE2m1Max);
+    for (int e = 0; e < 8; ++e) quot[e] = fminf(__fdiv_rn(fabsf(v[8 * half + e]), sf), nvfp4_dit::kE2m1Max);
     (half ? out.hi : out.lo) = encode8(quot, v + 8 * half);
   }
   return out;
@@ -108,7 +108,7 @@ __device__ __forceinline__ bool quantize_block16(const float (&v)[16], const Sca
   const bool nonfinite = !(amax <= FLT_MAX);
   bool fast = amax <= kUnsaturatedAmax;  // false for NaN and inf
   if (fast) {
-    sf_bits = nvfp4::float_to_e4m3(amax_over_6(amax));
+    sf_bits = nvfp4_dit::float_to_e4m3(amax_over_6(amax));
     if (sf_bits == 0) {  // zero scale: an all-zero block
       lo = hi = 0;
       return false;
@@ -185,8 +185,8 @@ __device__ __forceinline__ uint4 lds128(uint32_t addr) {
 // The V^T outputs of kTokens tokens (a tile or a sub-tile) of one kv head: DP rows of kTokens / 2
 // data and kTokens / 16 scale bytes, each row quantized by several threads of different warps
 // (kBlocks 16-token blocks each). Stored by those threads, a warp's store would touch 32 rows with
-// a partial 32-byte sector each; on the H200 that cost up to a fifth of the streaming kernel's time
-// at 118.8k tokens (docs/quantize_performance.md). So the threads put their bytes into shared
+// a partial 32-byte sector each, which cost up to a fifth of the streaming kernel's time on the
+// H200. So the threads put their bytes into shared
 // memory (`base`, kBytes), meet at a barrier, and store whole rows: kTokens / 32 lanes per row.
 template <int DP, int kTokens>
 struct VtRowGather {

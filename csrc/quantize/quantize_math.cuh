@@ -1,5 +1,5 @@
 // Per-element arithmetic of the quantize kernel that is faster than, and provably equal to, the
-// reference formulation in nvfp4_format.cuh. __host__ __device__ so that
+// reference formulation in common/format.cuh. __host__ __device__ so that
 // tests/test_quantize_kernel.py can check the equalities exhaustively on the host.
 //
 // 1. Division by a block scale. format.py divides every element by the rounded scale in IEEE
@@ -12,15 +12,15 @@
 //    same e2m1 code (divide_raw16_by_scale) instead of three.
 // 2. e2m1 encoding of the quotient by three fp32 roundings and a 3-way min instead of seven
 //    comparisons (e2m1_code_biased); the host test checks every fp32 value in [0, 7).
-// Torch-free and self-contained apart from nvfp4_format.cuh.
+// Torch-free and self-contained apart from common/format.cuh.
 #pragma once
 
 #include <cstdint>
 
 #include <cuda_fp16.h>
 
-#include "nvfp4_format.cuh"
-#include "quantize.cuh"
+#include "common/format.cuh"
+#include "quantize/quantize.cuh"
 
 namespace nvfp4_dit {
 
@@ -101,9 +101,9 @@ NVFP4_DIT_HD uint32_t umin3(uint32_t a, uint32_t b, uint32_t c) {
 }
 
 NVFP4_DIT_HD uint32_t e2m1_code_biased(float q) {
-  const uint32_t fine = nvfp4::float_bits(rn_fma(q, 2.0f, kTwoPow23));          // RNE(2q)
-  const uint32_t middle = nvfp4::float_bits(rn_add(q, kTwoPow23 + 2.0f));        // 2 + RNE(q)
-  const uint32_t coarse = nvfp4::float_bits(rn_fma(q, 0.5f, kTwoPow23 + 4.0f));  // 4 + RNE(q/2)
+  const uint32_t fine = nvfp4_dit::float_bits(rn_fma(q, 2.0f, kTwoPow23));          // RNE(2q)
+  const uint32_t middle = nvfp4_dit::float_bits(rn_add(q, kTwoPow23 + 2.0f));        // 2 + RNE(q)
+  const uint32_t coarse = nvfp4_dit::float_bits(rn_fma(q, 0.5f, kTwoPow23 + 4.0f));  // 4 + RNE(q/2)
   return umin3(fine, middle, coarse);
 }
 
@@ -150,15 +150,15 @@ NVFP4_DIT_HD uint32_t pack8_biased_codes_signs(const uint32_t (&code)[8], const 
 #pragma unroll
   for (int i = 6; i >= 0; --i) mag = mag * 16u + code[i];
   mag -= kBiasedPackOffset;
-  const uint32_t odd = byte_perm(byte_perm(nvfp4::float_bits(v[1]), nvfp4::float_bits(v[3]), 0x7733u),
-                                 byte_perm(nvfp4::float_bits(v[5]), nvfp4::float_bits(v[7]), 0x7733u), 0x6420u);
-  const uint32_t even = byte_perm(byte_perm(nvfp4::float_bits(v[0]), nvfp4::float_bits(v[2]), 0x7733u),
-                                  byte_perm(nvfp4::float_bits(v[4]), nvfp4::float_bits(v[6]), 0x7733u), 0x6420u);
+  const uint32_t odd = byte_perm(byte_perm(nvfp4_dit::float_bits(v[1]), nvfp4_dit::float_bits(v[3]), 0x7733u),
+                                 byte_perm(nvfp4_dit::float_bits(v[5]), nvfp4_dit::float_bits(v[7]), 0x7733u), 0x6420u);
+  const uint32_t even = byte_perm(byte_perm(nvfp4_dit::float_bits(v[0]), nvfp4_dit::float_bits(v[2]), 0x7733u),
+                                  byte_perm(nvfp4_dit::float_bits(v[4]), nvfp4_dit::float_bits(v[6]), 0x7733u), 0x6420u);
   return mag | (odd & 0x80808080u) | ((even >> 4) & 0x08080808u);
 }
 
 // Valid keys of batch b: kv_lens[b] clamped to [0, seq_k], or seq_k without kv_lens. Params is
-// QuantizeQkvParams or QkCorrectionParams (fields kv_lens, kv_lens_int64, seq_k).
+// QuantizeQkvParams or CorrectionParams (fields kv_lens, kv_lens_int64, seq_k).
 template <typename Params>
 NVFP4_DIT_HD int64_t valid_key_count(const Params& p, int64_t b) {
   if (p.kv_lens == nullptr) return p.seq_k;

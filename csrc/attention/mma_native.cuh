@@ -10,19 +10,16 @@
 #pragma once
 #include <cstdint>
 
-#include "mma_selectors.cuh"
+#include "attention/mma_selectors.cuh"
+#include "common/config.h"
 
-namespace nvfp4_attn {
+namespace nvfp4_dit {
 
-#if defined(__CUDA_ARCH__) && (defined(__CUDA_ARCH_FEAT_SM120_ALL) || defined(__CUDA_ARCH_FEAT_SM121_ALL))
-#define NVFP4_ATTN_NATIVE_MMA 1
-#endif
-
-struct MmaSm120a {
-  static constexpr const char* kName = "sm120a";
+struct MmaNative {
+  static constexpr const char* kName = "native";
   // True in the device pass that can issue the instruction; the kernel body is compiled only
   // there (the same TU also builds for sm_80/90 targets, where it becomes a trap).
-#if defined(NVFP4_ATTN_NATIVE_MMA)
+#if defined(NVFP4_DIT_NATIVE_MMA)
   static constexpr bool kCompiledHere = true;
 #else
   static constexpr bool kCompiledHere = false;
@@ -33,7 +30,7 @@ struct MmaSm120a {
   static __device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4],
                                              const uint32_t (&b)[2], uint32_t sfa, uint32_t sfb) {
     static_assert(ScaleSelectors4X<kTidA, kTidB>::kValid, "selector rules");
-#if defined(NVFP4_ATTN_NATIVE_MMA)
+#if defined(NVFP4_DIT_NATIVE_MMA)
     asm volatile(
         "mma.sync.aligned.m16n8k64.row.col.kind::mxf4nvf4.block_scale.scale_vec::4X"
         ".f32.e2m1.e2m1.f32.ue4m3 "
@@ -49,4 +46,4 @@ struct MmaSm120a {
   }
 };
 
-}  // namespace nvfp4_attn
+}  // namespace nvfp4_dit

@@ -13,22 +13,22 @@
 #include <cstring>
 #include <cuda_fp16.h>
 
-namespace nvfp4 {
+namespace nvfp4_dit {
 
 // e2m1 conversions exist on the arch-specific Blackwell targets only (PTX ISA, cvt; nvcc 13.0
 // rejects them for plain sm_120 and for sm_90a).
 #if defined(__CUDA_ARCH_FEAT_SM120_ALL) || defined(__CUDA_ARCH_FEAT_SM121_ALL) || \
     defined(__CUDA_ARCH_FEAT_SM100_ALL) ||                                        \
     (defined(__CUDA_ARCH_FAMILY_SPECIFIC__) && (__CUDA_ARCH_FAMILY_SPECIFIC__ >= 1000))
-#define NVFP4_NATIVE_E2M1_CVT 1
+#define NVFP4_DIT_NATIVE_E2M1_CVT 1
 #else
-#define NVFP4_NATIVE_E2M1_CVT 0
+#define NVFP4_DIT_NATIVE_E2M1_CVT 0
 #endif
 
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 890)
-#define NVFP4_NATIVE_E4M3_CVT 1
+#define NVFP4_DIT_NATIVE_E4M3_CVT 1
 #else
-#define NVFP4_NATIVE_E4M3_CVT 0
+#define NVFP4_DIT_NATIVE_E4M3_CVT 0
 #endif
 
 __host__ __device__ __forceinline__ uint32_t float_bits(float x) {
@@ -73,7 +73,7 @@ __host__ __device__ __forceinline__ uint32_t float_to_e2m1_sw(float x) {
 
 // Eight floats to one 32-bit word of e2m1 nibbles, element i in bits [4i+3:4i].
 __device__ __forceinline__ uint32_t pack8_e2m1(const float (&v)[8]) {
-#if NVFP4_NATIVE_E2M1_CVT
+#if NVFP4_DIT_NATIVE_E2M1_CVT
   uint32_t out;
   // cvt ... e2m1x2 d, a, b puts cvt(a) in the high nibble and cvt(b) in the low one.
   asm("{\n"
@@ -104,7 +104,7 @@ __host__ __device__ __forceinline__ float e2m1_to_float(uint32_t code) {
 
 // Two e2m1 codes (bits [3:0] -> .x, bits [7:4] -> .y) to an exact half2.
 __device__ __forceinline__ __half2 e2m1x2_to_half2(uint32_t byte) {
-#if NVFP4_NATIVE_E2M1_CVT
+#if NVFP4_DIT_NATIVE_E2M1_CVT
   uint32_t out;
   asm("{\n.reg .b8 b;\nmov.b32 {b, _, _, _}, %1;\ncvt.rn.f16x2.e2m1x2 %0, b;\n}\n"
       : "=r"(out)
@@ -144,7 +144,7 @@ __host__ __device__ __forceinline__ uint32_t float_to_e4m3_sw(float x) {
 }
 
 __device__ __forceinline__ uint32_t float_to_e4m3(float x) {
-#if NVFP4_NATIVE_E4M3_CVT
+#if NVFP4_DIT_NATIVE_E4M3_CVT
   uint16_t out;
   asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(out) : "f"(0.0f), "f"(x));
   return out & 0xFFu;
@@ -155,7 +155,7 @@ __device__ __forceinline__ uint32_t float_to_e4m3(float x) {
 
 // Two floats to two e4m3 bytes: lo -> bits [7:0], hi -> bits [15:8].
 __device__ __forceinline__ uint32_t float2_to_e4m3x2(float lo, float hi) {
-#if NVFP4_NATIVE_E4M3_CVT
+#if NVFP4_DIT_NATIVE_E4M3_CVT
   uint16_t out;
   asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(out) : "f"(hi), "f"(lo));
   return out;
@@ -197,4 +197,4 @@ __host__ __device__ __forceinline__ float scale_for_e2m1(float x, float scale) {
 #endif
 }
 
-}  // namespace nvfp4
+}  // namespace nvfp4_dit

@@ -2,8 +2,8 @@
 // correction term qm . (k - km)^T computed in chunks.
 //
 // Torch-free: plain pointers, int64 element strides, a cudaStream_t. The kernels live in
-// quantize.cu and quantize_correction.cu; this header only declares the host entry points, so
-// the torch binding (binding.cpp, a host C++ TU) can include it.
+// quantize_tiles.cu and correction.cu; this header only declares the host entry points, so
+// the torch binding (csrc/quantize_binding.cpp, a host C++ TU) can include it.
 //
 // The byte format is the one of nvfp4_dit/format.py (see DEVELOPERS.md): blocks of 16,
 // sf = e4m3_satfinite(amax16 / 6), data = e2m1(x / float(sf)), zero padding to 128 rows.
@@ -12,6 +12,8 @@
 #include <cstdint>
 
 #include <cuda_runtime.h>
+
+#include "common/config.h"
 
 namespace nvfp4_dit {
 
@@ -28,11 +30,10 @@ struct StridedInput {
   int64_t stride_d;
 };
 
-// Which kernel launch_quantize_qkv runs: the tile kernel (quantize.cu, any input), the streaming
+// Which kernel launch_quantize_qkv runs: the tile kernel (quantize_tiles.cu, any input), the streaming
 // kernel (quantize_stream.cu: it fails with cudaErrorNotSupported where it does not apply), or
 // (kAuto, the default) the streaming kernel where it applies in the configuration measured faster
-// on the H200 (two CTAs of three or more stages per SM), else the tile kernel
-// (docs/quantize_performance.md).
+// on the H200 (two CTAs of three or more stages per SM), else the tile kernel (docs/quantize.md).
 enum class QuantizeKernel : int32_t { kTiles = 0, kStream = 1, kAuto = 2 };
 
 struct QuantizeQkvParams {
@@ -77,7 +78,7 @@ struct QuantizeQkvParams {
 
 constexpr int kTileRows = 128;  // rows of a Q/K tile and tokens of a V^T tile, in every kernel
 
-// Keys reduced by one K-mean work item (quantize.cu), or per chunk of tile sums (quantize_stream.cu).
+// Keys reduced by one K-mean work item (quantize_tiles.cu), or per chunk of tile sums (quantize_stream.cu).
 constexpr int64_t kKeyMeanChunk = 1024;
 
 __host__ __device__ inline int64_t quantize_qkv_k_chunks(int64_t seq_k) {
@@ -111,7 +112,7 @@ cudaError_t launch_quantize_qkv(const QuantizeQkvParams& params, cudaStream_t st
 // cudaErrorNotSupported, launching nothing, for any other input or device.
 cudaError_t launch_quantize_qkv_stream(const QuantizeQkvParams& params, cudaStream_t stream);
 
-struct QkCorrectionParams {
+struct CorrectionParams {
   const float* q_mean;  // [B, H, num_q_blocks, Dp], contiguous
   StridedInput k;       // the raw K input, logical [B, Hkv, Sk, D]
   InputDtype dtype;
@@ -137,6 +138,6 @@ struct QkCorrectionParams {
 
 // delta[b, h, m - block_begin, j] = sum_d q_mean[b, h, m, d] * (k[b, kvh, j, d] - k_mean[b, kvh, d])
 // in fp32 for valid keys j < min(kv_lens[b], Sk), and 0 for the padded ones. One launch.
-cudaError_t launch_qk_correction(const QkCorrectionParams& params, cudaStream_t stream);
+cudaError_t launch_correction(const CorrectionParams& params, cudaStream_t stream);
 
 }  // namespace nvfp4_dit

@@ -14,7 +14,7 @@
 
 #include <cstdint>
 
-#include "quantize.cuh"
+#include "quantize/quantize.cuh"
 
 namespace nvfp4_dit {
 
