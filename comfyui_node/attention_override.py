@@ -16,16 +16,18 @@ override again (the recursion trap). Nothing is kept between calls: no tensors, 
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import logging
 from typing import Any, Callable, Optional
 
 import torch
 
-logger = logging.getLogger("nvfp4_dit.comfyui")
+from nvfp4_dit import format as fmt
+from nvfp4_dit.fallback import warn_once
+from nvfp4_dit.masks import NotPerKeyMask, reduce_key_mask
+from nvfp4_dit.policy import AttentionPolicy
 
-BACKENDS = ("auto", "cuda", "reference", "sdpa")
+logger = logging.getLogger("nvfp4_dit.comfyui")
 
 # Keyword arguments ComfyUI's attention functions receive that do not change what attention computes
 # (or that this override reads itself). Any other keyword is declined: it may carry semantics we
@@ -35,43 +37,6 @@ _KNOWN_KWARGS = frozenset({
     "attn_precision", "preferred_attention",
 })
 
-# An additive mask entry at or below this counts as "masked out". ComfyUI's models write
-# -finfo(dtype).max or -inf; a softmax weight of exp(-1e4) is zero in every float format.
-_ADDITIVE_MASKED_AT = -1.0e4
-
-_MAX_HEAD_DIM = 128
-_FP4_CAPABILITY_MAJOR = 12  # sm_120 / sm_121: the native block-scaled FP4 MMA
-
-
-@dataclasses.dataclass(frozen=True)
-class AttentionPolicy:
-    """Which attention calls of a model run in NVFP4 and on which back-end of ``nvfp4_dit.attention``.
-
-    backend: "auto" runs NVFP4 only where the native FP4 MMA exists (CUDA sm_120/121) and declines
-        elsewhere, so the model keeps the attention ComfyUI chose; "cuda" forces the compiled kernel
-        (emulated MMA on sm_80/90); "reference" the pure-torch FP4 numerics (slow, for checking);
-        "sdpa" exact attention through the same wrapper (for checking the wiring).
-    cross_attention_dense: calls with Lq != Lk (text / image-token cross-attention) are declined.
-    dense_first_steps, dense_last_steps: the first / last N sampling steps are declined. The step is
-        found from the sigma of the call within ``transformer_options["sample_sigmas"]``, i.e. within
-        the schedule of the sampler that runs the model (a KSamplerAdvanced segment counts alone).
-    min_seq_len: calls whose query length is below this are declined (text refiners, short clips).
-    """
-
-    backend: str = "auto"
-    cross_attention_dense: bool = True
-    dense_first_steps: int = 0
-    dense_last_steps: int = 0
-    min_seq_len: int = 1024
-
-    def __post_init__(self):
-        if self.backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
-        for name in ("dense_first_steps", "dense_last_steps", "min_seq_len"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} must be a non-negative int, got {value!r}")
-
 
 def _comfy_attention_signature(q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False,
                                skip_output_reshape=False, **kwargs):
@@ -80,14 +45,10 @@ def _comfy_attention_signature(q, k, v, heads, mask=None, attn_precision=None, s
 
 _SIGNATURE = inspect.signature(_comfy_attention_signature)
 
-_warned: set[str] = set()
-
-
-def _warn_once(key: str, message: str) -> None:
-    # One warning per kind of declined call per process, not one per attention call.
-    if key not in _warned:
-        _warned.add(key)
-        logger.warning("nvfp4_dit: %s; using the model's own attention for such calls", message)
+def _warn_once(message: str) -> None:
+    # One log line per kind of declined call per process, not one per attention call (ComfyUI shows
+    # its log, not Python warnings).
+    warn_once(f"nvfp4_dit: {message}; using the model's own attention for such calls", logger=logger)
 
 
 def sampling_step(transformer_options: dict) -> Optional[tuple[int, int]]:
@@ -113,13 +74,15 @@ def sampling_step(transformer_options: dict) -> Optional[tuple[int, int]]:
     return min(step, steps - 1), steps
 
 
-def key_padding_mask(mask: Optional[torch.Tensor], batch: int, keys: int) -> tuple[Optional[torch.Tensor], Optional[str]]:
+def key_padding_mask(mask: Optional[torch.Tensor], batch: int, heads: int, queries: int,
+                     keys: int) -> tuple[Optional[torch.Tensor], Optional[str]]:
     """Turn a ComfyUI attention mask into a bool key-padding mask ``[batch, keys]`` (True = attend).
 
-    ComfyUI masks are bool or additive float, broadcast against ``[B, H, Lq, Lk]`` after adding a batch
-    dimension to 2-D masks and a head dimension to 3-D ones. Only masks that are the same for every
-    head and every query, with every entry either "keep" or "masked out", are key-padding masks.
-    Returns (mask or None for "attend everywhere", None) or (None, reason it cannot be expressed).
+    ComfyUI masks are bool or additive float, broadcast against ``[B, H, Lq, Lk]`` after adding a
+    batch dimension to 2-D masks and a head dimension to 3-D ones; their per-key form comes from
+    :func:`nvfp4_dit.masks.reduce_key_mask`. Genuine biases and rows without a key stay with
+    ComfyUI's own attention. Returns (mask or None for "attend everywhere", None) or (None, the
+    reason it cannot be expressed).
     """
     if mask is None:
         return None, None
@@ -132,25 +95,20 @@ def key_padding_mask(mask: Optional[torch.Tensor], batch: int, keys: int) -> tup
         m = m.unsqueeze(1)
     if m.ndim != 4:
         return None, f"attention mask with {mask.ndim} dimensions"
-    if m.shape[1] != 1 or m.shape[2] != 1:
-        return None, "attention mask that differs per head or per query"
-    if m.shape[-1] != keys or m.shape[0] not in (1, batch):
-        return None, f"attention mask of shape {tuple(mask.shape)} for batch {batch} and {keys} keys"
-    m = m.reshape(m.shape[0], keys)
-    if m.dtype == torch.bool:
-        keep = m
-    elif m.is_floating_point():
-        keep = m == 0
-        if not bool(((m <= _ADDITIVE_MASKED_AT) | keep).all()):
-            return None, "additive attention mask with bias values (not only 0 and -inf)"
-    else:
-        return None, f"attention mask of dtype {m.dtype}"
-    if not bool(keep.any(dim=-1).all()):
+    try:
+        key_mask = reduce_key_mask(m, batch, heads, queries, keys)
+    except NotPerKeyMask as error:
+        return None, f"attention mask of shape {tuple(mask.shape)}: {error}"
+    if key_mask.bias is not None:
+        return None, "additive attention mask with bias values (not only kept and masked keys)"
+    if key_mask.empty_rows:
         # A row with no key left is NaN or uniform in ComfyUI's back-ends and zero in ours.
         return None, "attention mask that masks out every key of a row"
-    if bool(keep.all()):
+    if key_mask.kv_lens is None and key_mask.keep is None:
         return None, None
-    return keep.expand(batch, keys).contiguous(), None
+    keep = key_mask.keep if key_mask.keep is not None else (
+        torch.arange(keys, device=mask.device)[None, :] < key_mask.kv_lens[:, None])
+    return keep, None
 
 
 class NVFP4AttentionOverride:
@@ -173,7 +131,7 @@ class NVFP4AttentionOverride:
         try:
             bound = _SIGNATURE.bind(*args, **kwargs)
         except TypeError as error:
-            _warn_once("signature", f"attention call with unexpected arguments ({error})")
+            _warn_once(f"attention call with unexpected arguments ({error})")
             return self.decline(func, args, kwargs)
         plan = self.plan(bound.arguments)
         if plan is None:
@@ -185,7 +143,7 @@ class NVFP4AttentionOverride:
         except (nvfp4_dit.BackendUnavailableError, ValueError, TypeError) as error:
             # An explicitly chosen back-end that cannot run this call (e.g. "cuda" on a CPU tensor, or a
             # padding mask the kernel cannot take), or inputs the op rejects: keep the pipeline running.
-            _warn_once(f"op:{type(error).__name__}:{error}", f"nvfp4_dit.attention declined the call ({error})")
+            _warn_once(f"nvfp4_dit.attention declined the call ({error})")
             return self.decline(func, args, kwargs)
 
     def decline(self, func: Callable, args: tuple, kwargs: dict):
@@ -201,7 +159,7 @@ class NVFP4AttentionOverride:
             return None
         unknown = sorted(set(extra) - _KNOWN_KWARGS)
         if unknown:
-            _warn_once("kwargs:" + ",".join(unknown), f"attention call with keyword arguments {unknown}")
+            _warn_once(f"attention call with keyword arguments {unknown}")
             return None
 
         q, k, v, heads = arguments["q"], arguments["k"], arguments["v"], arguments["heads"]
@@ -210,7 +168,7 @@ class NVFP4AttentionOverride:
         if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1:
             return None
         if q.dtype not in (torch.float16, torch.bfloat16, torch.float32) or not (q.dtype == k.dtype == v.dtype):
-            _warn_once(f"dtype:{q.dtype}", f"attention in {q.dtype}")
+            _warn_once(f"attention in {q.dtype}")
             return None
         if q.device != k.device or q.device != v.device:
             return None
@@ -245,24 +203,18 @@ class NVFP4AttentionOverride:
             layout = "NHD"
         if kv_heads != heads and not (enable_gqa and heads % kv_heads == 0):
             return None  # ComfyUI's own back-ends reject this too; let them raise their error.
-        if head_dim > _MAX_HEAD_DIM:
-            _warn_once(f"head_dim:{head_dim}", f"head_dim {head_dim} > {_MAX_HEAD_DIM}")
+        if fmt.padded_head_dim(head_dim) is None:
+            _warn_once(f"head_dim {head_dim} > {fmt.SUPPORTED_HEAD_DIMS[-1]}")
             return None
 
-        if queries < policy.min_seq_len:
+        # Cross-attention (to text or image tokens) is the call whose query and key lengths differ.
+        step = sampling_step(extra.get("transformer_options") or {}) if any(policy.dense_steps) else None
+        if policy.dense_reason(cross=queries != keys, step=step, seq_q=queries, seq_k=keys) is not None:
             return None
-        if policy.cross_attention_dense and queries != keys:
-            return None
-        if policy.dense_first_steps or policy.dense_last_steps:
-            position = sampling_step(extra.get("transformer_options") or {})
-            if position is not None:
-                step, steps = position
-                if step < policy.dense_first_steps or step >= steps - policy.dense_last_steps:
-                    return None
 
-        padding, reason = key_padding_mask(arguments.get("mask"), batch, keys)
+        padding, reason = key_padding_mask(arguments.get("mask"), batch, heads, queries, keys)
         if reason is not None:
-            _warn_once("mask:" + reason, reason)
+            _warn_once(reason)
             return None
         if padding is not None:
             padding = padding.to(q.device)
@@ -272,7 +224,7 @@ class NVFP4AttentionOverride:
             # Where the native FP4 MMA exists "auto" is the kernel; elsewhere the model keeps the
             # attention ComfyUI picked for it (sage, flash, ...) rather than the op's own SDPA fallback.
             if not _has_native_fp4(q):
-                _warn_once("auto:" + str(q.device), f"no native FP4 MMA on {_device_name(q)} (back-end 'auto')")
+                _warn_once(f"no native FP4 MMA on {_device_name(q)} (back-end 'auto')")
                 return None
             backend = "cuda"
 
@@ -299,7 +251,9 @@ class NVFP4AttentionOverride:
 
 
 def _has_native_fp4(q: torch.Tensor) -> bool:
-    return q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == _FP4_CAPABILITY_MAJOR
+    from nvfp4_dit import build
+
+    return q.is_cuda and build.is_native(torch.cuda.get_device_capability(q.device))
 
 
 def _device_name(q: torch.Tensor) -> str:

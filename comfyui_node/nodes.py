@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from comfy_api.latest import io
 
-from .attention_override import BACKENDS, AttentionPolicy, patch_model
+from nvfp4_dit.checks import BACKENDS
+from nvfp4_dit.policy import AttentionPolicy
+
+from .attention_override import patch_model
 
 _DEFAULTS = AttentionPolicy()
 
@@ -39,21 +42,23 @@ class NVFP4Attention(io.ComfyNode):
                         "pure-torch FP4 numerics (slow). sdpa: exact attention through the same wrapper."
                     ),
                 ),
+                # The policy's settings (nvfp4_dit.policy.AttentionPolicy) under the names saved
+                # workflows already use.
                 io.Boolean.Input(
-                    "cross_attention_dense", default=_DEFAULTS.cross_attention_dense,
+                    "cross_attention_dense", default=not _DEFAULTS.cross_attention,
                     tooltip="Keep the model's own attention for cross-attention (query and key lengths differ).",
                 ),
                 io.Int.Input(
-                    "dense_first_steps", default=_DEFAULTS.dense_first_steps, min=0, max=10000,
+                    "dense_first_steps", default=_DEFAULTS.dense_steps[0], min=0, max=10000,
                     tooltip="Keep the model's own attention for this many first steps of the sampler's schedule.",
                 ),
                 io.Int.Input(
-                    "dense_last_steps", default=_DEFAULTS.dense_last_steps, min=0, max=10000,
+                    "dense_last_steps", default=_DEFAULTS.dense_steps[1], min=0, max=10000,
                     tooltip="Keep the model's own attention for this many last steps of the sampler's schedule.",
                 ),
                 io.Int.Input(
                     "min_seq_len", default=_DEFAULTS.min_seq_len, min=0, max=1 << 24,
-                    tooltip="Keep the model's own attention for calls with fewer query tokens than this.",
+                    tooltip="Keep the model's own attention for calls with fewer query or key tokens than this.",
                 ),
             ],
             outputs=[io.Model.Output()],
@@ -65,9 +70,8 @@ class NVFP4Attention(io.ComfyNode):
         if not enabled:
             return io.NodeOutput(model)
         policy = AttentionPolicy(
-            backend=backend, cross_attention_dense=bool(cross_attention_dense),
-            dense_first_steps=int(dense_first_steps), dense_last_steps=int(dense_last_steps),
-            min_seq_len=int(min_seq_len),
+            backend=backend, cross_attention=not cross_attention_dense,
+            dense_steps=(int(dense_first_steps), int(dense_last_steps)), min_seq_len=int(min_seq_len),
         )
         return io.NodeOutput(patch_model(model, policy))
 

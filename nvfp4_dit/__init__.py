@@ -1,37 +1,52 @@
 """nvfp4_dit: NVFP4 (FP4 microscaling) attention for video diffusion transformers.
 
 ``nvfp4_dit.attention`` is the op; ``nvfp4_dit.apply`` swaps it into a diffusers pipeline or
-model; the ComfyUI node lives in ``nvfp4_dit.comfyui_node``.  ComfyUI and diffusers are
-imported only when those entry points are used.
+model; the ComfyUI node lives in ``nvfp4_dit.comfyui_node``. ComfyUI and diffusers are imported
+only when those entry points are used.
 """
 
+from __future__ import annotations
+
+from typing import Iterable, Optional, Sequence
+
 from . import format
-from .ops import (
-    BACKENDS,
-    BackendUnavailableError,
-    FallbackWarning,
-    attention,
-    available_backends,
-    reset_fallback_warnings,
-)
+from .fallback import FallbackWarning, reset_fallback_warnings
+from .ops import BACKENDS, BackendUnavailableError, attention, available_backends
+from .policy import DEFAULT_DENSE_STEPS, DEFAULT_MIN_SEQ_LEN, AttentionPolicy, LayerSpec
 from .reference import attention_exact, attention_reference
 
 __version__ = "0.1.0"
 
 
-def apply(pipe_or_model, **kwargs):
-    """Swap NVFP4 attention into a diffusers pipeline or model; see :mod:`nvfp4_dit.processors`.
+def apply(
+    pipe_or_model,
+    *,
+    backend: str = "auto",
+    self_attention: bool = True,
+    cross_attention: bool = False,
+    dense_steps: Optional[Sequence[int]] = DEFAULT_DENSE_STEPS,
+    min_seq_len: int = DEFAULT_MIN_SEQ_LEN,
+    layers: Optional[Iterable[LayerSpec]] = None,
+    timesteps=None,
+    observe_only: bool = False,
+):
+    """Swap NVFP4 attention into a diffusers pipeline or model (:func:`nvfp4_dit.processors.apply`).
 
-    Returns a handle whose ``restore()`` (or context-manager exit) puts the original
-    processors back.
+    The policy arguments are those of :class:`~nvfp4_dit.policy.AttentionPolicy`; ``timesteps``
+    gives a bare model's sampling schedule (for ``dense_steps``) and ``observe_only`` routes every
+    call but computes it exactly. Returns a handle whose ``restore()`` (or context-manager exit)
+    puts the original processors back.
     """
     from .processors import apply as _apply
 
-    return _apply(pipe_or_model, **kwargs)
+    return _apply(pipe_or_model, backend=backend, self_attention=self_attention, cross_attention=cross_attention,
+                  dense_steps=dense_steps, min_seq_len=min_seq_len, layers=layers, timesteps=timesteps,
+                  observe_only=observe_only)
 
 
 __all__ = [
     "BACKENDS",
+    "AttentionPolicy",
     "BackendUnavailableError",
     "FallbackWarning",
     "apply",

@@ -371,7 +371,7 @@ def quantize_qkv(
     )
 
 
-def qk_correction(qq: QuantizedQKV, block_start: int = 0, block_end: Optional[int] = None) -> torch.Tensor:
+def correction(qq: QuantizedQKV, block_start: int = 0, block_end: Optional[int] = None) -> torch.Tensor:
     """delta [B, H, nblk, Skp] fp32 = qm . k_smoothed^T for Q blocks [block_start, block_end).
 
     Keys are in natural order. Added to the FP4 scores, it restores q . (k - km) exactly up to

@@ -1,4 +1,6 @@
-"""Shared pieces of the video tools (generate_video.py, capture_attention.py, report.py).
+"""Running a diffusers video pipeline with NVFP4 attention: what the video tools share.
+
+Used by ``scripts/generate_video.py``, ``capture_attention.py`` and ``report.py``:
 
 * the generation arguments every tool takes (model, prompt, size, steps, seed, dtype, offload,
   and the NVFP4 policy: back-end, dense steps, cross-attention, min_seq_len, layers);
@@ -13,19 +15,39 @@ from __future__ import annotations
 import argparse
 import inspect
 import resource
-import sys
 import time
 from collections import defaultdict
-from pathlib import Path
 from typing import Optional
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from nvfp4_dit.processors import apply, routing  # noqa: E402
+from nvfp4_dit.policy import DEFAULT_MIN_SEQ_LEN, AttentionPolicy
+from nvfp4_dit.processors import apply, routing
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+# The built-in tiny model's video sequence is 320 tokens: below the policy's default threshold,
+# which is sized for real models. Its runs use this one so that their FP4 path runs.
+TINY_MIN_SEQ_LEN = 256
+
+
+def _int_at_least(minimum: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+
+    parse.__name__ = "int"  # argparse names the type in its error messages
+    return parse
+
+
+positive_int = _int_at_least(1)
+non_negative_int = _int_at_least(0)
 
 
 def parse_pair(text: str) -> tuple[int, int]:
@@ -47,10 +69,10 @@ def add_generation_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--prompt", default="a red fox running through fresh snow, cinematic")
     g.add_argument("--negative-prompt", default=None)
     g.add_argument("--image", default=None, help="conditioning image (path or URL) for image-to-video pipelines")
-    g.add_argument("--height", type=int, default=None, help="default: the pipeline's (tiny: 128)")
-    g.add_argument("--width", type=int, default=None)
-    g.add_argument("--frames", type=int, default=None, help="number of frames (tiny: 17)")
-    g.add_argument("--steps", type=int, default=None, help="denoising steps (tiny: 8)")
+    g.add_argument("--height", type=positive_int, default=None, help="default: the pipeline's (tiny: 128)")
+    g.add_argument("--width", type=positive_int, default=None)
+    g.add_argument("--frames", type=positive_int, default=None, help="number of frames (tiny: 17)")
+    g.add_argument("--steps", type=positive_int, default=None, help="denoising steps (tiny: 8)")
     g.add_argument("--guidance-scale", type=float, default=None)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--dtype", choices=("auto", *DTYPES), default="auto", help="auto: bf16 on CUDA, fp32 on CPU")
@@ -61,11 +83,13 @@ def add_generation_args(ap: argparse.ArgumentParser) -> None:
     a.add_argument("--backend", choices=("auto", "cuda", "reference", "sdpa"), default=None,
                    help="nvfp4_dit.attention back-end for FP4 calls. Default: auto on CUDA (the kernel where the "
                         "native FP4 MMA exists), reference (FP4 numerics in PyTorch) on CPU")
-    a.add_argument("--dense-steps", type=parse_pair, default=(1, 1), metavar="FIRST,LAST",
-                   help="first/last denoising steps that run dense attention (default 1,1)")
+    first, last = AttentionPolicy().dense_steps
+    a.add_argument("--dense-steps", type=parse_pair, default=(first, last), metavar="FIRST,LAST",
+                   help=f"first/last denoising steps that run dense attention (default {first},{last})")
     a.add_argument("--cross-attention", action="store_true", help="FP4 for cross-attention too (default: dense)")
-    a.add_argument("--min-seq-len", type=int, default=routing.DEFAULT_MIN_SEQ_LEN,
-                   help=f"calls with fewer query or key tokens stay dense (default {routing.DEFAULT_MIN_SEQ_LEN})")
+    a.add_argument("--min-seq-len", type=non_negative_int, default=None,
+                   help=f"calls with fewer query or key tokens stay dense (default {DEFAULT_MIN_SEQ_LEN}; the "
+                        f"built-in tiny model, whose sequences are 320 tokens: {TINY_MIN_SEQ_LEN})")
     a.add_argument("--layers", default=None, help="comma-separated allow-list of module patterns, e.g. 'blocks.*.attn1'")
 
 
@@ -96,6 +120,7 @@ def load_pipeline(args, device: torch.device, dtype: torch.dtype):
 
         pipe = build_tiny_pipeline(args.tiny_config, dtype=dtype)
         defaults, name = dict(pipe.tiny_config["defaults"]), "tiny-wan-t2v (built-in, random weights)"
+        defaults.setdefault("min_seq_len", TINY_MIN_SEQ_LEN)
     else:
         from diffusers import DiffusionPipeline
 
@@ -110,6 +135,32 @@ def load_pipeline(args, device: torch.device, dtype: torch.dtype):
     if args.image and "image" not in inspect.signature(pipe.__call__).parameters:
         raise SystemExit(f"--image given, but {type(pipe).__name__} takes no image (not an image-to-video pipeline)")
     return pipe, defaults, name
+
+
+class InvalidArguments(ValueError):
+    """The pipeline rejects the generation arguments (sizes, frame count): a usage error."""
+
+
+def check_call(pipe, kwargs: dict) -> None:
+    """Run the pipeline's own ``check_inputs`` on the call's arguments before any work, so that a
+    size the model cannot take is a usage error (InvalidArguments) rather than a traceback from
+    inside the run. Arguments it names that the call does not give are passed as None (what
+    diffusers pipelines default them to); a ``check_inputs`` that cannot be called so is skipped."""
+    check = getattr(pipe, "check_inputs", None)
+    if check is None:
+        return
+    try:
+        params = inspect.signature(check).parameters
+    except (TypeError, ValueError):
+        return
+    named = {n: kwargs.get(n) for n, p in params.items()
+             if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and (n in kwargs or p.default is p.empty)}
+    try:
+        check(**named)
+    except TypeError:
+        return
+    except ValueError as e:
+        raise InvalidArguments(f"{type(pipe).__name__} does not take these arguments: {e}") from None
 
 
 def call_kwargs(pipe, args, defaults: dict, generator, callback) -> dict:
@@ -174,7 +225,7 @@ class RunRecorder:
             torch.cuda.synchronize(self.device)
 
     def _step(self) -> int:
-        s = self.handle.policy.current_step
+        s = self.handle.steps.current_step
         return s[0] if s is not None else -1
 
     def _pre(self, module, args, kwargs):
@@ -186,7 +237,7 @@ class RunRecorder:
         rec = self.forwards[self._step()]
         rec["forwards"] += 1
         rec["dit_seconds"] += time.perf_counter() - self._fwd_start
-        rec["dense"] = bool(self.handle.policy.step_dense)
+        rec["dense"] = self.handle.policy.step_is_dense(self.handle.steps.current_step)
 
     def _observe(self, info, q, k, v, out):
         qs = q.shape
@@ -261,11 +312,34 @@ class RunRecorder:
         }
 
 
-def policy_kwargs(args, backend: str) -> dict:
+def describe_paths(summary: dict) -> str:
+    """How many attention calls of a recorded run ran NVFP4, and why the others ran exact."""
+    calls = summary["attention_calls"]
+    fp4 = sum(c["path"] == "fp4" for c in calls)
+    reasons = defaultdict(int)
+    for c in calls:
+        if c["path"] != "fp4":
+            reasons[c["reason"]] += 1
+    why = ", ".join(f"{n} {reason}" for reason, n in sorted(reasons.items(), key=lambda x: -x[1]))
+    text = f"attention calls: {fp4} NVFP4, {len(calls) - fp4} exact" + (f" ({why})" if why else "")
+    if calls and fp4 == 0:
+        text += ("; no call ran NVFP4 -- see the reasons (a shorter --min-seq-len, --dense-steps 0,0 or "
+                 "--cross-attention change them)")
+    return text
+
+
+def min_seq_len(args, defaults: dict) -> int:
+    """--min-seq-len, else the pipeline's default (the tiny model's), else the policy's."""
+    if args.min_seq_len is not None:
+        return args.min_seq_len
+    return defaults.get("min_seq_len", DEFAULT_MIN_SEQ_LEN)
+
+
+def policy_kwargs(args, backend: str, defaults: dict) -> dict:
     """Keyword arguments for nvfp4_dit.apply from the policy arguments."""
     layers = [s.strip() for s in args.layers.split(",")] if args.layers else None
     return dict(backend=backend, dense_steps=tuple(args.dense_steps), cross_attention=args.cross_attention,
-                min_seq_len=args.min_seq_len, layers=layers)
+                min_seq_len=min_seq_len(args, defaults), layers=layers)
 
 
 def run_once(pipe, args, defaults: dict, mode: str, backend: str, device: torch.device) -> tuple[object, dict, Optional[torch.Tensor]]:
@@ -273,7 +347,7 @@ def run_once(pipe, args, defaults: dict, mode: str, backend: str, device: torch.
 
     Returns (pipeline output, recorder summary, final latents or None)."""
     if mode == "nvfp4":
-        handle = apply(pipe, **policy_kwargs(args, backend))
+        handle = apply(pipe, **policy_kwargs(args, backend, defaults))
     else:
         handle = apply(pipe, observe_only=True, cross_attention=True, min_seq_len=0)
     generator = torch.Generator("cpu").manual_seed(args.seed)

@@ -9,148 +9,27 @@ per fallback reason and runs it.
 from __future__ import annotations
 
 import math
-import warnings
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
 from . import format as fmt
+from .checks import BACKENDS, LAYOUTS, validate_attention_args
+from .fallback import FallbackWarning, reset_fallback_warnings, warn_once
+from .masks import NotPerKeyMask, reduce_key_mask
 from .reference import attention_reference
 
-BACKENDS = ("auto", "reference", "sdpa", "cuda")
-LAYOUTS = ("NHD", "HND")
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+__all__ = ["BACKENDS", "LAYOUTS", "BackendUnavailableError", "FallbackWarning", "attention", "available_backends",
+           "reset_fallback_warnings"]
 
 
 class BackendUnavailableError(RuntimeError):
     """An explicitly requested back-end cannot run this call (``backend="auto"`` falls back)."""
 
 
-class FallbackWarning(UserWarning):
-    """Raised once per reason when ``backend="auto"`` runs exact attention instead of FP4."""
-
-
-_warned_reasons: set[tuple[type, str]] = set()
-
-
-def warn_once(message: str, category: type = FallbackWarning, stacklevel: int = 2) -> None:
-    """``warnings.warn`` the first time a (category, message) pair comes up in this process.
-
-    Shared by the op and the diffusers router so one ``reset_fallback_warnings()`` covers both.
-    """
-    if (category, message) in _warned_reasons:
-        return
-    _warned_reasons.add((category, message))
-    warnings.warn(message, category, stacklevel=stacklevel + 1)
-
-
 def _warn_fallback(reason: str) -> None:
-    warn_once(f"nvfp4_dit: using exact SDPA attention instead of NVFP4: {reason}", stacklevel=4)
-
-
-def reset_fallback_warnings() -> None:
-    """Forget which fallback reasons were already reported (for tests and long-lived servers)."""
-    _warned_reasons.clear()
-
-
-# ---------------------------------------------------------------------------------------------
-# Validation (shape logic only, so torch.compile can trace it)
-# ---------------------------------------------------------------------------------------------
-
-def _check_tensor(name: str, t) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-
-
-def _validate(q, k, v, layout, causal, scale, attn_mask, kv_lens, return_lse, backend):
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        _check_tensor(name, t)
-    if not isinstance(layout, str) or layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    if not isinstance(backend, str) or backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    if not isinstance(return_lse, bool):
-        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
-    dims = "[B, S, H, D]" if layout == "NHD" else "[B, H, S, D]"
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dim() != 4:
-            raise ValueError(f"{name} must be 4-D {dims} for layout={layout!r}, got shape {tuple(t.shape)}")
-        if t.dtype not in _FLOAT_DTYPES:
-            raise TypeError(f"{name} must be float16, bfloat16 or float32, got {t.dtype}")
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if k.device != q.device or v.device != q.device:
-        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
-    qh, kh, vh = (fmt.to_hnd(t, layout) for t in (q, k, v))
-    b, h, _, d = qh.shape
-    if kh.shape != vh.shape:
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-    if kh.shape[0] != b:
-        raise ValueError(f"k has batch {kh.shape[0]} but q has batch {b}")
-    if kh.shape[3] != d:
-        raise ValueError(f"k/v head dim {kh.shape[3]} differs from q head dim {d}")
-    if d == 0:
-        raise ValueError(f"q/k/v head dim must be at least 1, got shape {tuple(q.shape)}")
-    hkv = kh.shape[1]
-    if hkv == 0 or h % hkv:
-        raise ValueError(f"q heads ({h}) must be a multiple of k/v heads ({hkv})")
-    if scale is not None:
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-            raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
-        if not (math.isfinite(scale) and scale > 0):
-            raise ValueError(f"scale must be a positive finite number, got {scale}")
-    sk = kh.shape[2]
-    if kv_lens is not None:
-        _check_tensor("kv_lens", kv_lens)
-        if kv_lens.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"kv_lens must be int32 or int64, got {kv_lens.dtype}")
-        if kv_lens.shape != (b,):
-            raise ValueError(f"kv_lens must have shape ({b},), got {tuple(kv_lens.shape)}")
-        if kv_lens.device != q.device:
-            raise ValueError(f"kv_lens is on {kv_lens.device} but q is on {q.device}")
-    if attn_mask is not None:
-        _check_tensor("attn_mask", attn_mask)
-        if attn_mask.dtype != torch.bool and attn_mask.dtype not in _FLOAT_DTYPES:
-            raise TypeError(f"attn_mask must be bool or floating point, got {attn_mask.dtype}")
-        if attn_mask.device != q.device:
-            raise ValueError(f"attn_mask is on {attn_mask.device} but q is on {q.device}")
-        sq = qh.shape[2]
-        if not 2 <= attn_mask.dim() <= 4:
-            # SDPA itself fails on 1-D masks, and a 5-D mask would broadcast the output to 5-D.
-            raise ValueError(f"attn_mask must be 2-D [B, Sk] or 3-/4-D broadcastable to [B, H, Sq, Sk], "
-                             f"got {attn_mask.dim()}-D shape {tuple(attn_mask.shape)}")
-        if attn_mask.dim() == 2:
-            # 2-D masks are key-padding masks [B, Sk] (the diffusers / transformers convention).
-            if tuple(attn_mask.shape) != (b, sk):
-                raise ValueError(f"a 2-D attn_mask must be a key-padding mask [B, Sk] = {(b, sk)}, "
-                                 f"got {tuple(attn_mask.shape)}")
-        else:
-            try:
-                torch.broadcast_shapes(attn_mask.shape, (b, h, sq, sk))
-            except RuntimeError:
-                raise ValueError(
-                    f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to "
-                    f"[B, H, Sq, Sk] = {(b, h, sq, sk)}") from None
-
-
-def _key_padding(attn_mask: torch.Tensor, b: int, sk: int) -> Optional[torch.Tensor]:
-    """The mask as a per-key additive bias [B, Sk] (fp32) if it only depends on (batch, key).
-
-    Accepted shapes: [B, Sk] (a key-padding mask, as in diffusers/HF), and anything of rank 4
-    whose head and query dims are 1, e.g. [B, 1, 1, Sk].  Returns None for other masks.
-    """
-    if attn_mask.dim() == 2 and attn_mask.shape == (b, sk):
-        m = attn_mask
-    elif attn_mask.dim() == 4 and attn_mask.shape[1] == 1 and attn_mask.shape[2] == 1 and attn_mask.shape[3] == sk:
-        m = attn_mask[:, 0, 0, :].expand(b, sk)
-    else:
-        return None
-    if m.dtype == torch.bool:
-        return torch.where(m, 0.0, -math.inf).float()
-    return m.float()
+    warn_once(f"nvfp4_dit: using exact SDPA attention instead of NVFP4: {reason}")
 
 
 def _sdpa_mask(attn_mask, kv_lens, b, h, sq, sk, causal, device):
@@ -240,23 +119,12 @@ def _poison_non_finite(out, lse, layout, q_blocks_bad, kv_bad):
 # Back-end choice (eager; may inspect data)
 # ---------------------------------------------------------------------------------------------
 
-def _cuda_unsupported_reason(q, k, v, layout, causal, kv_lens, mask_kind, require_native) -> Optional[str]:
+def _cuda_unsupported_reason(q, k, v, layout, require_native) -> Optional[str]:
     if q.device.type != "cuda":
         return f"no GPU: tensors are on {q.device.type}"
-    from . import cuda_backend  # imported lazily: it pulls in the JIT machinery
+    from . import attention_cuda  # imported lazily: it pulls in the build machinery
 
-    return cuda_backend.unsupported_reason(q, k, v, layout=layout, causal=causal, kv_lens=kv_lens,
-                                           attn_mask_kind=mask_kind, require_native=require_native)
-
-
-def _mask_to_kv_lens(key_bias: torch.Tensor) -> Optional[torch.Tensor]:
-    """kv_lens [B] if the per-key bias only masks a suffix of keys (0 / -inf), else None."""
-    allowed = key_bias == 0
-    if not bool(((key_bias == 0) | torch.isneginf(key_bias)).all()):
-        return None
-    lens = allowed.sum(1)
-    prefix = torch.arange(key_bias.shape[1], device=key_bias.device)[None, :] < lens[:, None]
-    return lens.to(torch.int32) if bool((prefix == allowed).all()) else None
+    return attention_cuda.unsupported_reason(q, k, v, layout=layout, require_native=require_native)
 
 
 def _run(q, k, v, layout, causal, scale, attn_mask, kv_lens, return_lse, backend):
@@ -273,20 +141,21 @@ def _run(q, k, v, layout, causal, scale, attn_mask, kv_lens, return_lse, backend
     if backend == "sdpa":
         return _attention_sdpa(q, k, v, layout, causal, scale, attn_mask, kv_lens, return_lse)
 
-    # Masks the FP4 path can express: per-key biases; suffix padding becomes kv_lens (what the
-    # kernel takes; it also keeps padded V out of the scales of valid keys).
-    key_bias = None
-    reason = None
+    # The mask in per-key form (nvfp4_dit.masks): prefix padding becomes kv_lens (what the kernel
+    # takes; it also keeps padded V out of the scales of valid keys), other per-key masks a bias.
+    key_bias, shift, reason = None, None, None
     fp4_lens = kv_lens
     if attn_mask is not None:
-        key_bias = _key_padding(attn_mask, b, sk)
-        if key_bias is None:
-            reason = f"attn_mask of shape {tuple(attn_mask.shape)} is not a per-key padding mask"
+        mask = attn_mask[:, None, None, :] if attn_mask.dim() == 2 else attn_mask  # [B, Sk] is key padding
+        try:
+            key_mask = reduce_key_mask(mask, b, h, sq, sk)
+        except NotPerKeyMask as e:
+            reason = f"attn_mask of shape {tuple(attn_mask.shape)} is not a per-key padding mask ({e})"
         else:
-            mask_lens = _mask_to_kv_lens(key_bias)
-            if mask_lens is not None:
-                key_bias = None
-                fp4_lens = mask_lens if kv_lens is None else torch.minimum(mask_lens, kv_lens.to(torch.int32))
+            key_bias, shift = key_mask.as_key_bias(), key_mask.shift
+            if key_mask.kv_lens is not None:
+                fp4_lens = key_mask.kv_lens if kv_lens is None else torch.minimum(key_mask.kv_lens,
+                                                                                  kv_lens.to(torch.int32))
     if reason is None and fmt.padded_head_dim(d) is None:
         reason = f"head dim {d} > {fmt.SUPPORTED_HEAD_DIMS[-1]}"
 
@@ -294,25 +163,24 @@ def _run(q, k, v, layout, causal, scale, attn_mask, kv_lens, return_lse, backend
         if reason is not None:
             raise BackendUnavailableError(f"backend='reference' cannot run this call: {reason}")
         out, lse = _attention_fp4_reference(q, k, v, layout, causal, scale, key_bias, fp4_lens, return_lse)
-        return _poison_non_finite(out, lse, layout, *fmt.nonfinite_blocks(q, k, v, fp4_lens, layout))
+        nonfinite = fmt.nonfinite_blocks(q, k, v, fp4_lens, layout)
+    else:  # cuda / auto
+        if reason is None and key_bias is not None:
+            reason = "attn_mask is not a prefix key-padding mask (the kernel takes key lengths)"
+        if reason is None:
+            reason = _cuda_unsupported_reason(q, k, v, layout, require_native=(backend == "auto"))
+        if reason is not None:
+            if backend == "cuda":
+                raise BackendUnavailableError(f"backend='cuda' cannot run this call: {reason}")
+            _warn_fallback(reason)
+            return _attention_sdpa(q, k, v, layout, causal, scale, attn_mask, kv_lens, return_lse)
+        from . import attention_cuda
 
-    # cuda / auto
-    if reason is None and key_bias is not None:
-        reason = "attn_mask is not a suffix-padding key mask (the kernel takes key lengths)"
-    if reason is None:
-        reason = _cuda_unsupported_reason(q, k, v, layout, causal, fp4_lens,
-                                          None if attn_mask is None else "key_padding",
-                                          require_native=(backend == "auto"))
-    if reason is None:
-        from . import cuda_backend
-
-        out, lse, nonfinite = cuda_backend.attention(q, k, v, layout=layout, causal=causal, scale=scale,
-                                                     kv_lens=fp4_lens, return_lse=return_lse)
-        return _poison_non_finite(out, lse, layout, *nonfinite)
-    if backend == "cuda":
-        raise BackendUnavailableError(f"backend='cuda' cannot run this call: {reason}")
-    _warn_fallback(reason)
-    return _attention_sdpa(q, k, v, layout, causal, scale, attn_mask, kv_lens, return_lse)
+        out, lse, nonfinite = attention_cuda.attention(q, k, v, layout=layout, causal=causal, scale=scale,
+                                                       kv_lens=fp4_lens, return_lse=return_lse)
+    if lse is not None and shift is not None:
+        lse = lse + shift.to(lse.device)[:, None, None]
+    return _poison_non_finite(out, lse, layout, *nonfinite)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -400,7 +268,7 @@ def attention(
         TypeError / ValueError naming the bad argument; :class:`BackendUnavailableError` when
         an explicitly requested back-end cannot run the call.
     """
-    _validate(q, k, v, layout, causal, scale, attn_mask, kv_lens, return_lse, backend)
+    validate_attention_args(q, k, v, layout, causal, scale, attn_mask, kv_lens, return_lse, backend)
     scale = None if scale is None else float(scale)
     out, lse = torch.ops.nvfp4_dit.attention(q, k, v, attn_mask, kv_lens, layout, causal, scale,
                                               return_lse, backend)
@@ -415,6 +283,6 @@ def available_backends(device: Optional[torch.device] = None) -> list[str]:
     device = torch.device(device)
     if device.type == "cuda":
         probe = torch.empty(1, 128, 1, 64, dtype=torch.bfloat16, device=device)
-        if _cuda_unsupported_reason(probe, probe, probe, "NHD", False, None, None, False) is None:
+        if _cuda_unsupported_reason(probe, probe, probe, "NHD", require_native=False) is None:
             names.append("cuda")
     return names

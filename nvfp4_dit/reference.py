@@ -103,7 +103,7 @@ def attention_reference(
         rows = r1 - r0
         qc = q_hat[:, :, r0:r1].reshape(b, hkv, group * rows, dp)
         s = torch.matmul(qc, k_hat.transpose(-1, -2)).view(b, h, b1 - b0, fmt.SEQ_TILE, skp)
-        s = s + fmt.qk_correction(qq, b0, b1)[:, :, :, None, :]
+        s = s + fmt.correction(qq, b0, b1)[:, :, :, None, :]
         s = s.view(b, h, rows, skp) + bias
         if causal:
             q_idx = torch.arange(r0, r1, device=dev)

@@ -1,7 +1,7 @@
 """diffusers integration of NVFP4 attention (installed as ``nvfp4_dit.processors``).
 
-* :func:`apply` -- NVFP4 processors on every attention module of a pipeline or model, with a
-  step/layer/role policy and ``restore()``.
+* :func:`apply` -- NVFP4 processors on every attention module of a pipeline or model, following
+  an :class:`~nvfp4_dit.policy.AttentionPolicy` (role, steps, length, layers), with ``restore()``.
 * The diffusers attention backend ``"nvfp4"`` -- registered when this package is imported and
   diffusers is present: ``model.set_attention_backend("nvfp4")``,
   ``with diffusers.attention_backend("nvfp4"):``; :func:`use_backend` does the former with an
@@ -15,15 +15,11 @@ from __future__ import annotations
 
 import warnings
 
+from nvfp4_dit.policy import AttentionPolicy
+
 from .apply import NVFP4Handle, apply
-from .policy import AttentionPolicy
-from .routing import (
-    DEFAULT_MIN_SEQ_LEN,
-    NVFP4FallbackWarning,
-    RouteSettings,
-    configure_default,
-    reset_fallback_warnings,
-)
+from .routing import NVFP4FallbackWarning, configure_default, reset_fallback_warnings
+from .steps import StepTracker
 
 BACKEND_NAME = "nvfp4"
 backend_registered = False
@@ -45,10 +41,9 @@ if diffusers is not None:
 __all__ = [
     "AttentionPolicy",
     "BACKEND_NAME",
-    "DEFAULT_MIN_SEQ_LEN",
     "NVFP4FallbackWarning",
     "NVFP4Handle",
-    "RouteSettings",
+    "StepTracker",
     "apply",
     "backend_registered",
     "configure_default",

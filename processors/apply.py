@@ -22,8 +22,9 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 
-from .policy import AttentionPolicy, LayerSpec
-from .routing import DEFAULT_MIN_SEQ_LEN
+from nvfp4_dit.policy import DEFAULT_DENSE_STEPS, DEFAULT_MIN_SEQ_LEN, AttentionPolicy, LayerSpec
+
+from .steps import StepTracker
 
 _DENOISER_PREFIXES = ("transformer", "controlnet")
 
@@ -64,12 +65,14 @@ class NVFP4Handle:
     """What :func:`apply` changed. ``restore()`` (or leaving a ``with`` block) undoes it.
 
     Attributes:
-        policy: the shared :class:`~nvfp4_dit.processors.policy.AttentionPolicy`.
+        policy: the :class:`~nvfp4_dit.policy.AttentionPolicy` every installed processor follows.
+        steps: the :class:`~nvfp4_dit.processors.steps.StepTracker` of the denoising step.
         processors: module path -> NVFP4 processor that was installed.
         skipped: module path -> why its processor was left as is.
     """
 
     policy: AttentionPolicy
+    steps: StepTracker
     processors: dict = field(default_factory=dict)
     skipped: dict = field(default_factory=dict)
     _swaps: list = field(default_factory=list, repr=False)
@@ -95,12 +98,12 @@ class NVFP4Handle:
         self.restore()
         return False
 
-    # Step control, forwarded to the policy (see nvfp4_dit.processors.policy).
+    # Step control, forwarded to the step tracker (see nvfp4_dit.processors.steps).
     def callback_on_step_end(self, pipe, step_index, timestep, callback_kwargs):
-        return self.policy.callback_on_step_end(pipe, step_index, timestep, callback_kwargs)
+        return self.steps.callback_on_step_end(pipe, step_index, timestep, callback_kwargs)
 
     def set_step(self, index: int, total: int) -> None:
-        self.policy.set_step(index, total)
+        self.steps.set_step(index, total)
 
 
 def _assign(module: torch.nn.Module, processor) -> None:
@@ -113,11 +116,11 @@ def _assign(module: torch.nn.Module, processor) -> None:
 def apply(
     pipe_or_model,
     *,
+    backend: str = "auto",
     self_attention: bool = True,
     cross_attention: bool = False,
-    dense_steps: Optional[Sequence[int]] = (0, 0),
+    dense_steps: Optional[Sequence[int]] = DEFAULT_DENSE_STEPS,
     min_seq_len: int = DEFAULT_MIN_SEQ_LEN,
-    backend: str = "auto",
     layers: Optional[Iterable[LayerSpec]] = None,
     timesteps=None,
     observe_only: bool = False,
@@ -127,15 +130,15 @@ def apply(
     Args:
         pipe_or_model: a ``DiffusionPipeline`` (every ``transformer*`` / ``controlnet*``
             component is covered, e.g. Wan2.2's ``transformer_2``) or a single ``nn.Module``.
-        self_attention: FP4 for self-/joint attention (default True).
-        cross_attention: FP4 for cross-attention to text/image context (default False: short K/V,
-            no speed-up, visible quality cost).
-        dense_steps: ``(first, last)`` denoising steps that run dense; the step comes from the
-            pipeline's scheduler, ``handle.callback_on_step_end``, ``handle.set_step``, or, for a
-            bare model, ``timesteps=`` (see :mod:`nvfp4_dit.processors.policy`).
-        min_seq_len: calls whose query or key sequence is shorter run dense (default 256).
         backend: ``nvfp4_dit.attention`` back-end: "auto" (the CUDA kernel where the native FP4
             MMA exists, else exact SDPA), "cuda", "reference" (pure-torch FP4 numerics), "sdpa".
+        self_attention: NVFP4 for self-/joint attention (default True).
+        cross_attention: NVFP4 for cross-attention to text/image context (default False: short
+            K/V, no speed-up, visible quality cost).
+        dense_steps: ``(first, last)`` denoising steps that run exact (default (1, 1)); the step
+            comes from the pipeline's scheduler, ``handle.callback_on_step_end``,
+            ``handle.set_step``, or, for a bare model, ``timesteps=`` (:mod:`nvfp4_dit.processors.steps`).
+        min_seq_len: calls whose query or key sequence is shorter run exact (default 1024).
         layers: allow-list of module-name patterns (fnmatch) or block indices; None = all.
         timesteps: the sampling schedule, for ``dense_steps`` with a bare model.
         observe_only: compute every selected call exactly as the unmodified model but route it
@@ -154,19 +157,20 @@ def apply(
     except ImportError as e:
         raise ImportError("nvfp4_dit.apply needs diffusers (pip install diffusers==0.42.1)") from e
 
-    policy = AttentionPolicy(self_attention=self_attention, cross_attention=cross_attention,
-                             dense_steps=dense_steps, min_seq_len=min_seq_len, backend=backend,
-                             layers=layers, timesteps=timesteps, observe_only=observe_only)
+    policy = AttentionPolicy(backend=backend, self_attention=self_attention, cross_attention=cross_attention,
+                             dense_steps=dense_steps, min_seq_len=min_seq_len, layers=layers)
+    if not isinstance(observe_only, bool):
+        raise TypeError(f"observe_only must be a bool, got {type(observe_only).__name__}")
     if isinstance(pipe_or_model, torch.nn.Module):
-        models = [("", pipe_or_model)]
+        models, pipeline = [("", pipe_or_model)], None
     else:
-        models = _denoisers(pipe_or_model)
+        models, pipeline = _denoisers(pipe_or_model), pipe_or_model
         if not models:
             raise TypeError("apply() takes a diffusers pipeline with a transformer/controlnet component "
                             f"or an nn.Module, got {type(pipe_or_model).__name__}")
-        policy.pipeline = pipe_or_model
+    steps = StepTracker(policy, timesteps=timesteps, pipeline=pipeline)
 
-    handle = NVFP4Handle(policy=policy)
+    handle = NVFP4Handle(policy=policy, steps=steps)
     plans = []
     for prefix, model in models:
         for name, module in model.named_modules():
@@ -183,7 +187,7 @@ def apply(
                 continue
             plans.append((module, proc, cls, full))
     for module, proc, cls, full in plans:
-        wrapper = cls(proc, policy=policy, name=full)
+        wrapper = cls(proc, policy=policy, steps=steps, observe_only=observe_only, name=full)
         _assign(module, wrapper)
         handle._swaps.append(_Swap(module, proc, wrapper))
         handle.processors[full] = wrapper
@@ -195,7 +199,7 @@ def apply(
             t = kwargs.get("timestep")
             if t is None and _pos is not None and len(args) > _pos:
                 t = args[_pos]
-            policy.begin_forward(t)
+            steps.begin_forward(t)
 
         handle._hooks.append(model.register_forward_pre_hook(pre_hook, with_kwargs=True))
     return handle

@@ -98,8 +98,8 @@ def _route_nhd(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
 
     return routing.routed_attention(
         query, key, value, layout="NHD", attn_mask=sdpa_mask, dropout_p=dropout_p, is_causal=is_causal,
-        scale=scale, enable_gqa=enable_gqa, return_lse=return_lse, settings=routing.current_settings(),
-        exact=exact,
+        scale=scale, enable_gqa=enable_gqa, return_lse=return_lse, policy=routing.current_policy(),
+        observe=routing.current_observe(), exact=exact,
     )
 
 

@@ -33,9 +33,11 @@ from typing import Optional
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from nvfp4_dit.policy import AttentionPolicy
+
 from . import backend as _backend
 from . import routing
-from .policy import AttentionPolicy
+from .steps import StepTracker
 
 ROUTE_DISPATCH, ROUTE_GLOBAL, ROUTE_SDPA = "dispatch", "global", "sdpa"
 # Role of a call: "context" = cross-attention iff encoder_hidden_states is given; "self" = always
@@ -66,9 +68,10 @@ class _SDPARedirect(TorchFunctionMode):
     fallback and the op itself run normally.
     """
 
-    def __init__(self, settings: routing.RouteSettings):
+    def __init__(self, policy: AttentionPolicy, observe: Optional[str] = None):
         super().__init__()
-        self.settings = settings
+        self.policy = policy
+        self.observe = observe
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -82,7 +85,7 @@ class _SDPARedirect(TorchFunctionMode):
         return routing.routed_attention(
             a["query"], a["key"], a["value"], layout="HND", attn_mask=a.get("attn_mask"),
             dropout_p=a.get("dropout_p", 0.0), is_causal=a.get("is_causal", False), scale=a.get("scale"),
-            enable_gqa=a.get("enable_gqa", False), return_lse=False, settings=self.settings,
+            enable_gqa=a.get("enable_gqa", False), return_lse=False, policy=self.policy, observe=self.observe,
             exact=lambda: func(*args, **kwargs),
         )
 
@@ -92,7 +95,10 @@ class NVFP4AttnProcessorBase:
 
     Args:
         original: the processor instance to wrap (default: a fresh ``original_class()``).
-        policy: an :class:`~nvfp4_dit.processors.policy.AttentionPolicy` (shared by apply()).
+        policy: an :class:`~nvfp4_dit.policy.AttentionPolicy` (shared by apply()).
+        steps: the :class:`~nvfp4_dit.processors.steps.StepTracker` for ``dense_steps`` (apply()
+            installs one per pipeline; without it the step is unknown and no step is dense).
+        observe_only: route every call but compute it exactly (observers still see it).
         backend, min_seq_len, self_attention, cross_attention: build a policy when none is given.
         name: the module path, for the layer allow-list and reports.
     """
@@ -117,7 +123,8 @@ class NVFP4AttnProcessorBase:
         params = list(sig.parameters)[2:]  # after (self, attn)
         cls._ehs_pos = params.index("encoder_hidden_states") if "encoder_hidden_states" in params else None
 
-    def __init__(self, original=None, *, policy: Optional[AttentionPolicy] = None, name: Optional[str] = None,
+    def __init__(self, original=None, *, policy: Optional[AttentionPolicy] = None,
+                 steps: Optional[StepTracker] = None, observe_only: bool = False, name: Optional[str] = None,
                  backend: str = "auto", min_seq_len: Optional[int] = None, self_attention: bool = True,
                  cross_attention: bool = False):
         cls = type(self)
@@ -135,6 +142,8 @@ class NVFP4AttnProcessorBase:
             raise TypeError(f"policy must be an AttentionPolicy, got {type(policy).__name__}")
         self.original = original
         self.policy = policy
+        self.steps = steps
+        self.observe_only = observe_only
         self.name = name
         self.enabled = policy.layer_allowed(name)  # no name + an allow-list: stays dense
         if cls.route == ROUTE_DISPATCH:
@@ -177,22 +186,25 @@ class NVFP4AttnProcessorBase:
         return pos is not None and len(args) > pos and args[pos] is not None
 
     def _forward(self, attn, args, kwargs):
-        settings = self.policy.settings_for(self._is_cross(args, kwargs)) if self.enabled else None
-        if settings is None:
+        step = self.steps.current_step if self.steps is not None else None
+        dense = not self.enabled or self.policy.dense_reason(cross=self._is_cross(args, kwargs), step=step) is not None
+        if dense:
             if not routing._OBSERVERS:
                 return self.original(attn, *args, **kwargs)
-            settings = routing.POLICY_DENSE  # observed, still exact
-        prev = routing.push_settings(settings, self.name, self.policy.current_step)
+            observe = routing.DENSE_BY_POLICY  # observed, still exact
+        else:
+            observe = routing.OBSERVE_ONLY if self.observe_only else None
+        prev = routing.push_route(self.policy, observe, self.name, step)
         try:
             if self.route == ROUTE_DISPATCH:
                 return self._fp4(attn, *args, **kwargs)
             if self.route == ROUTE_GLOBAL:
                 with _backend.global_backend(_backend.backend_member()):
                     return self.original(attn, *args, **kwargs)
-            with _SDPARedirect(settings):
+            with _SDPARedirect(self.policy, observe):
                 return self.original(attn, *args, **kwargs)
         finally:
-            routing.pop_settings(prev)
+            routing.pop_route(prev)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r}, enabled={self.enabled}, policy={self.policy!r})"

@@ -18,50 +18,27 @@ from typing import Callable, Optional
 import torch
 
 import nvfp4_dit
-import nvfp4_dit.ops
 from nvfp4_dit import format as fmt
+from nvfp4_dit.fallback import FallbackWarning, reset_fallback_warnings, warn_once
+from nvfp4_dit.masks import KeyMask, NotPerKeyMask, reduce_key_mask
+from nvfp4_dit.policy import AttentionPolicy
 
-ROUTE_BACKENDS = ("auto", "reference", "sdpa", "cuda")
-DEFAULT_MIN_SEQ_LEN = 256
-
-# A key whose additive mask value lies this far below the row's largest value gets weight
-# exp(-1000) relative to it: 0 in fp32 (exp underflows below about -104), so treating it as
-# masked is exact.  1000 rather than 10000 because diffusers' -10000 in bfloat16 is -9984.
-_MASKED_GAP = 1000.0
-
-
-@dataclass(frozen=True)
-class RouteSettings:
-    """How one FP4-eligible call is run.
-
-    backend: the ``nvfp4_dit.attention`` back-end ("auto", "reference", "sdpa", "cuda").
-    min_seq_len: calls whose query or key sequence is shorter than this run exact attention
-        (the FP4 path pads to 128-token tiles and quantises; short calls gain nothing).
-    """
-
-    backend: str = "auto"
-    min_seq_len: int = DEFAULT_MIN_SEQ_LEN
-    # Compute every call exactly as the unmodified model does, still passing it through the
-    # router so observers see it (baselines, capture of a dense run).
-    observe_only: bool = False
-    observe_reason: str = "observe only"  # the CallInfo.reason observers see for those calls
-
-    def __post_init__(self):
-        if not isinstance(self.backend, str) or self.backend not in ROUTE_BACKENDS:
-            raise ValueError(f"backend must be one of {ROUTE_BACKENDS}, got {self.backend!r}")
-        if isinstance(self.min_seq_len, bool) or not isinstance(self.min_seq_len, int) or self.min_seq_len < 0:
-            raise ValueError(f"min_seq_len must be a non-negative int, got {self.min_seq_len!r}")
+# Compute every call exactly as the unmodified model does, still passing it through the router so
+# observers see it (baselines, capture of a dense run); the reason observers are given.
+OBSERVE_ONLY = "observe only"
+DENSE_BY_POLICY = "dense by policy"
 
 
 class _RouteState:
-    """The settings of the FP4 call in progress, set by a processor around its original call.
+    """The policy of the NVFP4 call in progress, set by a processor around its original call.
 
     A plain attribute (not a ContextVar) because torch.compile cannot trace ContextVar.set();
     a processor call is synchronous, so save/set/restore around it nests correctly.
     """
 
-    settings: Optional[RouteSettings] = None
-    default: RouteSettings = RouteSettings()
+    policy: Optional[AttentionPolicy] = None
+    observe: Optional[str] = None  # compute exactly, report this reason (OBSERVE_ONLY, DENSE_BY_POLICY)
+    default: AttentionPolicy = AttentionPolicy()
     # Who is calling (for observers): the module path and the (step, total) of the forward.
     layer: Optional[str] = None
     step: Optional[tuple] = None
@@ -70,37 +47,42 @@ class _RouteState:
 _STATE = _RouteState()
 
 
-def current_settings() -> RouteSettings:
-    """The settings for a call reaching the "nvfp4" backend: the enclosing processor's, else the default."""
-    s = _STATE.settings
-    return _STATE.default if s is None else s
+def current_policy() -> AttentionPolicy:
+    """The policy for a call reaching the "nvfp4" backend: the enclosing processor's, else the default."""
+    p = _STATE.policy
+    return _STATE.default if p is None else p
 
 
-def configure_default(*, backend: Optional[str] = None, min_seq_len: Optional[int] = None) -> RouteSettings:
-    """Change the settings used when the "nvfp4" backend is reached without an NVFP4 processor
-    (``model.set_attention_backend("nvfp4")``).  Returns the previous default."""
+def current_observe() -> Optional[str]:
+    """The observe reason set by the enclosing processor (the call is computed exactly), or None."""
+    return _STATE.observe
+
+
+def configure_default(policy: Optional[AttentionPolicy] = None, **changes) -> AttentionPolicy:
+    """Set the policy of calls that reach the "nvfp4" backend without an NVFP4 processor
+    (``model.set_attention_backend("nvfp4")``): ``policy``, or the current default with
+    ``changes`` (fields of :class:`~nvfp4_dit.policy.AttentionPolicy`). Returns the previous
+    default. There the router sees only tensors: the role, step and layer rules do not apply."""
     prev = _STATE.default
-    _STATE.default = RouteSettings(
-        backend=prev.backend if backend is None else backend,
-        min_seq_len=prev.min_seq_len if min_seq_len is None else min_seq_len,
-    )
+    _STATE.default = (prev if policy is None else policy).replace(**changes)
     return prev
 
 
-def push_settings(settings: Optional[RouteSettings], layer: Optional[str] = None, step=None) -> tuple:
-    """Make ``settings`` (and the caller's layer name and step) current; returns the previous
-    values for :func:`pop_settings`.
+def push_route(policy: Optional[AttentionPolicy], observe: Optional[str] = None, layer: Optional[str] = None,
+               step=None) -> tuple:
+    """Make ``policy`` (and an observe reason, the caller's layer name and step) current; returns
+    the previous values for :func:`pop_route`.
 
     Two plain functions (used in try/finally) rather than a context manager, so torch.compile
     traces them as ordinary attribute writes.
     """
-    prev = (_STATE.settings, _STATE.layer, _STATE.step)
-    _STATE.settings, _STATE.layer, _STATE.step = settings, layer, step
+    prev = (_STATE.policy, _STATE.observe, _STATE.layer, _STATE.step)
+    _STATE.policy, _STATE.observe, _STATE.layer, _STATE.step = policy, observe, layer, step
     return prev
 
 
-def pop_settings(prev: tuple) -> None:
-    _STATE.settings, _STATE.layer, _STATE.step = prev
+def pop_route(prev: tuple) -> None:
+    _STATE.policy, _STATE.observe, _STATE.layer, _STATE.step = prev
 
 
 # ---------------------------------------------------------------------------------------------
@@ -112,8 +94,8 @@ class CallInfo:
     """What an observer learns about one routed attention call.
 
     ``path`` is "fp4" (nvfp4_dit.attention ran with ``backend``) or "exact" (the model's own
-    computation ran; ``reason`` says why: a policy such as "short sequence" / "observe only",
-    or what NVFP4 cannot express).  ``attn_mask`` is the mask with SDPA semantics.
+    computation ran, ``backend`` "sdpa"; ``reason`` says why: a policy such as "short sequence" /
+    "observe only", or what NVFP4 cannot express).  ``attn_mask`` is the mask with SDPA semantics.
     """
 
     layer: Optional[str]
@@ -130,8 +112,6 @@ class CallInfo:
 
 
 _OBSERVERS: list = []
-# What an NVFP4 processor routes a dense-by-policy call through while observers are registered.
-POLICY_DENSE = RouteSettings(backend="sdpa", min_seq_len=0, observe_only=True, observe_reason="dense by policy")
 
 
 def add_observer(fn: Callable) -> None:
@@ -154,90 +134,30 @@ def remove_observer(fn: Callable) -> None:
 # Fallback reporting
 # ---------------------------------------------------------------------------------------------
 
-class NVFP4FallbackWarning(nvfp4_dit.FallbackWarning):
+class NVFP4FallbackWarning(FallbackWarning):
     """Issued once per reason when an attention call runs exact attention instead of NVFP4
     (a subclass of the op's ``nvfp4_dit.FallbackWarning``, so one filter covers both)."""
 
 
 def _warn_once(reason: str) -> None:
-    nvfp4_dit.ops.warn_once(f"nvfp4_dit.processors: exact attention instead of NVFP4: {reason}",
-                            NVFP4FallbackWarning, stacklevel=3)
-
-
-def reset_fallback_warnings() -> None:
-    """Forget which fallback reasons were reported (ours and the op's: one shared record)."""
-    nvfp4_dit.reset_fallback_warnings()
+    warn_once(f"nvfp4_dit.processors: exact attention instead of NVFP4: {reason}", NVFP4FallbackWarning)
 
 
 class _NotExpressible(Exception):
     """The call is valid attention but the FP4 path cannot express it (carries the reason)."""
 
 
-# ---------------------------------------------------------------------------------------------
-# Masks: SDPA semantics in, per-key form out
-# ---------------------------------------------------------------------------------------------
-
-@dataclass
-class KeyMask:
-    """A mask reduced to per-key form.
-
-    kv_lens: int32 [B] when the kept keys of every batch row are a prefix; else None.
-    keep: bool [B, Sk] when they are not a prefix; else None.
-    bias: fp32 [B, Sk] when the mask carries genuine per-key biases (not just keep/drop); else None.
-    shift: fp32 [B] constant added to every kept key (softmax ignores it; the LSE does not).
-    """
-
-    kv_lens: Optional[torch.Tensor] = None
-    keep: Optional[torch.Tensor] = None
-    bias: Optional[torch.Tensor] = None
-    shift: Optional[torch.Tensor] = None
-
-
 def key_mask_from_sdpa_mask(mask: torch.Tensor, b: int, h: int, sq: int, sk: int) -> KeyMask:
-    """Reduce an SDPA ``attn_mask`` (bool = keep, float = additive; broadcast to [B, H, Sq, Sk])
-    to per-key form, or raise ``_NotExpressible``.
-
-    Accepted: every mask that is the same for all heads and queries of a batch row (HunyuanVideo's
-    bool [B,1,1,N], LTX's additive 0/-10000 [B,H,1,S], Cosmos' all-ones [B,1,1,S]).  Host syncs:
-    a few scalar reductions, once per call.
-    """
-    if mask.dim() > 4:
-        raise _NotExpressible(f"attn_mask with {mask.dim()} dims")
+    """The per-key form of an SDPA ``attn_mask`` (:func:`nvfp4_dit.masks.reduce_key_mask`), or
+    ``_NotExpressible`` for masks without one and for rows that keep no key (SDPA gives NaN there,
+    which only the model's own computation reproduces)."""
     try:
-        torch.broadcast_shapes(mask.shape, (b, h, sq, sk))
-    except RuntimeError:
-        raise _NotExpressible(f"attn_mask of shape {tuple(mask.shape)} does not broadcast to "
-                              f"{(b, h, sq, sk)}") from None
-    m = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
-    first = m[:, :1, :1, :]
-    if (m.shape[1] > 1 or m.shape[2] > 1) and not bool((m == first).all()):
-        raise _NotExpressible("attn_mask differs between heads or queries (not a key-padding mask)")
-    row = first[:, 0, 0, :].expand(b, sk)
-    if row.dtype == torch.bool:
-        keep, shift = row, None
-    else:
-        row = row.float()
-        top = row.amax(dim=1, keepdim=True)
-        if not bool(torch.isfinite(top).all()):
-            raise _NotExpressible("an additive attn_mask row with no finite value")
-        keep = row == top
-        masked = row <= top - _MASKED_GAP
-        if bool((keep | masked).all()):
-            shift = top[:, 0]
-        else:
-            # Genuine biases: only the reference back-end takes them (the op falls back for the rest).
-            return KeyMask(bias=row)
-    counts = keep.sum(dim=1)
-    if not bool((counts > 0).all()):
+        km = reduce_key_mask(mask, b, h, sq, sk)
+    except NotPerKeyMask as e:
+        raise _NotExpressible(str(e)) from None
+    if km.empty_rows:
         raise _NotExpressible("a batch row with every key masked (SDPA gives NaN there)")
-    if shift is not None and not bool((shift != 0).any()):
-        shift = None
-    if bool((counts == sk).all()):
-        return KeyMask(shift=shift)
-    prefix = torch.arange(sk, device=keep.device)[None, :] < counts[:, None]
-    if bool((prefix == keep).all()):
-        return KeyMask(kv_lens=counts.to(torch.int32), shift=shift)
-    return KeyMask(keep=keep, shift=shift)
+    return km
 
 
 # ---------------------------------------------------------------------------------------------
@@ -254,7 +174,7 @@ def _dims(t: torch.Tensor, layout: str) -> tuple[int, int, int, int]:
 
 
 def _expressible_reason(query, key, value, layout, attn_mask, dropout_p, is_causal, enable_gqa,
-                        settings: RouteSettings) -> tuple[Optional[str], bool]:
+                        policy: AttentionPolicy) -> tuple[Optional[str], bool]:
     """(reason the FP4 path cannot take this call or None, whether to warn about it)."""
     if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (query, key, value)):
         return "q/k/v not 4-D tensors", True
@@ -275,9 +195,7 @@ def _expressible_reason(query, key, value, layout, attn_mask, dropout_p, is_caus
         return f"{h} query heads with {hkv} key/value heads without enable_gqa", True
     if fmt.padded_head_dim(d) is None:
         return f"head dim {d} > {fmt.SUPPORTED_HEAD_DIMS[-1]}", True
-    if min(sq, sk) < settings.min_seq_len:
-        return "short sequence", False
-    return None, False
+    return policy.dense_reason(seq_q=sq, seq_k=sk), False
 
 
 def routed_attention(
@@ -292,7 +210,8 @@ def routed_attention(
     scale: Optional[float] = None,
     enable_gqa: bool = False,
     return_lse: bool = False,
-    settings: RouteSettings,
+    policy: AttentionPolicy,
+    observe: Optional[str] = None,
     exact: Callable[[], torch.Tensor],
 ):
     """SDPA semantics in, NVFP4 attention out when the call allows it.
@@ -300,11 +219,12 @@ def routed_attention(
     ``layout`` is "NHD" ([B, S, H, D], diffusers' dispatcher) or "HND" ([B, H, S, D], direct
     SDPA callers); ``attn_mask`` follows SDPA (broadcast to [B, H, Sq, Sk]).  ``exact()`` must
     compute the call exactly as the unmodified model would; it runs for every call the FP4 path
-    cannot express (with one warning per reason) and for short sequences (silently).
+    cannot express (with one warning per reason), for calls the policy keeps exact (silently), and
+    for every call when ``observe`` gives the reason to report (observers still see the call).
     Returns ``out`` in ``layout``, or ``(out, lse [B, H, Sq] fp32)`` with ``return_lse``.
     """
     args = (query, key, value, layout, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
-            settings, exact)
+            policy, observe, exact)
     if not _OBSERVERS:
         return _route(*args)[0]
     sync = query.is_cuda and torch.cuda.is_available()
@@ -316,20 +236,20 @@ def routed_attention(
         torch.cuda.synchronize(query.device)
     info = CallInfo(layer=_STATE.layer, step=_STATE.step, layout=layout, is_causal=bool(is_causal), scale=scale,
                     enable_gqa=bool(enable_gqa), attn_mask=attn_mask, path=path, reason=reason,
-                    backend=settings.backend, seconds=time.perf_counter() - t0)
+                    backend=policy.backend if path == "fp4" else "sdpa", seconds=time.perf_counter() - t0)
     for fn in list(_OBSERVERS):
         fn(info, query, key, value, res)
     return res
 
 
 def _route(query, key, value, layout, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
-           settings, exact):
+           policy, observe, exact):
     """(result, path, reason) -- see :func:`routed_attention`."""
-    if settings.observe_only:
-        reason, warn = settings.observe_reason, False
+    if observe is not None:
+        reason, warn = observe, False
     else:
         reason, warn = _expressible_reason(query, key, value, layout, attn_mask, dropout_p, is_causal,
-                                           enable_gqa, settings)
+                                           enable_gqa, policy)
     km = KeyMask()
     if reason is None and attn_mask is not None:
         b, h, sq, _ = _dims(query, layout)
@@ -344,11 +264,10 @@ def _route(query, key, value, layout, attn_mask, dropout_p, is_causal, scale, en
         res = _exact_with_lse(query, key, value, layout, attn_mask, is_causal, scale) if return_lse else exact()
         return res, "exact", reason
 
-    mask_arg = km.keep if km.keep is not None else km.bias
-    op_backend = settings.backend
+    op_backend = policy.backend
     try:
         res = nvfp4_dit.attention(query, key, value, layout=layout, causal=bool(is_causal), scale=scale,
-                                  attn_mask=mask_arg, kv_lens=km.kv_lens, return_lse=return_lse,
+                                  attn_mask=km.as_key_bias(), kv_lens=km.kv_lens, return_lse=return_lse,
                                   backend=op_backend)
     except nvfp4_dit.BackendUnavailableError as e:
         # An explicitly requested back-end (cuda / reference) cannot run this call: never break
@@ -373,7 +292,7 @@ def _exact_with_lse(query, key, value, layout, attn_mask, is_causal, scale):
             km = key_mask_from_sdpa_mask(attn_mask, b, h, sq, sk)
         except _NotExpressible as e:
             raise ValueError(f"return_lse with attn_mask of shape {tuple(attn_mask.shape)}: {e}") from None
-        kwargs = {"attn_mask": km.keep if km.keep is not None else km.bias, "kv_lens": km.kv_lens}
+        kwargs = {"attn_mask": km.as_key_bias(), "kv_lens": km.kv_lens}
     out, lse = nvfp4_dit.attention(query, key, value, layout=layout, causal=bool(is_causal), scale=scale,
                                    return_lse=True, backend="sdpa", **kwargs)
     if attn_mask is not None and km.shift is not None:

@@ -4,9 +4,9 @@
 One run times, at B1 H40 D128 and S = 8k, 32k, 77k, causal and not:
   * ``nvfp4 kernel``: the attention kernel alone on pre-quantised inputs with the whole
     correction precomputed (native FP4 MMA on sm_120/121, the fp16 emulation on sm_80/90);
-  * ``nvfp4 e2e``: ``nvfp4_dit.cuda_backend.attention`` (quantise + correction chunks + kernel);
-  * ``nvfp4 quantize+correction``: the preprocessing of the e2e path alone (fused CUDA quantiser
-    when present, and every correction chunk);
+  * ``nvfp4 e2e``: ``nvfp4_dit.attention_cuda.attention`` (quantise + correction chunks + kernel);
+  * ``nvfp4 quantize+correction``: the preprocessing of the e2e path alone (the CUDA quantiser and
+    every correction chunk);
   * ``sdpa flash`` / ``sdpa cudnn``: torch SDPA in bf16 with that back-end forced;
   * ``sageattn3`` / ``sageattention``: when importable.
 Prints a markdown table (ms and TFLOP/s, 4*B*H*Sq*Sk*D flops, halved when causal) and writes a
@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from nvfp4_dit import cuda_backend  # noqa: E402
+from nvfp4_dit import attention_cuda, build, quantize  # noqa: E402
 from nvfp4_dit import format as fmt  # noqa: E402
 
 
@@ -120,7 +120,7 @@ def write_report(rows, *, name, arch, mode, b, h, d, out):
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seqs", default="8192,32768,77000")
     ap.add_argument("--heads", type=int, default=40)
     ap.add_argument("--head-dim", type=int, default=128)
@@ -128,12 +128,15 @@ def main() -> int:
     ap.add_argument("--out", default="bench_attention", help="output stem for .md and .png")
     args = ap.parse_args()
 
+    if not torch.cuda.is_available():
+        print("bench_attention.py: needs a CUDA GPU (none is visible to torch)", file=sys.stderr)
+        return 2
     dev = torch.device("cuda")
     cc = torch.cuda.get_device_capability(dev)
-    native = cuda_backend.is_native(cc)
-    reason = cuda_backend.load(dev)
+    native = build.is_native(cc)
+    reason = build.unavailable_reason(dev)
     if reason:
-        print(reason)
+        print(f"bench_attention.py: {reason}", file=sys.stderr)
         return 1
     name = torch.cuda.get_device_name(dev)
     mode = "native FP4 MMA" if native else "emulated FP4 MMA (fp16 mma.sync)"
@@ -143,13 +146,13 @@ def main() -> int:
         g = torch.Generator(device="cuda").manual_seed(s)
         q, k, v = (torch.randn(b, h, s, d, generator=g, device=dev).to(torch.bfloat16) for _ in range(3))
         qq = fmt.quantize_qkv(q, k, v, layout="HND")
-        delta = fmt.qk_correction(qq)
+        delta = fmt.correction(qq)
         for causal in (False, True):
             f = flops(b, h, s, d, causal)
             big = f > 2e13
             reps = args.reps or (2 if (big and not native) else 5)
             out = torch.empty(b, h, s, d, dtype=torch.bfloat16, device=dev)
-            op = torch.ops.nvfp4_dit_cuda.attention_fwd
+            op = build.load_extension().attention_fwd
             scale = 1.0 / math.sqrt(d)
 
             def kernel_only():
@@ -157,13 +160,12 @@ def main() -> int:
                    None, s, s, 0, qq.num_q_blocks, scale, causal, native)
 
             def preprocess():
-                qq2, chunks = cuda_backend.quantize(q, k, v, layout="HND", kv_lens=None)
-                for _ in chunks:
+                for _ in quantize.iter_corrections(quantize.quantize_qkv(q, k, v, layout="HND")):
                     pass
 
             results = {"nvfp4 kernel": time_ms(kernel_only, reps),
                        "nvfp4 quantize+correction": time_ms(preprocess, reps)}
-            results["nvfp4 e2e"] = time_ms(lambda: cuda_backend.attention(
+            results["nvfp4 e2e"] = time_ms(lambda: attention_cuda.attention(
                 q, k, v, layout="HND", causal=causal, scale=None, kv_lens=None, return_lse=False), reps)
             for be in ("flash", "cudnn"):
                 try:

@@ -1,23 +1,24 @@
-"""Benchmark the fused NVFP4 preprocessing against its peers, measured in the same run.
+"""Benchmark the NVFP4 preprocessing on the GPU against its peers, measured in the same run.
 
 For B=1, H=40, D=128, bf16 NHD inputs at S = 8k, 32k, 77k and 118.8k tokens:
 
-* fused: ``nvfp4_dit.cuda_quantize.quantize_qkv_cuda`` with the default kernel choice (the
-  streaming kernel, one launch after a memset, where it applies), and each kernel forced
+* default: ``nvfp4_dit.quantize.quantize_qkv`` with the default kernel choice (the streaming
+  kernel, one launch after a memset, where it applies), and each kernel forced
   (``NVFP4_DIT_QUANTIZE_KERNEL=tiles``: two launches; ``=stream``: "-" where it does not apply);
 * copy: a device-to-device copy moving the same number of bytes (the bandwidth ceiling);
 * torch-ops: ``nvfp4_dit.format.quantize_qkv`` on the GPU (the plain-PyTorch preprocessing);
 * correction: every chunk of ``qm . (k - km)^T`` under the default 1 GiB budget, as a fraction of
   the time of exact attention (``F.scaled_dot_product_attention``, the stand-in for the kernel).
 
-Fused, tile, streaming and copy are timed in interleaved rounds (``--rounds``), each peer's best
-round kept. "Bytes" = the inputs read once plus every output written (the fused path's minimum
-traffic); the copy moves half that many bytes (read + write = the same traffic). Peak memory is
-the allocator's peak above what was allocated before the call. Prints a markdown table, writes
-JSON and a PNG. Measured figures and a profile: docs/quantize_performance.md.
+Default, tile, streaming and copy are timed in interleaved rounds (``--rounds``), each peer's
+best round kept. "Bytes" = the inputs read once plus every output written (the minimum traffic);
+the copy moves half that many bytes (read + write = the same traffic). Peak memory is the
+allocator's peak above what was allocated before the call. Prints a markdown table, writes JSON
+and a PNG. Current figures: docs/quantize.md.
 
     python scripts/bench_quantize.py --out bench_out
     python scripts/bench_quantize.py --plot-only bench_out/bench_quantize.json   # redraw the PNG
+    python scripts/bench_quantize.py --smoke     # each kernel path once (for compute-sanitizer)
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from nvfp4_dit import cuda_quantize as cq  # noqa: E402
+from nvfp4_dit import quantize as cq  # noqa: E402
 from nvfp4_dit import format as fmt  # noqa: E402
 
 GiB = float(1 << 30)
@@ -47,7 +48,7 @@ def cuda_time(fn, iters: int, warmup: int = 1) -> float:
 
     The calls are queued back to back and synchronised once, as in a model's forward pass: the
     host's work per call (argument checks, allocations, launches; tens of microseconds for the
-    fused path) overlaps the previous call's GPU work instead of counting as idle GPU time. Every
+    quantiser) overlaps the previous call's GPU work instead of counting as idle GPU time. Every
     peer is timed the same way."""
     for _ in range(warmup):
         fn()
@@ -118,7 +119,7 @@ def best_of_rounds(timers: dict, rounds: int) -> dict:
 
 
 def run_corrections(qq) -> None:
-    for _ in cq.iter_qk_corrections(qq):
+    for _ in cq.iter_corrections(qq):
         pass
 
 
@@ -128,20 +129,20 @@ def bench_one(seq: int, heads: int, dim: int, iters: int, rounds: int) -> dict:
                for _ in range(3))
     in_bytes = 3 * q.nbytes
 
-    def fused():
-        return cq.quantize_qkv_cuda(q, k, v, layout="NHD")
+    def default():
+        return cq.quantize_qkv(q, k, v, layout="NHD")
 
-    qq = fused()
+    qq = default()
     traffic = in_bytes + output_bytes(qq)
-    mem_fused = peak_bytes(fused)
+    mem_default = peak_bytes(default)
     src = torch.empty(traffic // 2, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     best = best_of_rounds(dict(
-        fused=lambda: cuda_time(fused, iters, warmup=2),
-        tiles=lambda: time_forced_kernel("tiles", fused, iters),
-        stream=lambda: time_forced_kernel("stream", fused, iters),
+        default=lambda: cuda_time(default, iters, warmup=2),
+        tiles=lambda: time_forced_kernel("tiles", default, iters),
+        stream=lambda: time_forced_kernel("stream", default, iters),
         copy=lambda: cuda_time(lambda: dst.copy_(src), iters, warmup=2)), rounds)
-    t_fused, t_tiles, t_stream, t_copy = best["fused"], best["tiles"], best["stream"], best["copy"]
+    t_default, t_tiles, t_stream, t_copy = best["default"], best["tiles"], best["stream"], best["copy"]
     del src, dst
 
     def torch_ops():
@@ -159,8 +160,9 @@ def bench_one(seq: int, heads: int, dim: int, iters: int, rounds: int) -> dict:
     t_sdpa = cuda_time(lambda: F.scaled_dot_product_attention(qh, kh, vh), 2, warmup=1)
     del qq
     torch.cuda.empty_cache()
-    return dict(seq=seq, heads=heads, dim=dim, traffic_bytes=traffic, t_fused=t_fused, t_tiles=t_tiles, t_stream=t_stream,
-                t_copy=t_copy, t_torch=t_torch, t_corr=t_corr, t_sdpa=t_sdpa, mem_fused=mem_fused, mem_torch=mem_torch,
+    return dict(seq=seq, heads=heads, dim=dim, traffic_bytes=traffic, t_default=t_default, t_tiles=t_tiles,
+                t_stream=t_stream, t_copy=t_copy, t_torch=t_torch, t_corr=t_corr, t_sdpa=t_sdpa,
+                mem_default=mem_default, mem_torch=mem_torch,
                 mem_corr=mem_corr, corr_chunks=n_chunks)
 
 
@@ -176,8 +178,8 @@ def smoke() -> int:
                 lens = torch.tensor([300, 170], device="cuda", dtype=torch.int32)
                 for choice in ("auto", "tiles"):  # the default takes the streaming kernel where it applies
                     with kernel_choice(choice):
-                        qq = cq.quantize_qkv_cuda(q, k, v, layout=layout, kv_lens=lens)
-                    for _ in cq.iter_qk_corrections(qq, budget=2 * 2 * 384 * 4):
+                        qq = cq.quantize_qkv(q, k, v, layout=layout, kv_lens=lens)
+                    for _ in cq.iter_corrections(qq, budget=2 * 2 * 384 * 4):
                         pass
     torch.cuda.synchronize()
     print("smoke ok")
@@ -185,19 +187,19 @@ def smoke() -> int:
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| S | bytes (GB) | fused GB/s | copy GB/s | fused / copy | tile kernel / copy | streaming kernel / copy "
+    head = ("| S | bytes (GB) | default GB/s | copy GB/s | default / copy | tile kernel / copy | streaming kernel / copy "
             "| torch-ops GB/s "
-            "| fused speed-up vs torch-ops "
-            "| peak mem fused (GiB) | peak mem torch-ops (GiB) | correction ms (chunks) | SDPA ms | correction / SDPA "
+            "| default speed-up vs torch-ops "
+            "| peak mem default (GiB) | peak mem torch-ops (GiB) | correction ms (chunks) | SDPA ms | correction / SDPA "
             "| peak mem correction (GiB) |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         gb = r["traffic_bytes"] / 1e9
         tiles, stream = (f"{r['t_copy'] / r[key]:.0%}" if r.get(key) else "-" for key in ("t_tiles", "t_stream"))
         lines.append(
-            f"| {r['seq']:,} | {gb:.2f} | {gb / r['t_fused']:.0f} | {gb / r['t_copy']:.0f} | "
-            f"{r['t_copy'] / r['t_fused']:.0%} | {tiles} | {stream} | {gb / r['t_torch']:.0f} | {r['t_torch'] / r['t_fused']:.1f}x | "
-            f"{r['mem_fused'] / GiB:.2f} | {r['mem_torch'] / GiB:.2f} | {r['t_corr'] * 1e3:.1f} ({r['corr_chunks']}) | "
+            f"| {r['seq']:,} | {gb:.2f} | {gb / r['t_default']:.0f} | {gb / r['t_copy']:.0f} | "
+            f"{r['t_copy'] / r['t_default']:.0%} | {tiles} | {stream} | {gb / r['t_torch']:.0f} | "
+            f"{r['t_torch'] / r['t_default']:.1f}x | {r['mem_default'] / GiB:.2f} | {r['mem_torch'] / GiB:.2f} | {r['t_corr'] * 1e3:.1f} ({r['corr_chunks']}) | "
             f"{r['t_sdpa'] * 1e3:.0f} | {r['t_corr'] / r['t_sdpa']:.1%} | {r['mem_corr'] / GiB:.2f} |")
     return "\n".join(lines)
 
@@ -213,7 +215,7 @@ def plot(rows: list[dict], path: Path) -> bool:
         return False
     seqs = [r["seq"] / 1000 for r in rows]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    for key, label in (("t_copy", "device copy (ceiling)"), ("t_fused", "fused CUDA (default)"),
+    for key, label in (("t_copy", "device copy (ceiling)"), ("t_default", "CUDA, default kernel choice"),
                        ("t_tiles", "tile kernel"), ("t_stream", "streaming kernel"), ("t_torch", "torch ops")):
         if not all(r.get(key) for r in rows):
             continue
@@ -223,7 +225,7 @@ def plot(rows: list[dict], path: Path) -> bool:
     ax1.set_title("NVFP4 preprocessing bandwidth")
     ax1.legend()
     ax1.grid(alpha=0.3)
-    ax2.plot(seqs, [r["t_copy"] / r["t_fused"] * 100 for r in rows], marker="o", label="fused / copy bandwidth (%)")
+    ax2.plot(seqs, [r["t_copy"] / r["t_default"] * 100 for r in rows], marker="o", label="default / copy bandwidth (%)")
     ax2.plot(seqs, [r["t_corr"] / r["t_sdpa"] * 100 for r in rows], marker="s", label="correction / SDPA time (%)")
     ax2.axhline(80, ls="--", c="gray", lw=0.8)
     ax2.set_xlabel("tokens (thousands)")
@@ -243,7 +245,7 @@ def main() -> int:
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=3,
-                        help="interleaved rounds of the fused, tile, streaming and copy timings (best kept)")
+                        help="interleaved rounds of the default, tile, streaming and copy timings (best kept)")
     parser.add_argument("--out", type=Path, default=Path("bench_out"))
     parser.add_argument("--plot-only", type=Path, help="redraw the table and PNG from a JSON of an earlier run")
     parser.add_argument("--smoke", action="store_true",
@@ -251,16 +253,17 @@ def main() -> int:
     args = parser.parse_args()
     if args.iters < 1 or args.rounds < 1:
         parser.error("--iters and --rounds must be at least 1")
-    if args.smoke:
-        return smoke()
     if args.plot_only:
         rows = json.loads(args.plot_only.read_text())["rows"]
         print(table(rows))
         plot(rows, args.plot_only.with_suffix(".png"))
         return 0
     if not torch.cuda.is_available():
-        print("needs a CUDA GPU", file=sys.stderr)
-        return 1
+        print("bench_quantize.py: needs a CUDA GPU (none is visible to torch); --plot-only redraws an earlier run",
+              file=sys.stderr)
+        return 2
+    if args.smoke:
+        return smoke()
     rows = []
     for seq in args.seqs:
         rows.append(bench_one(seq, args.heads, args.dim, args.iters, args.rounds))

@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import video_tools as vt  # noqa: E402
+from nvfp4_dit import generation  # noqa: E402
 from nvfp4_dit.processors import apply, routing  # noqa: E402
 
 FORMAT = "nvfp4_dit.capture/1"
@@ -98,7 +98,7 @@ def load_capture(path) -> tuple[list[dict], dict]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    vt.add_generation_args(ap)
+    generation.add_generation_args(ap)
     ap.add_argument("--attention", choices=("sdpa", "nvfp4"), default="sdpa",
                     help="sdpa: capture a dense run (default); nvfp4: the NVFP4 run under the policy arguments")
     ap.add_argument("--capture-layers", default=None,
@@ -111,22 +111,26 @@ def main(argv=None) -> int:
 
     from safetensors.torch import save_file
 
-    device = vt.resolve_device(args)
-    dtype = vt.resolve_dtype(args, device)
-    backend = vt.resolve_backend(args, device)
-    pipe, defaults, name = vt.load_pipeline(args, device, dtype)
+    device = generation.resolve_device(args)
+    dtype = generation.resolve_dtype(args, device)
+    backend = generation.resolve_backend(args, device)
+    pipe, defaults, name = generation.load_pipeline(args, device, dtype)
+    try:
+        generation.check_call(pipe, generation.call_kwargs(pipe, args, defaults, None, None))
+    except generation.InvalidArguments as e:
+        ap.error(str(e))
     layers = [s.strip() for s in args.capture_layers.split(",")] if args.capture_layers else None
     steps = {int(s) for s in args.capture_steps.split(",")} if args.capture_steps else None
     cap = Capturer(layers, steps, args.max_calls)
     if args.attention == "nvfp4":
-        handle = apply(pipe, **vt.policy_kwargs(args, backend))
+        handle = apply(pipe, **generation.policy_kwargs(args, backend, defaults))
     else:
         handle = apply(pipe, observe_only=True, cross_attention=True, min_seq_len=0)
     print(f"model: {name} on {device}; capturing a {args.attention} run", flush=True)
     routing.add_observer(cap)
     try:
         generator = torch.Generator("cpu").manual_seed(args.seed)
-        pipe(**vt.call_kwargs(pipe, args, defaults, generator, None))
+        pipe(**generation.call_kwargs(pipe, args, defaults, generator, None))
     finally:
         routing.remove_observer(cap)
         handle.restore()

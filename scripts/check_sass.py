@@ -31,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 CSRC = ROOT / "csrc"
 OMMA = "OMMA.SF.16864.F32.E2M1.E2M1.UE4M3.4X"
-UNITS = {64: "attention_fwd_sm120a_d64.cu", 128: "attention_fwd_sm120a_d128.cu"}
+UNITS = {64: "attention/attention_fwd_native_d64.cu", 128: "attention/attention_fwd_native_d128.cu"}
 ARCHS = ("120a", "121a")
 
 
@@ -133,7 +133,7 @@ def dynamic_smem_bytes(head_dim: int, out_dir: Path) -> int:
     """AttentionTraits<D>::kSmemBytes, read from the header by a host-only nvcc program."""
     src = out_dir / f"smem_d{head_dim}.cu"
     src.write_text('#include <cstdio>\n#include "attention/traits.cuh"\n'
-                   f'int main() {{ std::printf("%d", nvfp4_attn::AttentionTraits<{head_dim}>::kSmemBytes); }}\n')
+                   f'int main() {{ std::printf("%d", nvfp4_dit::AttentionTraits<{head_dim}>::kSmemBytes); }}\n')
     exe = out_dir / f"smem_d{head_dim}"
     subprocess.run([find_tool("nvcc"), "-std=c++17", f"-I{CSRC}", str(src), "-o", str(exe)], check=True,
                    capture_output=True)
@@ -171,7 +171,7 @@ def check(archs=ARCHS, head_dims=(64, 128)) -> tuple[list[dict], list[str]]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", action="append", help="e.g. 120a (default: 120a and 121a)")
     args = ap.parse_args()
     rows, failures = check(tuple(args.arch) if args.arch else ARCHS)

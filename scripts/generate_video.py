@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import video_tools as vt  # noqa: E402
+from nvfp4_dit import generation  # noqa: E402
 
 
 def write_video(frames, path: Path, fps: int) -> None:
@@ -44,7 +44,7 @@ def write_video(frames, path: Path, fps: int) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    vt.add_generation_args(ap)
+    generation.add_generation_args(ap)
     ap.add_argument("--attention", choices=("nvfp4", "sdpa", "compare"), default="nvfp4",
                     help="nvfp4 (default), sdpa (dense baseline), or compare (both from the same seed)")
     ap.add_argument("--out", default="out/video.mp4", help="MP4 path; compare also writes <stem>_sdpa.mp4")
@@ -53,13 +53,19 @@ def main(argv=None) -> int:
     ap.add_argument("--no-video", action="store_true", help="skip writing MP4s (JSON only)")
     args = ap.parse_args(argv)
 
-    device = vt.resolve_device(args)
-    dtype = vt.resolve_dtype(args, device)
-    backend = vt.resolve_backend(args, device)
+    device = generation.resolve_device(args)
+    dtype = generation.resolve_dtype(args, device)
+    backend = generation.resolve_backend(args, device)
     t0 = time.perf_counter()
-    pipe, defaults, name = vt.load_pipeline(args, device, dtype)
+    pipe, defaults, name = generation.load_pipeline(args, device, dtype)
+    try:
+        generation.check_call(pipe, generation.call_kwargs(pipe, args, defaults, None, None))
+    except generation.InvalidArguments as e:
+        ap.error(str(e))
+    min_seq_len = generation.min_seq_len(args, defaults)
     print(f"model: {name} on {device} ({str(dtype).replace('torch.', '')}); attention: {args.attention}, "
-          f"FP4 back-end: {backend}, dense steps {args.dense_steps[0]},{args.dense_steps[1]}", flush=True)
+          f"FP4 back-end: {backend}, dense steps {args.dense_steps[0]},{args.dense_steps[1]}, "
+          f"min_seq_len {min_seq_len}", flush=True)
     out_path = Path(args.out)
     json_path = Path(args.json) if args.json else out_path.with_suffix(".json")
     fps = args.fps or defaults.get("fps", 16)
@@ -67,13 +73,13 @@ def main(argv=None) -> int:
     modes = ["sdpa", "nvfp4"] if args.attention == "compare" else [args.attention]
     report = {"tool": "generate_video", "model": name, "device": str(device), "dtype": str(dtype).replace("torch.", ""),
               "attention": args.attention, "backend": backend, "dense_steps": list(args.dense_steps),
-              "cross_attention": args.cross_attention, "min_seq_len": args.min_seq_len, "layers": args.layers,
+              "cross_attention": args.cross_attention, "min_seq_len": min_seq_len, "layers": args.layers,
               "prompt": args.prompt, "seed": args.seed, "call": {}, "runs": {}}
     results = {}
     for mode in modes:
         print(f"[{mode}] denoising ...", flush=True)
-        output, summary, latents = vt.run_once(pipe, args, defaults, mode, backend, device)
-        frames = vt.frames_of(output)
+        output, summary, latents = generation.run_once(pipe, args, defaults, mode, backend, device)
+        frames = generation.frames_of(output)
         results[mode] = (frames, latents)
         video = out_path if (mode == "nvfp4" or len(modes) == 1) else out_path.with_name(out_path.stem + "_sdpa.mp4")
         if not args.no_video:
@@ -85,11 +91,13 @@ def main(argv=None) -> int:
               f"{100 * (summary['attention_share'] or 0):.1f}% of it; peak memory "
               f"{summary['peak_memory']['bytes'] / 2**20:.0f} MiB ({summary['peak_memory']['kind']})"
               + (f"; video {video}" if not args.no_video else ""), flush=True)
-    sig = vt.call_kwargs(pipe, args, defaults, None, None)
+        if mode == "nvfp4":
+            print(f"[{mode}] {generation.describe_paths(summary)}", flush=True)
+    sig = generation.call_kwargs(pipe, args, defaults, None, None)
     report["call"] = {k: v for k, v in sig.items() if isinstance(v, (int, float, str))}
     if args.attention == "compare":
         (fa, la), (fb, lb) = results["sdpa"], results["nvfp4"]
-        report["compare"] = vt.compare_metrics(la, lb, fa, fb)
+        report["compare"] = generation.compare_metrics(la, lb, fa, fb)
         c = report["compare"]
         print("nvfp4 vs sdpa: " + ", ".join(f"{k} {v:.5g}" for k, v in c.items()))
     report["wall_seconds"] = round(time.perf_counter() - t0, 3)

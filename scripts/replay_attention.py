@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from accuracy_report import metrics  # noqa: E402
 from capture_attention import load_capture  # noqa: E402
+from nvfp4_dit import AttentionPolicy, BACKENDS  # noqa: E402
 from nvfp4_dit.processors import routing  # noqa: E402
 
 
@@ -72,11 +73,11 @@ def exact64(call, q, k, v, mask, chunk: int = 1024):
 
 
 def run_backend(call, q, k, v, mask, backend, *, return_lse, observe_only=False):
-    settings = routing.RouteSettings(backend=backend, min_seq_len=0, observe_only=observe_only)
+    policy = AttentionPolicy(backend=backend, min_seq_len=0)
     return routing.routed_attention(
         q, k, v, layout=call["layout"], attn_mask=mask, is_causal=call["is_causal"], scale=call["scale"],
-        enable_gqa=call["enable_gqa"], return_lse=return_lse, settings=settings,
-        exact=lambda: live_exact(call, q, k, v, mask))
+        enable_gqa=call["enable_gqa"], return_lse=return_lse, policy=policy,
+        observe=routing.OBSERVE_ONLY if observe_only else None, exact=lambda: live_exact(call, q, k, v, mask))
 
 
 def replay(calls, backends, device, progress: bool = False) -> list[dict]:
@@ -149,8 +150,8 @@ def main(argv=None) -> int:
     backends = args.backends.split(",") if args.backends else (
         ["sdpa", "reference"] + (["cuda"] if device.type == "cuda" else []))
     for b in backends:
-        if b not in routing.ROUTE_BACKENDS:
-            ap.error(f"unknown back-end {b!r}; choose from {routing.ROUTE_BACKENDS}")
+        if b not in BACKENDS:
+            ap.error(f"unknown back-end {b!r}; choose from {BACKENDS}")
     calls, meta = load_capture(args.capture)
     print(f"{len(calls)} calls from {meta.get('model')} ({meta.get('attention')} run), replayed on {device}")
     rows = replay(calls, backends, device, progress=True)

@@ -1,4 +1,5 @@
-"""The CUDA attention kernel (csrc/attention) against the reference numerics and exact attention.
+"""The CUDA attention back-end (nvfp4_dit.attention_cuda, csrc/attention) against the reference
+numerics and exact attention.
 
 On sm_80/sm_90 this runs the fp16-emulated MMA back-end, on sm_120/121 the native FP4 MMA; the
 rest of the kernel is the same template. The single-MMA probe checks the back-end itself against
@@ -11,18 +12,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nvfp4_dit import cuda_backend
+from nvfp4_dit import attention_cuda, build, quantize
 from nvfp4_dit import format as fmt
 from nvfp4_dit.reference import attention_exact, attention_reference
-
-
-def test_gencode_flags_pick_arch_specific_targets():
-    assert cuda_backend.gencode_flags((12, 0)) == ["-gencode=arch=compute_120a,code=sm_120a"]
-    assert cuda_backend.gencode_flags((12, 1)) == ["-gencode=arch=compute_121a,code=sm_121a"]
-    assert cuda_backend.gencode_flags((9, 0)) == ["-gencode=arch=compute_90a,code=sm_90a"]
-    assert cuda_backend.gencode_flags((8, 6)) == ["-gencode=arch=compute_86,code=sm_86"]
-    assert cuda_backend.is_native((12, 1)) and not cuda_backend.is_native((9, 0))
-    assert cuda_backend.has_emulated((9, 0)) and not cuda_backend.has_emulated((12, 0))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -38,14 +30,14 @@ def _device():
 
 
 def _native():
-    return cuda_backend.is_native(torch.cuda.get_device_capability())
+    return build.is_native(torch.cuda.get_device_capability())
 
 
 @pytest.fixture(scope="module")
 def kernel():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    reason = cuda_backend.load()
+    reason = build.unavailable_reason()
     assert reason is None, reason
     return torch.ops.nvfp4_dit_cuda
 
@@ -68,7 +60,7 @@ def _run(q, k, v, **kw):
     kw.setdefault("kv_lens", None)
     kw.setdefault("return_lse", True)
     kw.setdefault("quantizer", "torch")   # the reference's own quantisation: the same bytes
-    out, lse, _ = cuda_backend.attention(q, k, v, **kw)
+    out, lse, _ = attention_cuda.attention(q, k, v, **kw)
     return out, lse
 
 
@@ -222,19 +214,19 @@ def test_correction_chunks_do_not_change_the_result(kernel):
     # slices of one full delta (strided views, no copy) must give the single launch's bits.
     q, k, v = _qkv(1, 1000, 2, 128, seed=5)
     qq = fmt.quantize_qkv(q, k, v)
-    full = fmt.qk_correction(qq)
+    full = fmt.correction(qq)
     nblk = qq.num_q_blocks
     outs = []
     for chunks in ([(0, nblk)], [(b0, min(nblk, b0 + 3)) for b0 in range(0, nblk, 3)]):
         out = torch.empty(1, 2, 1000, 128, dtype=torch.bfloat16, device="cuda")
         lse = torch.empty(1, 2, 1000, dtype=torch.float32, device="cuda")
-        cuda_backend.run_kernel(qq, [(b0, b1, full[:, :, b0:b1]) for b0, b1 in chunks], out, lse,
+        attention_cuda.run_kernel(qq, [(b0, b1, full[:, :, b0:b1]) for b0, b1 in chunks], out, lse,
                                 scale=128**-0.5, causal=True, kv_lens=None, native=_native())
         outs.append((out, lse))
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
     # The budgeted chunking of the pipeline itself agrees up to the correction matmul's rounding.
     out = torch.empty_like(outs[0][0])
-    cuda_backend.run_kernel(qq, cuda_backend.torch_corrections(qq, budget_bytes=2 * 1024 * 4 * 3), out, None,
+    attention_cuda.run_kernel(qq, quantize.iter_corrections(qq, budget=2 * 1024 * 4 * 3), out, None,
                             scale=128**-0.5, causal=True, kv_lens=None, native=_native())
     assert _cos(out, outs[0][0]) >= 0.99999
 
@@ -280,7 +272,7 @@ def test_long_sequences_sampled_rows(kernel, h, s):
     qq = fmt.quantize_qkv(q, k, v)
     out = torch.empty(1, s, h, 128, dtype=torch.bfloat16, device="cuda")
     lse = torch.empty(1, h, s, dtype=torch.float32, device="cuda")
-    cuda_backend.run_kernel(qq, cuda_backend.torch_corrections(qq), out.transpose(1, 2), lse,
+    attention_cuda.run_kernel(qq, quantize.iter_corrections(qq), out.transpose(1, 2), lse,
                             scale=128**-0.5, causal=False, kv_lens=None, native=_native())
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
     nblk = qq.num_q_blocks
@@ -313,12 +305,52 @@ def test_public_op_runs_the_kernel(kernel):
 
 
 @pytest.mark.cuda
-def test_fused_quantizer_path_matches_reference(kernel):
-    if cuda_backend._fused_quantizer() is None:
-        pytest.skip("nvfp4_dit.cuda_quantize not present")
+def test_cuda_quantizer_path_matches_reference(kernel):
     q, k, v = _qkv(2, 700, 4, 128, hkv=2, seed=13)
     lens = torch.tensor([700, 333], device="cuda")
     out, lse = _run(q, k, v, causal=True, kv_lens=lens, quantizer="cuda")
     ref, ref_lse = attention_reference(q, k, v, causal=True, kv_lens=lens, return_lse=True)
     assert _cos(out, ref) >= 0.9999
     assert (lse - ref_lse).abs().max().item() <= 2e-3
+
+
+# ---------------------------------------------------------------------------------------------
+# short key sequences (text cross-attention: 16-64 keys in one partial tile), with each quantiser
+# ---------------------------------------------------------------------------------------------
+
+def _short_keys(sk, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return tuple(torch.randn(2, s, 2, 64, device="cuda", generator=g).to(torch.bfloat16) for s in (320, sk, sk))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("sk", [16, 32, 48, 64, 100])
+@pytest.mark.parametrize("quantizer", ["cuda", "torch"])
+def test_short_keys_match_the_reference(kernel, sk, quantizer):
+    q, k, v = _short_keys(sk, sk)
+    out, lse = _run(q, k, v, quantizer=quantizer)
+    ref, ref_lse = attention_reference(q, k, v, return_lse=True)
+    assert _cos(out, ref) >= 0.9999
+    assert (lse - ref_lse).abs().max().item() <= 2e-3
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("sk", [16, 32, 48])
+def test_short_keys_quantizer_bytes_equal_format(kernel, sk):
+    q, k, v = _short_keys(sk, 100 + sk)
+    qq = quantize.quantize_qkv(q, k, v, layout="NHD")
+    want = fmt.quantize_qkv(q, k, v, layout="NHD", q_mean=qq.q_mean, k_mean_override=qq.k_mean)
+    for name in ("q_data", "q_sf", "k_data", "k_sf", "vt_data", "vt_sf"):
+        got, exp = getattr(qq, name), getattr(want, name)
+        assert got.shape == exp.shape, name
+        assert int((got != exp).sum()) == 0, name
+
+
+@pytest.mark.cuda
+def test_public_op_short_cross_attention_matches_reference(kernel):
+    import nvfp4_dit
+
+    q, k, v = _short_keys(32, 5)
+    out = nvfp4_dit.attention(q, k, v, backend="cuda")
+    ref = nvfp4_dit.attention(q, k, v, backend="reference")
+    assert _cos(out, ref) >= 0.9999

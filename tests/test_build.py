@@ -1,4 +1,5 @@
-"""The JIT build: architecture choice, cache keys, sources, errors, the ahead-of-time command."""
+"""The build module: architectures, the one C++ statement of them (csrc/common/config.h), cache
+keys, sources, errors, the ahead-of-time command."""
 
 import os
 import shutil
@@ -10,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from nvfp4_dit import jit
+from nvfp4_dit import build
+from nvfp4_dit import format as fmt
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -18,90 +20,125 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.mark.parametrize("cc, arch", [((12, 0), "sm_120a"), ((12, 1), "sm_121a"), ((9, 0), "sm_90a"),
                                       ((8, 0), "sm_80"), ((8, 6), "sm_80"), ((8, 9), "sm_80")])
 def test_arch_for_capability(cc, arch):
-    assert jit.arch_for_capability(*cc) == arch
+    assert build.arch_for_capability(*cc) == arch
 
 
 @pytest.mark.parametrize("cc", [(7, 5), (10, 0), (11, 0), (12, 2)])
 def test_unsupported_capability_is_a_clear_error(cc):
-    with pytest.raises(jit.ExtensionBuildError, match=f"{cc[0]}.{cc[1]}"):
-        jit.arch_for_capability(*cc)
+    with pytest.raises(build.ExtensionBuildError, match=f"{cc[0]}.{cc[1]}"):
+        build.arch_for_capability(*cc)
 
 
-def test_native_archs():
-    assert jit.is_native_arch("sm_120a") and jit.is_native_arch("sm_121a")
-    assert not jit.is_native_arch("sm_90a") and not jit.is_native_arch("sm_80")
+def test_mma_kinds():
+    assert build.is_native((12, 0)) and build.is_native((12, 1))
+    assert not build.is_native((9, 0)) and not build.is_native((8, 0))
+    assert build.mma_kind((9, 0)) == build.mma_kind((8, 6)) == "emulated"
+    assert build.mma_kind((7, 5)) is None and build.mma_kind((10, 0)) is None
+    assert all(build.ARCHS[build.arch_for_capability(*cc)] == "native" for cc in build.NATIVE_CAPABILITIES)
 
 
 def test_gencode_flags_name_the_arch_specific_target():
-    assert jit.gencode_flags("sm_120a") == ["-gencode=arch=compute_120a,code=sm_120a"]
-    assert jit.gencode_flags("sm_80") == ["-gencode=arch=compute_80,code=sm_80"]
+    assert build.gencode_flags("sm_120a") == ["-gencode=arch=compute_120a,code=sm_120a"]
+    assert build.gencode_flags("sm_80") == ["-gencode=arch=compute_80,code=sm_80"]
     with pytest.raises(ValueError, match="arch must be one of"):
-        jit.gencode_flags("sm_120")
+        build.gencode_flags("sm_120")
+
+
+CONFIG_PROGRAM = r"""
+#include "common/config.h"
+#include <cstdio>
+int main() {
+  for (int d : nvfp4_dit::kHeadDims) printf("head_dim %d\n", d);
+  for (int d = 0; d <= 200; ++d) printf("padded %d %lld\n", d, (long long)nvfp4_dit::padded_head_dim(d));
+  for (int c : nvfp4_dit::kNativeCapabilities) printf("native %d\n", c);
+  printf("emulated %d %d\n", nvfp4_dit::kEmulatedMinCapability, nvfp4_dit::kEmulatedMaxCapability);
+  return 0;
+}
+"""
+
+
+def test_config_header_agrees_with_python(tmp_path):
+    """csrc/common/config.h and the Python modules state the same head dims and architectures."""
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("nvcc not found")
+    src = tmp_path / "config.cu"
+    src.write_text(CONFIG_PROGRAM)
+    subprocess.run([nvcc, "-std=c++17", f"-I{build.csrc_dir()}", str(src), "-o", str(tmp_path / "config")],
+                   check=True, capture_output=True)
+    lines = [line.split() for line in subprocess.run([str(tmp_path / "config")], capture_output=True, text=True,
+                                                      check=True).stdout.splitlines()]
+    assert tuple(int(x[1]) for x in lines if x[0] == "head_dim") == fmt.SUPPORTED_HEAD_DIMS
+    for _, d, dp in (x for x in lines if x[0] == "padded"):
+        assert (fmt.padded_head_dim(int(d)) or 0) == int(dp), d
+    native = [int(x[1]) for x in lines if x[0] == "native"]
+    assert native == [10 * major + minor for major, minor in build.NATIVE_CAPABILITIES]
+    (_, lo, hi), = (x for x in lines if x[0] == "emulated")
+    assert (int(lo), int(hi)) == tuple(10 * major + minor for major, minor in build.EMULATED_CAPABILITIES)
 
 
 def test_arch_env_override(monkeypatch):
-    monkeypatch.setenv(jit.ARCH_ENV, "sm_121a")
-    assert jit.device_arch() == "sm_121a"
-    monkeypatch.setenv(jit.ARCH_ENV, "sm_75")
+    monkeypatch.setenv(build.ARCH_ENV, "sm_121a")
+    assert build.device_arch() == "sm_121a"
+    monkeypatch.setenv(build.ARCH_ENV, "sm_75")
     with pytest.raises(ValueError):
-        jit.device_arch()
+        build.device_arch()
 
 
-def test_sources_are_every_top_level_tu():
-    root = jit.csrc_dir()
+def test_sources_exist_and_cover_every_translation_unit():
+    root = build.csrc_dir()
     assert root == REPO / "csrc"
-    names = [p.name for p in jit.translation_units(root)]
-    expected = sorted(p.name for p in root.iterdir() if p.suffix in (".cu", ".cpp"))
-    assert names == expected
-    assert "binding.cpp" in names and "quantize.cu" in names and "quantize_correction.cu" in names
+    assert all((root / s).is_file() for s in build.SOURCES)
+    on_disk = sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.suffix in (".cu", ".cpp"))
+    assert sorted(build.SOURCES) == on_disk, "a translation unit is missing from build.SOURCES"
 
 
 def test_source_hash_tracks_sources_and_arch(tmp_path):
     root = tmp_path / "csrc"
-    shutil.copytree(jit.csrc_dir(), root)
-    base = jit.source_hash("sm_90a", root)
-    assert base == jit.source_hash("sm_90a", root)
-    assert base != jit.source_hash("sm_120a", root)
-    header = root / "quantize.cuh"
+    shutil.copytree(build.csrc_dir(), root)
+    base = build.source_hash("sm_90a", root)
+    assert base == build.source_hash("sm_90a", root)
+    assert base != build.source_hash("sm_120a", root)
+    header = root / "quantize" / "quantize.cuh"
     header.write_text(header.read_text() + "\n// changed\n")
-    assert jit.source_hash("sm_90a", root) != base
+    assert build.source_hash("sm_90a", root) != base
     (root / "nested").mkdir()
     (root / "nested" / "extra.cuh").write_text("// a header in a subfolder counts too\n")
-    assert jit.source_hash("sm_90a", root) not in (base,)
+    assert build.source_hash("sm_90a", root) not in (base,)
 
 
 def test_cache_root_env_override(monkeypatch, tmp_path):
-    monkeypatch.setenv(jit.CACHE_ENV, str(tmp_path / "c"))
-    assert jit.cache_root() == tmp_path / "c"
-    monkeypatch.delenv(jit.CACHE_ENV)
-    assert jit.cache_root() == Path.home() / ".cache" / "nvfp4_dit"
+    monkeypatch.setenv(build.CACHE_ENV, str(tmp_path / "c"))
+    assert build.cache_root() == tmp_path / "c"
+    monkeypatch.delenv(build.CACHE_ENV)
+    assert build.cache_root() == Path.home() / ".cache" / "nvfp4_dit"
 
 
 def test_missing_nvcc_is_a_clear_error(monkeypatch):
-    monkeypatch.setattr(jit, "cuda_home", lambda: None)
-    monkeypatch.setattr(jit.shutil, "which", lambda name: None)
-    with pytest.raises(jit.ExtensionBuildError, match="nvcc .*not found"):
-        jit.nvcc_path()
+    monkeypatch.setattr(build, "cuda_home", lambda: None)
+    monkeypatch.setattr(build.shutil, "which", lambda name: None)
+    with pytest.raises(build.ExtensionBuildError, match="nvcc .*not found"):
+        build.nvcc_path()
 
 
 def test_missing_nvcc_stops_the_build_before_compiling(monkeypatch, tmp_path):
-    monkeypatch.setenv(jit.CACHE_ENV, str(tmp_path))
-    monkeypatch.setattr(jit, "cuda_home", lambda: None)
-    monkeypatch.setattr(jit.shutil, "which", lambda name: None)
-    monkeypatch.setattr(jit, "_nvcc_version_memo", None)
-    monkeypatch.setattr(jit, "_loaded", {})
-    with pytest.raises(jit.ExtensionBuildError, match="nvcc"):
-        jit.build_extension("sm_80")
+    monkeypatch.setenv(build.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(build, "cuda_home", lambda: None)
+    monkeypatch.setattr(build.shutil, "which", lambda name: None)
+    monkeypatch.setattr(build, "_nvcc_version_memo", None)
+    monkeypatch.setattr(build, "_built", {})
+    with pytest.raises(build.ExtensionBuildError, match="nvcc"):
+        build.build_extension("sm_80")
 
 
 @pytest.mark.slow
 def test_ahead_of_time_build_and_cache_hit(tmp_path):
-    """`python -m nvfp4_dit.jit --arch sm_90a` builds the whole library; a second run reuses it."""
+    """`python -m nvfp4_dit.build --arch sm_90a` builds the whole library; a second run reuses it."""
     if shutil.which("nvcc") is None:
         pytest.skip("nvcc not found")
-    env = dict(os.environ, **{jit.CACHE_ENV: str(tmp_path)})
+    env = dict(os.environ, **{build.CACHE_ENV: str(tmp_path)})
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    cmd = [sys.executable, "-m", "nvfp4_dit.jit", "--arch", "sm_90a"]
+    cmd = [sys.executable, "-m", "nvfp4_dit.build", "--arch", "sm_90a"]
     first = subprocess.run(cmd, capture_output=True, text=True, env=env)
     assert first.returncode == 0, first.stderr[-4000:]
     lib = Path(first.stdout.strip().split(": ", 1)[1])
@@ -121,10 +158,10 @@ def test_ahead_of_time_build_and_cache_hit(tmp_path):
 
 @pytest.mark.cuda
 def test_load_extension_on_the_device():
-    ops = jit.load_extension()
-    assert hasattr(ops, "quantize_qkv") and hasattr(ops, "qk_correction")
-    assert jit.load_extension() is ops  # loaded once per process
+    ops = build.load_extension()
+    assert hasattr(ops, "quantize_qkv") and hasattr(ops, "correction") and hasattr(ops, "attention_fwd")
+    assert build.load_extension() is ops  # loaded once per process
     major, minor = torch.cuda.get_device_capability()
-    other = "sm_80" if jit.arch_for_capability(major, minor) != "sm_80" else "sm_90a"
-    with pytest.raises(jit.ExtensionBuildError, match="already loaded"):
-        jit.load_extension(other)
+    other = "sm_80" if build.arch_for_capability(major, minor) != "sm_80" else "sm_90a"
+    with pytest.raises(build.ExtensionBuildError, match="already loaded"):
+        build.load_extension(other)

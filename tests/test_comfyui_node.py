@@ -26,7 +26,8 @@ import torch.nn.functional as F
 
 import nvfp4_dit
 from nvfp4_dit.comfyui_node import attention_override as ao
-from nvfp4_dit.comfyui_node.attention_override import AttentionPolicy, NVFP4AttentionOverride, patch_model
+from nvfp4_dit.comfyui_node.attention_override import NVFP4AttentionOverride, patch_model
+from nvfp4_dit.policy import AttentionPolicy
 from nvfp4_dit.comfyui_node.install import SHIM_FILE_NAME, SHIM_SOURCE, install_shim, main as install_main
 
 try:
@@ -41,7 +42,7 @@ WORKFLOWS = REPO_ROOT / "examples" / "workflows"
 OVERRIDE_KEY = "optimized_attention_override"
 
 # Lets every call through: no length, cross-attention or step gating.
-OPEN = dict(cross_attention_dense=False, min_seq_len=0)
+OPEN = dict(cross_attention=True, dense_steps=(0, 0), min_seq_len=0)
 
 
 class RecordingFunc:
@@ -156,7 +157,9 @@ def _padding_masks():
     shared[:, 35:] = -math.inf
     interior = torch.ones(2, 1, 1, 40, dtype=torch.bool)
     interior[:, ..., 5:9] = False  # not a suffix: fine for the reference and sdpa back-ends
-    return {"bool": bool_mask, "additive_3d": additive, "shared_2d": shared, "interior": interior}
+    constant = torch.full((2, 1, 1, 40), -0.5)  # the same bias on every key: softmax ignores it
+    return {"bool": bool_mask, "additive_3d": additive, "shared_2d": shared, "interior": interior,
+            "constant": constant}
 
 
 @pytest.mark.parametrize("name", list(_padding_masks()))
@@ -175,7 +178,7 @@ def _unexpressible_masks():
     per_query[:, :, :20, 30:] = -math.inf
     per_head = torch.ones(2, 2, 1, 40, dtype=torch.bool)
     per_head[:, 1, :, 30:] = False
-    bias = torch.full((2, 1, 1, 40), -0.5)
+    bias = torch.linspace(-0.5, 0.0, 40).expand(2, 1, 1, 40)  # a genuine per-key bias
     nothing_left = torch.ones(2, 1, 1, 40, dtype=torch.bool)
     nothing_left[1] = False
     wrong_keys = torch.zeros(2, 1, 1, 12)
@@ -189,7 +192,7 @@ def test_masks_it_cannot_express_go_to_comfyuis_function(gen, name, caplog):
     q, k, v = qkv(gen, False)
     func = RecordingFunc()
     override = NVFP4AttentionOverride(AttentionPolicy(backend="sdpa", **OPEN))
-    ao._warned.clear()
+    nvfp4_dit.reset_fallback_warnings()
     with caplog.at_level(logging.WARNING, logger="nvfp4_dit.comfyui"):
         for _ in range(3):
             assert override(func, q, k, v, 2, mask=mask, transformer_options={}) == "from-func"
@@ -236,12 +239,13 @@ def test_declined_calls_go_to_the_previous_override_not_func(gen):
     assert len(previous_calls) == 1
 
 
-@pytest.mark.parametrize("kwargs, accepted", [
-    (dict(min_seq_len=41), False), (dict(min_seq_len=40), True),
-    (dict(cross_attention_dense=True), True),
+@pytest.mark.parametrize("kwargs, lk, accepted", [
+    (dict(min_seq_len=41), 40, False), (dict(min_seq_len=40), 40, True),
+    (dict(cross_attention=False), 40, True),
+    (dict(min_seq_len=25), 24, False), (dict(min_seq_len=24), 24, True),
 ])
-def test_min_seq_len_counts_query_tokens(gen, kwargs, accepted):
-    q, k, v = qkv(gen, False)
+def test_min_seq_len_counts_the_shorter_sequence(gen, kwargs, lk, accepted):
+    q, k, v = qkv(gen, False, lk=lk)
     func = RecordingFunc()
     policy = AttentionPolicy(backend="sdpa", **{**OPEN, **kwargs})
     NVFP4AttentionOverride(policy)(func, q, k, v, 2)
@@ -252,7 +256,7 @@ def test_cross_attention_dense(gen):
     q, k, v = qkv(gen, False, lk=24)
     for dense, expect_func in ((True, 1), (False, 0)):
         func = RecordingFunc()
-        NVFP4AttentionOverride(AttentionPolicy(backend="sdpa", min_seq_len=0, cross_attention_dense=dense))(
+        NVFP4AttentionOverride(AttentionPolicy(backend="sdpa", min_seq_len=0, cross_attention=not dense))(
             func, q, k, v, 2)
         assert len(func.calls) == expect_func
 
@@ -276,7 +280,7 @@ def test_sampling_step_from_the_schedule():
 def test_dense_first_and_last_steps(gen, first, last, dense_steps):
     q, k, v = qkv(gen, False)
     schedule = torch.tensor([14.6, 6.0, 2.5, 0.9, 0.0])
-    policy = AttentionPolicy(backend="sdpa", dense_first_steps=first, dense_last_steps=last, **OPEN)
+    policy = AttentionPolicy(backend="sdpa", **{**OPEN, "dense_steps": (first, last)})
     declined = []
     for i, sigma in enumerate(schedule[:-1]):
         func = RecordingFunc()
@@ -312,7 +316,7 @@ def test_an_unavailable_explicit_backend_falls_back(gen, caplog):
     q, k, v = qkv(gen, False)  # CPU tensors: backend "cuda" cannot run them
     func = RecordingFunc()
     override = NVFP4AttentionOverride(AttentionPolicy(backend="cuda", **OPEN))
-    ao._warned.clear()
+    nvfp4_dit.reset_fallback_warnings()
     with caplog.at_level(logging.WARNING, logger="nvfp4_dit.comfyui"):
         assert override(func, q, k, v, 2) == "from-func"
         assert override(func, q, k, v, 2) == "from-func"
@@ -327,8 +331,8 @@ def test_auto_keeps_comfyuis_attention_without_native_fp4(gen):
     assert NVFP4AttentionOverride(AttentionPolicy(backend="auto", **OPEN))(func, q, k, v, 2) == "from-func"
 
 
-@pytest.mark.parametrize("field, value", [("backend", "fp4"), ("dense_first_steps", -1), ("min_seq_len", 1.5),
-                                          ("dense_last_steps", True)])
+@pytest.mark.parametrize("field, value", [("backend", "fp4"), ("dense_steps", (-1, 0)), ("min_seq_len", 1.5),
+                                          ("dense_steps", (True, 0))])
 def test_policy_rejects_bad_values(field, value):
     with pytest.raises(ValueError, match=field):
         AttentionPolicy(**{field: value})
@@ -597,7 +601,7 @@ def test_node_schema_and_disabled_passthrough(comfyui, tiny_cases):
     inputs = node.INPUT_TYPES()["required"]
     assert list(inputs) == ["model", "enabled", "backend", "cross_attention_dense", "dense_first_steps",
                             "dense_last_steps", "min_seq_len"]
-    assert inputs["backend"][0] == list(ao.BACKENDS) or inputs["backend"][1]["options"] == list(ao.BACKENDS)
+    assert inputs["backend"][0] == list(nvfp4_dit.BACKENDS) or inputs["backend"][1]["options"] == list(nvfp4_dit.BACKENDS)
     assert all(spec[1].get("tooltip") for name, spec in inputs.items() if name != "model")
     patcher = tiny_cases["wan"].patcher
     assert _patch_with_node(comfyui, patcher, enabled=False) is patcher
@@ -801,7 +805,7 @@ def test_inputs_the_op_rejects_are_declined(gen, caplog):
     q, k, v = qkv(gen, False)
     func = RecordingFunc()
     override = NVFP4AttentionOverride(AttentionPolicy(backend="sdpa", **OPEN))
-    ao._warned.clear()
+    nvfp4_dit.reset_fallback_warnings()
     with caplog.at_level(logging.WARNING, logger="nvfp4_dit.comfyui"):
         # A negative softmax scale passes ComfyUI's back-ends; nvfp4_dit.attention rejects it (ValueError).
         assert override(func, q, k, v, 2, scale=-0.5) == "from-func"
@@ -814,9 +818,9 @@ def test_inputs_the_op_rejects_are_declined(gen, caplog):
 @pytest.mark.parametrize("skip_reshape", [False, True])
 @pytest.mark.parametrize("lk", [300, 77])
 def test_override_runs_the_kernel_on_gpu(skip_reshape, lk):
-    from nvfp4_dit import cuda_backend
+    from nvfp4_dit import build
 
-    reason = cuda_backend.load()
+    reason = build.unavailable_reason()
     assert reason is None, reason
     gen = torch.Generator(device="cuda").manual_seed(0)
     shape_q = (2, 2, 300, 128) if skip_reshape else (2, 300, 256)
@@ -841,7 +845,7 @@ def test_override_runs_the_kernel_on_gpu(skip_reshape, lk):
     # "auto" runs the kernel only where the FP4 MMA is native; elsewhere ComfyUI's function.
     auto = NVFP4AttentionOverride(AttentionPolicy(backend="auto", **OPEN))
     result = auto(func, q, k, v, 2, mask=mask, skip_reshape=skip_reshape, skip_output_reshape=skip_reshape)
-    if cuda_backend.is_native(torch.cuda.get_device_capability()):
+    if build.is_native(torch.cuda.get_device_capability()):
         assert torch.equal(result, out) and func.calls == []
     else:
         assert result == "from-func"

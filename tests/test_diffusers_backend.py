@@ -336,7 +336,7 @@ def test_direct_sdpa_redirect_passes_other_functions_through():
     from nvfp4_dit.processors.diffusers_processors import _SDPARedirect
 
     q, k, v = (t.transpose(1, 2) for t in _qkv())
-    with _SDPARedirect(routing.RouteSettings(backend="sdpa", min_seq_len=0)):
+    with _SDPARedirect(nvfp4_dit.AttentionPolicy(backend="sdpa", min_seq_len=0)):
         x = torch.ones(3) + 1
         out = F.scaled_dot_product_attention(q, k, v)
     assert torch.equal(x, torch.full((3,), 2.0))

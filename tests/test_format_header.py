@@ -1,4 +1,4 @@
-"""csrc/nvfp4_format.cuh agrees with nvfp4_dit/format.py bit for bit (software paths, on the host).
+"""csrc/common/format.cuh agrees with nvfp4_dit/format.py bit for bit (software paths, on the host).
 
 The header's software conversions are __host__ __device__; the sm_80/sm_90 kernels run the same
 code on the device.  nvcc compiles a tiny host program that converts a dense set of floats,
@@ -18,7 +18,7 @@ from nvfp4_dit import format as fmt
 CSRC = Path(__file__).resolve().parents[1] / "csrc"
 
 PROGRAM = r"""
-#include "nvfp4_format.cuh"
+#include "common/format.cuh"
 #include <cstdio>
 #include <vector>
 int main(int argc, char** argv) {
@@ -29,14 +29,14 @@ int main(int argc, char** argv) {
   fclose(f);
   FILE* o = fopen(argv[2], "wb");
   for (float a : x) {
-    unsigned char e2 = (unsigned char)nvfp4::float_to_e2m1_sw(a);
-    unsigned char e4 = (unsigned char)nvfp4::float_to_e4m3_sw(a);
-    float d4 = nvfp4::e4m3_to_float(e4);
-    float d2 = nvfp4::e2m1_to_float(e2);
+    unsigned char e2 = (unsigned char)nvfp4_dit::float_to_e2m1_sw(a);
+    unsigned char e4 = (unsigned char)nvfp4_dit::float_to_e4m3_sw(a);
+    float d4 = nvfp4_dit::e4m3_to_float(e4);
+    float d2 = nvfp4_dit::e2m1_to_float(e2);
     uint32_t sb;
-    float sv = nvfp4::block_scale_value(fabsf(a), &sb);
-    float q = nvfp4::scale_for_e2m1(a, sv);
-    unsigned char qb = (unsigned char)nvfp4::float_to_e2m1_sw(q);
+    float sv = nvfp4_dit::block_scale_value(fabsf(a), &sb);
+    float q = nvfp4_dit::scale_for_e2m1(a, sv);
+    unsigned char qb = (unsigned char)nvfp4_dit::float_to_e2m1_sw(q);
     unsigned char sbb = (unsigned char)sb;
     fwrite(&e2, 1, 1, o); fwrite(&e4, 1, 1, o); fwrite(&d4, 4, 1, o); fwrite(&d2, 4, 1, o);
     fwrite(&sbb, 1, 1, o); fwrite(&qb, 1, 1, o);

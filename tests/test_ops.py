@@ -93,12 +93,24 @@ def test_reference_backend_is_the_reference(gen):
 def test_reference_rejects_general_masks(gen):
     q, k, v = _qkv(gen)
     mask = torch.ones(2, 4, 192, 160, dtype=torch.bool)
+    mask[:, :, :100, 150:] = False  # differs between queries: no per-key form
     with pytest.raises(BackendUnavailableError, match="per-key"):
         nvfp4_dit.attention(q, k, v, attn_mask=mask, backend="reference")
     # auto runs it exactly instead.
     with pytest.warns(FallbackWarning, match="per-key"):
         out = nvfp4_dit.attention(q, k, v, attn_mask=mask)
-    assert torch.allclose(out.double(), attention_exact(q, k, v)[0], atol=1e-5)
+    qh, kh, vh = (t.transpose(1, 2).double() for t in (q, k, v))
+    want = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=True)
+    assert torch.allclose(out.double(), want.transpose(1, 2), atol=1e-5)
+
+
+def test_a_full_size_mask_that_is_the_same_for_every_query_is_a_key_mask(gen):
+    q, k, v = _qkv(gen)
+    mask = torch.ones(2, 4, 192, 160, dtype=torch.bool)
+    mask[1, :, :, 120:] = False
+    out = nvfp4_dit.attention(q, k, v, attn_mask=mask, backend="reference")
+    lens = torch.tensor([160, 120])
+    assert torch.equal(out, nvfp4_dit.attention(q, k, v, kv_lens=lens, backend="reference"))
 
 
 def test_head_dim_above_128_falls_back(gen):

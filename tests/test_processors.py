@@ -324,13 +324,13 @@ def test_dense_steps_from_pipeline_scheduler(spy):
     pipe = _tiny_pipeline(case)
     steps_seen = []
     with apply(pipe, backend="reference", min_seq_len=0, dense_steps=(1, 2)) as h:
-        orig = h.policy.begin_forward
+        orig = h.steps.begin_forward
 
         def record(t=None):
             orig(t)
-            steps_seen.append((h.policy.current_step, h.policy.step_dense))
+            steps_seen.append((h.steps.current_step, h.policy.step_is_dense(h.steps.current_step)))
 
-        h.policy.begin_forward = record
+        h.steps.begin_forward = record
         pipe(case.inputs, num_inference_steps=5)
     assert [s for s, _ in steps_seen] == [(i, 5) for i in range(5)]
     assert [d for _, d in steps_seen] == [True, False, False, True, True]
@@ -344,7 +344,7 @@ def test_dense_steps_from_callback(spy):
     with apply(case.model, backend="reference", min_seq_len=0, dense_steps=(2, 1)) as h:
         h.set_step(0, 5)
         pipe(case.inputs, num_inference_steps=5, callback_on_step_end=h.callback_on_step_end)
-        assert h.policy._explicit is None  # cleared after the last step: the next run starts clean
+        assert h.steps._explicit is None  # cleared after the last step: the next run starts clean
     assert _fp4_steps(spy, 2) == 2  # steps 2 and 3
 
 
@@ -360,7 +360,7 @@ def test_dense_steps_explicit_set_step_and_timesteps(spy):
     with apply(case.model, backend="reference", min_seq_len=0, dense_steps=(1, 1), timesteps=schedule) as h:
         for t in schedule:
             case.model(**{**case.inputs, "timestep": torch.tensor([t])}, return_dict=False)
-        assert h.policy.current_step == (3, 4)
+        assert h.steps.current_step == (3, 4)
     assert _fp4_steps(spy, 2) == 2
 
 
@@ -384,7 +384,7 @@ def test_pipeline_covers_every_transformer(spy):
 
     a, b, c = build("wan", head_dim=64), build("wan", head_dim=64, seed=1), build("cosmos", head_dim=64)
     pipe = TwoExpertPipeline(a.model, b.model, c.model, FlowMatchEulerDiscreteScheduler())
-    with apply(pipe, backend="reference", min_seq_len=0) as h:
+    with apply(pipe, backend="reference", min_seq_len=0, dense_steps=(0, 0)) as h:
         assert {n.split(".")[0] for n in h.processors} == {"transformer", "transformer_2", "controlnet"}
         for case in (a, b, c):
             case.run()
@@ -425,12 +425,12 @@ def test_no_tensors_held_after_a_step(monkeypatch):
         return out
 
     monkeypatch.setattr(routing.nvfp4_dit, "attention", tracking)
-    with apply(pipe, backend="reference", min_seq_len=0, cross_attention=True) as h:
+    with apply(pipe, backend="reference", min_seq_len=0, cross_attention=True, dense_steps=(0, 0)) as h:
         latents = pipe(case.inputs, num_inference_steps=2)
         del latents
         gc.collect()
         assert refs and all(r() is None for r in refs), "an attention tensor outlived its step"
-        roots = [h.policy, *h.processors.values(), routing._STATE]
+        roots = [h.policy, h.steps, *h.processors.values(), routing._STATE]
         held = _tensors_reachable(roots, (torch.nn.Module, DiffusionPipeline, SchedulerMixin))
         assert held == [], [tuple(t.shape) for t in held]
 

@@ -1,11 +1,11 @@
-"""The fused CUDA quantize kernel against nvfp4_dit.format, and the chunked correction.
+"""The CUDA quantize kernels (nvfp4_dit.quantize) against nvfp4_dit.format, and the chunked correction.
 
 Bytes and scales must equal format.quantize_qkv exactly. The means are reductions whose
 summation order differs, so they are compared with a tolerance, and the exact comparison feeds the
 kernel's own means into format.quantize_qkv (its q_mean / k_mean_override arguments).
 
-CPU tests: the kernel's fast per-element arithmetic (csrc/quantize_math.cuh) equals the reference
-formulation exhaustively on the host; the streaming kernel's ticket order (csrc/quantize_schedule.cuh)
+CPU tests: the kernel's fast per-element arithmetic (csrc/quantize/quantize_math.cuh) equals the reference
+formulation exhaustively on the host; the streaming kernel's ticket order (csrc/quantize/quantize_schedule.cuh)
 holds every work item once and after what it waits for; the correction chunking obeys its budget.
 """
 
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nvfp4_dit import cuda_quantize as cq
+from nvfp4_dit import quantize as cq
 from nvfp4_dit import format as fmt
 
 CSRC = Path(__file__).resolve().parents[1] / "csrc"
@@ -40,7 +40,7 @@ def _compile_host_program(tmp_path, name: str, source: str) -> Path:
 # ---------------------------------------------------------------------------------------------
 
 HOST_PROGRAM = r"""
-#include "quantize_math.cuh"
+#include "quantize/quantize_math.cuh"
 #include <cmath>
 #include <cstdio>
 int main() {
@@ -48,8 +48,8 @@ int main() {
   // Every fp32 quotient in [0, 7) through the three-rounding encoder, and the clamped values
   // (min(q, 6)) of the saturating path.
   for (uint32_t u = 0; u < 0x40E00000u; ++u) {
-    const float a = nvfp4::bits_float(u);
-    if ((nvfp4::float_to_e2m1_sw(a) & 7u) != nvfp4_dit::e2m1_code_biased(a) - nvfp4_dit::kBiasedCodeBits) ++bad_enc;
+    const float a = nvfp4_dit::bits_float(u);
+    if ((nvfp4_dit::float_to_e2m1_sw(a) & 7u) != nvfp4_dit::e2m1_code_biased(a) - nvfp4_dit::kBiasedCodeBits) ++bad_enc;
   }
   const float big[] = {7.0f, 8.5f, 100.0f, 3.0e38f, INFINITY};
   for (float a : big)
@@ -58,23 +58,23 @@ int main() {
   const float th[7] = {0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0f};
   uint32_t s = 12345u;
   for (uint32_t b = 1; b < 0x7F; ++b) {
-    const float sf = nvfp4::e4m3_to_float(b), rcp = 1.0f / sf;
+    const float sf = nvfp4_dit::e4m3_to_float(b), rcp = 1.0f / sf;
     for (int t = 0; t < 7; ++t) {
-      const int64_t center = nvfp4::float_bits(th[t] * sf);
+      const int64_t center = nvfp4_dit::float_bits(th[t] * sf);
       for (int64_t d = -40000; d <= 40000; ++d) {
-        const float a = nvfp4::bits_float(uint32_t(center + d));
+        const float a = nvfp4_dit::bits_float(uint32_t(center + d));
         ++n_div;
-        if (nvfp4::float_bits(a / sf) != nvfp4::float_bits(nvfp4_dit::divide_by_scale(a, sf, rcp))) ++bad_div;
+        if (nvfp4_dit::float_bits(a / sf) != nvfp4_dit::float_bits(nvfp4_dit::divide_by_scale(a, sf, rcp))) ++bad_div;
       }
     }
     for (int i = 0; i < 200000; ++i) {
       s = s * 1664525u + 1013904223u;
-      const float a = nvfp4::bits_float(s & 0x7FFFFFFFu);
+      const float a = nvfp4_dit::bits_float(s & 0x7FFFFFFFu);
       const float q = a / sf;
       // Finite quotients above the underflow range (below it both encode to 0).
       if (!std::isfinite(a) || !std::isfinite(q) || q < 1e-30f) continue;
       ++n_div;
-      if (nvfp4::float_bits(q) != nvfp4::float_bits(nvfp4_dit::divide_by_scale(a, sf, rcp))) ++bad_div;
+      if (nvfp4_dit::float_bits(q) != nvfp4_dit::float_bits(nvfp4_dit::divide_by_scale(a, sf, rcp))) ++bad_div;
     }
   }
   // The two-instruction quotient of raw 16-bit inputs (divide_raw16_by_scale): every bf16 and
@@ -84,10 +84,10 @@ int main() {
     for (uint32_t u = 0; u < 0x8000u; ++u) {
       __half_raw raw;
       raw.x = static_cast<unsigned short>(u);
-      const float a = fp16 ? __half2float(__half(raw)) : nvfp4::bits_float(u << 16);
+      const float a = fp16 ? __half2float(__half(raw)) : nvfp4_dit::bits_float(u << 16);
       if (!std::isfinite(a)) continue;
       for (uint32_t b = nvfp4_dit::kLastCoarseScaleByte + 1; b < 0x7F; ++b) {
-        const float sf = nvfp4::e4m3_to_float(b), rcp = 1.0f / sf;
+        const float sf = nvfp4_dit::e4m3_to_float(b), rcp = 1.0f / sf;
         if (!(a / sf < 7.0f)) continue;
         ++n_raw16;
         const float rcp_lo = nvfp4_dit::reciprocal_low_part(sf, rcp);
@@ -100,14 +100,14 @@ int main() {
   // The scale division by 6 through its e4m3 encoding (below).
   // ... and the fast path's premise: every amax it takes (scale byte above
   // kLastCoarseScaleByte) gives quotients amax / sf below 7; the coarse bytes do not.
-  const uint32_t top = nvfp4::float_bits(nvfp4_dit::kUnsaturatedAmax);
+  const uint32_t top = nvfp4_dit::float_bits(nvfp4_dit::kUnsaturatedAmax);
   long bad_bound = 0, coarse_over7 = 0;
   for (uint32_t u = 0; u <= top; ++u) {
-    const float a = nvfp4::bits_float(u);
-    const uint32_t sf_bits = nvfp4::float_to_e4m3_sw(nvfp4_dit::amax_over_6(a));
-    if (nvfp4::float_to_e4m3_sw(a / 6.0f) != sf_bits) ++bad_div;
+    const float a = nvfp4_dit::bits_float(u);
+    const uint32_t sf_bits = nvfp4_dit::float_to_e4m3_sw(nvfp4_dit::amax_over_6(a));
+    if (nvfp4_dit::float_to_e4m3_sw(a / 6.0f) != sf_bits) ++bad_div;
     if (sf_bits == 0) continue;
-    const bool over7 = !(a / nvfp4::e4m3_to_float(sf_bits) < 7.0f);
+    const bool over7 = !(a / nvfp4_dit::e4m3_to_float(sf_bits) < 7.0f);
     if (sf_bits > nvfp4_dit::kLastCoarseScaleByte) bad_bound += over7;
     else coarse_over7 += over7;
   }
@@ -120,9 +120,9 @@ int main() {
     for (int e = 0; e < 8; ++e) {
       s = s * 1664525u + 1013904223u;
       const uint32_t kind = s >> 29;
-      v[e] = kind == 0 ? -0.0f : kind == 1 ? 0.0f : kind == 2 ? -1e-30f : nvfp4::bits_float(s & 0xC0FFFFFFu);
+      v[e] = kind == 0 ? -0.0f : kind == 1 ? 0.0f : kind == 2 ? -1e-30f : nvfp4_dit::bits_float(s & 0xC0FFFFFFu);
       code[e] = nvfp4_dit::e2m1_code_biased(fminf(fabsf(v[e]), 6.0f));
-      want |= nvfp4::float_to_e2m1_sw(v[e]) << (4 * e);
+      want |= nvfp4_dit::float_to_e2m1_sw(v[e]) << (4 * e);
     }
     if (nvfp4_dit::pack8_biased_codes_signs(code, v) != want) ++bad_pack;
   }
@@ -152,7 +152,7 @@ def test_fast_element_math_equals_reference_on_host(tmp_path):
 # for GQA, the unit a divisor of B * Hkv whose runs fill the pipeline depth where one can.
 # Arguments: batch heads_q heads_kv seq_q seq_k depth. Prints "ok" or the first violation.
 SCHEDULE_PROGRAM = r"""
-#include "quantize_schedule.cuh"
+#include "quantize/quantize_schedule.cuh"
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
@@ -321,7 +321,7 @@ def _run_case(b, h, hkv, sq, sk, d, layout, dtype, kv_lens=None, seed=0):
     k = _make((b, hkv, sk, d), layout, dtype, gen, block_structure=False)
     v = _make((b, hkv, sk, d), layout, dtype, gen, block_structure=False)
     lens = None if kv_lens is None else torch.tensor(kv_lens, device="cuda", dtype=torch.int32)
-    qq = cq.quantize_qkv_cuda(q, k, v, layout=layout, kv_lens=lens)
+    qq = cq.quantize_qkv(q, k, v, layout=layout, kv_lens=lens)
     ref = _assert_matches_format(qq, q, k, v, layout, lens)
     return qq, ref, (q, k, v, lens)
 
@@ -351,10 +351,10 @@ def test_bytes_equal_format_4096(kernel_choice, layout, dtype, d):
 ])
 def test_bytes_equal_format_ragged(kernel_choice, b, h, hkv, sq, sk, d, layout, dtype, kv_lens):
     qq, ref, (q, k, v, lens) = _run_case(b, h, hkv, sq, sk, d, layout, dtype, kv_lens=kv_lens, seed=1)
-    # The chunked correction equals format.qk_correction (same means) up to summation order.
-    want = fmt.qk_correction(ref)
-    got = cq.qk_correction_cuda(qq)
-    bound = fmt.qk_correction(_abs_copy(ref)) * 1e-5 + 1e-6
+    # The chunked correction equals format.correction (same means) up to summation order.
+    want = fmt.correction(ref)
+    got = cq.correction(qq)
+    bound = fmt.correction(_abs_copy(ref)) * 1e-5 + 1e-6
     assert got.shape == want.shape and torch.all((got - want).abs() <= bound)
 
 
@@ -369,14 +369,14 @@ def test_bytes_equal_format_on_the_coarsest_scales(d, dtype):
     # Per-row magnitudes from 1e-4 to 0.1: amax / 6 spans the subnormal e4m3 scales.
     mag = torch.logspace(-4, -1, s, device="cuda")[None, None, :, None]
     q, k, v = ((torch.randn(b, h, s, d, device="cuda", generator=gen) * mag).to(dtype) for _ in range(3))
-    qq = cq.quantize_qkv_cuda(q, k, v, layout="HND")
+    qq = cq.quantize_qkv(q, k, v, layout="HND")
     sf = qq.q_sf[..., : (d + 15) // 16]
     assert ((sf == 1) | (sf == 2)).any(), "the data misses the coarse scales"
     _assert_matches_format(qq, q, k, v, "HND", None)
 
 
 def _abs_copy(ref):
-    """ref with |q_mean| and |k_smoothed|: qk_correction of it bounds the summation error."""
+    """ref with |q_mean| and |k_smoothed|: correction of it bounds the summation error."""
     import dataclasses
 
     return dataclasses.replace(ref, q_mean=ref.q_mean.abs(), k_smoothed=ref.k_smoothed.abs())
@@ -400,7 +400,7 @@ def test_non_unit_strides_and_specials(kernel_choice):
     v[1, 33, 0, 7] = float("nan")
     v[0, 64, 1, :] = 1e4  # saturates the 448 scale: codes clamp to 6
     k[1, 100, 0, 20] = 3e38
-    qq = cq.quantize_qkv_cuda(q, k, v, layout="NHD")
+    qq = cq.quantize_qkv(q, k, v, layout="NHD")
     ref = fmt.quantize_qkv(q, k, v, layout="NHD", q_mean=qq.q_mean, k_mean_override=qq.k_mean)
     for name in BYTE_FIELDS:
         diff = (getattr(qq, name) != getattr(ref, name)).sum().item()
@@ -408,7 +408,7 @@ def test_non_unit_strides_and_specials(kernel_choice):
     # The same data as contiguous tensors takes the vector-load path, whose means may differ in the
     # last bit (another summation order): bytes equal format.py's with its own means.
     qc, kc, vc = q.contiguous(), k.contiguous(), v.contiguous()
-    qq2 = cq.quantize_qkv_cuda(qc, kc, vc, layout="NHD")
+    qq2 = cq.quantize_qkv(qc, kc, vc, layout="NHD")
     ref2 = fmt.quantize_qkv(qc, kc, vc, layout="NHD", q_mean=qq2.q_mean, k_mean_override=qq2.k_mean)
     for name in BYTE_FIELDS:
         assert torch.equal(getattr(qq2, name), getattr(ref2, name)), name
@@ -447,10 +447,10 @@ def test_kernel_choice_errors(monkeypatch):
     q = _make((1, 2, 256, 64), "NHD", torch.float32, gen)
     monkeypatch.setenv("NVFP4_DIT_QUANTIZE_KERNEL", "stream")
     with pytest.raises(RuntimeError, match="streaming kernel needs bf16/fp16"):
-        cq.quantize_qkv_cuda(q, q, q, layout="NHD")
+        cq.quantize_qkv(q, q, q, layout="NHD")
     monkeypatch.setenv("NVFP4_DIT_QUANTIZE_KERNEL", "fastest")
     with pytest.raises(RuntimeError, match="must be auto, tiles or stream"):
-        cq.quantize_qkv_cuda(q, q, q, layout="NHD")
+        cq.quantize_qkv(q, q, q, layout="NHD")
 
 
 @pytest.mark.cuda
@@ -477,7 +477,7 @@ def test_nonfinite_flags_equal_torch(kernel_choice, layout, dtype, d, kv_lens):
         for value in (float("nan"), float("inf"), -float("inf"), big):
             t[pick(b), pick(heads), pick(seq), pick(d)] = value
     vh[1, 1, sk - 1, 0] = float("nan")  # past kv_lens[1] where lengths are given
-    qq = cq.quantize_qkv_cuda(q, k, v, layout=layout, kv_lens=lens)
+    qq = cq.quantize_qkv(q, k, v, layout=layout, kv_lens=lens)
     want_q, want_kv = fmt.nonfinite_blocks(qh, kh, vh, lens)
     got_q, got_kv = qq.nonfinite
     assert got_q.shape == want_q.shape and got_kv.shape == want_kv.shape
@@ -506,7 +506,7 @@ def test_beyond_int32_correction_and_bytes():
     torch.cuda.empty_cache()
     nblk, skp = qq.num_q_blocks, qq.k_data.shape[2]
     assert b * h * nblk * skp > 2 ** 31
-    full = cq.qk_correction_cuda(qq)
+    full = cq.correction(qq)
     gen = torch.Generator(device="cuda").manual_seed(5)
     n = 20000
     hh = torch.randint(0, h, (n,), device="cuda", generator=gen)
@@ -529,11 +529,11 @@ def test_beyond_int32_correction_and_bytes():
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
-    chunks = [(b0, b1) for b0, b1, _ in cq.iter_qk_corrections(qq, budget=budget)]
+    chunks = [(b0, b1) for b0, b1, _ in cq.iter_corrections(qq, budget=budget)]
     torch.cuda.synchronize()
     assert torch.cuda.max_memory_allocated() - before <= budget
     assert chunks[0][0] == 0 and chunks[-1][1] == nblk and len(chunks) > 1
-    for b0, b1, delta in cq.iter_qk_corrections(qq, budget=budget):
+    for b0, b1, delta in cq.iter_corrections(qq, budget=budget):
         assert torch.equal(delta, full[:, :, b0:b1]), (b0, b1)
 
 
@@ -542,20 +542,20 @@ def test_input_errors_name_the_argument():
     x = torch.randn(1, 128, 2, 64, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="head dim 160"):
         y = torch.randn(1, 128, 2, 160, device="cuda", dtype=torch.bfloat16)
-        cq.quantize_qkv_cuda(y, y, y)
+        cq.quantize_qkv(y, y, y)
     with pytest.raises(TypeError, match="k must be"):
-        cq.quantize_qkv_cuda(x, x.to(torch.int32), x)
+        cq.quantize_qkv(x, x.to(torch.int32), x)
     with pytest.raises(ValueError, match="multiple of k/v heads"):
-        cq.quantize_qkv_cuda(torch.randn(1, 128, 3, 64, device="cuda"), torch.randn(1, 128, 2, 64, device="cuda"),
+        cq.quantize_qkv(torch.randn(1, 128, 3, 64, device="cuda"), torch.randn(1, 128, 2, 64, device="cuda"),
                              torch.randn(1, 128, 2, 64, device="cuda"))
     with pytest.raises(ValueError, match="kv_lens"):
-        cq.quantize_qkv_cuda(x, x, x, kv_lens=torch.tensor([1, 2], device="cuda"))
+        cq.quantize_qkv(x, x, x, kv_lens=torch.tensor([1, 2], device="cuda"))
     with pytest.raises(ValueError, match="layout"):
-        cq.quantize_qkv_cuda(x, x, x, layout="BSHD")
+        cq.quantize_qkv(x, x, x, layout="BSHD")
     with pytest.raises(ValueError, match="CUDA"):
-        cq.quantize_qkv_cuda(x.cpu(), x.cpu(), x.cpu())
-    qq = cq.quantize_qkv_cuda(x, x, x)
+        cq.quantize_qkv(x.cpu(), x.cpu(), x.cpu())
+    qq = cq.quantize_qkv(x, x, x)
     with pytest.raises(ValueError, match="block_start"):
-        cq.qk_correction_cuda(qq, 0, 5)
+        cq.correction(qq, 0, 5)
     with pytest.raises(ValueError, match="out must be"):
-        cq.qk_correction_cuda(qq, out=torch.empty(1, 2, 1, 64, device="cuda"))
+        cq.correction(qq, out=torch.empty(1, 2, 1, 64, device="cuda"))

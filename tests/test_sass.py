@@ -28,16 +28,16 @@ def test_native_sass_has_fp4_mma_and_no_spills():
 
 
 @pytest.mark.skipif(check_sass.find_tool("nvcc") is None, reason="needs nvcc")
-@pytest.mark.parametrize("backend", ["MmaEmulated", "MmaSm120a"])
-def test_illegal_scale_selector_does_not_compile(tmp_path, backend):
+@pytest.mark.parametrize("mma", ["MmaEmulated", "MmaNative"])
+def test_illegal_scale_selector_does_not_compile(tmp_path, mma):
     # thread-id-a = 2 is undefined for scale_vec::4X; both back-ends must refuse it at compile time.
     import subprocess
 
     src = tmp_path / "bad_selector.cu"
     src.write_text(
-        '#include "attention/mma_emulated.cuh"\n#include "attention/mma_sm120a.cuh"\n'
+        '#include "attention/mma_emulated.cuh"\n#include "attention/mma_native.cuh"\n'
         "__global__ void k(float* d) { float acc[4] = {}; const uint32_t a[4] = {}, b[2] = {};\n"
-        f"  nvfp4_attn::{backend}::mma<2, 0>(acc, a, b, 0u, 0u); d[0] = acc[0]; }}\n")
+        f"  nvfp4_dit::{mma}::mma<2, 0>(acc, a, b, 0u, 0u); d[0] = acc[0]; }}\n")
     res = subprocess.run([check_sass.find_tool("nvcc"), "-c", "-std=c++17", f"-I{check_sass.CSRC}", str(src),
                           "-o", str(tmp_path / "bad.o"), "-gencode=arch=compute_90a,code=sm_90a"],
                          capture_output=True, text=True)

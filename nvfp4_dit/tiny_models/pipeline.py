@@ -84,6 +84,14 @@ class TinyVideoPipeline(DiffusionPipeline):
     def num_timesteps(self) -> int:
         return self._num_timesteps
 
+    def check_inputs(self, height: int, width: int, num_frames: int) -> None:
+        """ValueError unless the VAE and the transformer's 2x2 patches tile the video exactly."""
+        s, t = self.vae_scale_factor_spatial, self.vae_scale_factor_temporal
+        if height < 1 or width < 1 or height % (2 * s) or width % (2 * s):
+            raise ValueError(f"height and width must be positive multiples of {2 * s}, got {height}x{width}")
+        if num_frames < 1 or (num_frames - 1) % t:
+            raise ValueError(f"num_frames must be {t}k + 1 (1, {t + 1}, {2 * t + 1}, ...), got {num_frames}")
+
     @torch.no_grad()
     def __call__(
         self,
@@ -101,11 +109,8 @@ class TinyVideoPipeline(DiffusionPipeline):
         callback_on_step_end: Optional[Callable] = None,
         callback_on_step_end_tensor_inputs: tuple = ("latents",),
     ):
+        self.check_inputs(height, width, num_frames)
         s, t = self.vae_scale_factor_spatial, self.vae_scale_factor_temporal
-        if height % (2 * s) or width % (2 * s):
-            raise ValueError(f"height and width must be multiples of {2 * s}, got {height}x{width}")
-        if (num_frames - 1) % t:
-            raise ValueError(f"num_frames - 1 must be a multiple of {t}, got {num_frames}")
         prompts = [prompt] if isinstance(prompt, str) else list(prompt)
         device = self._execution_device
         dtype = self.transformer.dtype

@@ -20,15 +20,12 @@ from nvfp4_dit.reference import attention_reference
 
 def kernel_means(q, k, v, *, layout, kv_lens=None) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
     """(q_mean [B, H, nblk, Dp], k_mean [B, Hkv, Dp]) as the cuda back-end computes them, or None
-    when it quantises with ``format.quantize_qkv`` (CPU tensors, or no fused quantiser)."""
+    for CPU tensors (there every back-end quantises with ``format.quantize_qkv``)."""
     if q.device.type != "cuda":
         return None
-    from nvfp4_dit import cuda_backend
+    from nvfp4_dit import quantize
 
-    fused = cuda_backend._fused_quantizer()
-    if fused is None:
-        return None
-    qq = fused.quantize_qkv_cuda(q, k, v, layout=layout, kv_lens=kv_lens)
+    qq = quantize.quantize_qkv(q, k, v, layout=layout, kv_lens=kv_lens)
     return qq.q_mean, qq.k_mean
 
 

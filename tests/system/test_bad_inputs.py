@@ -637,7 +637,7 @@ COMFY_DECLINED = {
     "gqa_without_enable_gqa": lambda q, k, v: ((q, k[..., :D], v[..., :D], 2), {}),
     "head_dim_256": lambda q, k, v: ((q, k, v, 1), dict(skip_reshape=False)) if False else (
         (torch.cat([q, q], -1), torch.cat([k, k], -1), torch.cat([v, v], -1), 1), {}),
-    "mask_per_query": lambda q, k, v: ((q, k, v, 2), dict(mask=torch.zeros(B, 64, 64))),
+    "mask_per_query": lambda q, k, v: ((q, k, v, 2), dict(mask=torch.full((B, 64, 64), -math.inf).triu(1))),
     "mask_int": lambda q, k, v: ((q, k, v, 2), dict(mask=torch.ones(B, 1, 64, dtype=torch.int64))),
     "mask_not_a_tensor": lambda q, k, v: ((q, k, v, 2), dict(mask=[1.0] * 64)),
     "mask_5d": lambda q, k, v: ((q, k, v, 2), dict(mask=torch.zeros(1, B, 1, 1, 64))),
@@ -652,7 +652,8 @@ COMFY_DECLINED = {
 
 @pytest.mark.parametrize("case", sorted(COMFY_DECLINED))
 def test_comfyui_override_declines_to_comfyuis_function(gen, case):
-    from nvfp4_dit.comfyui_node.attention_override import AttentionPolicy, NVFP4AttentionOverride
+    from nvfp4_dit.comfyui_node.attention_override import NVFP4AttentionOverride
+    from nvfp4_dit.policy import AttentionPolicy
 
     override = NVFP4AttentionOverride(AttentionPolicy(backend="reference", min_seq_len=0))
     args, kwargs = COMFY_DECLINED[case](*_comfy_qkv(gen))
@@ -667,7 +668,8 @@ def test_comfyui_override_declines_to_comfyuis_function(gen, case):
 
 @pytest.mark.parametrize("case", sorted(NON_FINITE))
 def test_comfyui_override_non_finite_inputs_propagate(gen, case):
-    from nvfp4_dit.comfyui_node.attention_override import AttentionPolicy, NVFP4AttentionOverride
+    from nvfp4_dit.comfyui_node.attention_override import NVFP4AttentionOverride
+    from nvfp4_dit.policy import AttentionPolicy
 
     name, idx, value = NON_FINITE[case]
     q, k, v = _qkv(gen, sq=SK, sk=SK, h=2, hkv=2)
@@ -681,7 +683,8 @@ def test_comfyui_override_non_finite_inputs_propagate(gen, case):
 
 
 def test_comfyui_override_empty_batch_and_single_token(gen):
-    from nvfp4_dit.comfyui_node.attention_override import AttentionPolicy, NVFP4AttentionOverride
+    from nvfp4_dit.comfyui_node.attention_override import NVFP4AttentionOverride
+    from nvfp4_dit.policy import AttentionPolicy
 
     override = NVFP4AttentionOverride(AttentionPolicy(backend="reference", min_seq_len=0))
     func = _Func()

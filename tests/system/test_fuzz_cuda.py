@@ -38,7 +38,7 @@ from nvfp4_dit import format as fmt
 try:
     from reliability_helpers import matched_reference
 except ImportError:  # run from the repository root as a package
-    from tests.reliability_helpers import matched_reference
+    from tests.system.reliability_helpers import matched_reference
 
 N_CASES = 520
 TILE = 128

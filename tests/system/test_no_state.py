@@ -120,9 +120,9 @@ def test_op_fallback_warnings_do_not_grow_with_calls():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         _assert_flat(lambda: nvfp4_dit.attention(q, k, v, attn_mask=mask))
-    from nvfp4_dit import ops
+    from nvfp4_dit import fallback
 
-    assert len(ops._warned_reasons) <= 2  # one per reason, not one per call
+    assert len(fallback._reported) <= 2  # one per reason, not one per call
 
 
 # ---------------------------------------------------------------------------------------------
@@ -188,7 +188,8 @@ def test_processors_denoising_loop_is_flat_and_stateless():
 # ---------------------------------------------------------------------------------------------
 
 def test_comfyui_override_loop_is_flat_and_stateless():
-    from nvfp4_dit.comfyui_node.attention_override import AttentionPolicy, NVFP4AttentionOverride
+    from nvfp4_dit.comfyui_node.attention_override import NVFP4AttentionOverride
+    from nvfp4_dit.policy import AttentionPolicy
 
     override = NVFP4AttentionOverride(AttentionPolicy(backend="reference", min_seq_len=0))
     q, k, v = (t.flatten(2) for t in _inputs(s=256))
@@ -248,7 +249,8 @@ def test_cuda_backend_device_memory_is_flat(cuda_device, kv_lens):
 
 @pytest.mark.cuda
 def test_cuda_override_and_processors_device_memory_is_flat(cuda_device):
-    from nvfp4_dit.comfyui_node.attention_override import AttentionPolicy, NVFP4AttentionOverride
+    from nvfp4_dit.comfyui_node.attention_override import NVFP4AttentionOverride
+    from nvfp4_dit.policy import AttentionPolicy
 
     override = NVFP4AttentionOverride(AttentionPolicy(backend="cuda", min_seq_len=0))
     q, k, v = (t.flatten(2) for t in _inputs(s=2048, h=4, d=128, device="cuda", dtype=torch.float16))

@@ -41,7 +41,7 @@ from nvfp4_dit.reference import attention_reference
 try:
     from reliability_helpers import kernel_means
 except ImportError:  # run from the repository root as a package
-    from tests.reliability_helpers import kernel_means
+    from tests.system.reliability_helpers import kernel_means
 
 
 TILE = 128

@@ -1,0 +1,96 @@
+"""Argument checks of the public entry points: shape logic only, so torch.compile can trace them.
+
+A leaf module (it imports nothing of nvfp4_dit but the format), shared by the op
+(:mod:`nvfp4_dit.ops`) and the quantiser (:mod:`nvfp4_dit.quantize`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import format as fmt
+
+BACKENDS = ("auto", "reference", "sdpa", "cuda")
+LAYOUTS = ("NHD", "HND")
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def check_tensor(name: str, t) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+
+
+def validate_attention_args(q, k, v, layout, causal, scale, attn_mask, kv_lens, return_lse, backend):
+    """The checks of :func:`nvfp4_dit.attention`; raises TypeError / ValueError naming the argument."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_tensor(name, t)
+    if not isinstance(layout, str) or layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    dims = "[B, S, H, D]" if layout == "NHD" else "[B, H, S, D]"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D {dims} for layout={layout!r}, got shape {tuple(t.shape)}")
+        if t.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"{name} must be float16, bfloat16 or float32, got {t.dtype}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if k.device != q.device or v.device != q.device:
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    qh, kh, vh = (fmt.to_hnd(t, layout) for t in (q, k, v))
+    b, h, _, d = qh.shape
+    if kh.shape != vh.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if kh.shape[0] != b:
+        raise ValueError(f"k has batch {kh.shape[0]} but q has batch {b}")
+    if kh.shape[3] != d:
+        raise ValueError(f"k/v head dim {kh.shape[3]} differs from q head dim {d}")
+    if d == 0:
+        raise ValueError(f"q/k/v head dim must be at least 1, got shape {tuple(q.shape)}")
+    hkv = kh.shape[1]
+    if hkv == 0 or h % hkv:
+        raise ValueError(f"q heads ({h}) must be a multiple of k/v heads ({hkv})")
+    if scale is not None:
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+            raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+        if not (math.isfinite(scale) and scale > 0):
+            raise ValueError(f"scale must be a positive finite number, got {scale}")
+    sk = kh.shape[2]
+    if kv_lens is not None:
+        check_tensor("kv_lens", kv_lens)
+        if kv_lens.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"kv_lens must be int32 or int64, got {kv_lens.dtype}")
+        if kv_lens.shape != (b,):
+            raise ValueError(f"kv_lens must have shape ({b},), got {tuple(kv_lens.shape)}")
+        if kv_lens.device != q.device:
+            raise ValueError(f"kv_lens is on {kv_lens.device} but q is on {q.device}")
+    if attn_mask is not None:
+        check_tensor("attn_mask", attn_mask)
+        if attn_mask.dtype != torch.bool and attn_mask.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"attn_mask must be bool or floating point, got {attn_mask.dtype}")
+        if attn_mask.device != q.device:
+            raise ValueError(f"attn_mask is on {attn_mask.device} but q is on {q.device}")
+        sq = qh.shape[2]
+        if not 2 <= attn_mask.dim() <= 4:
+            # SDPA itself fails on 1-D masks, and a 5-D mask would broadcast the output to 5-D.
+            raise ValueError(f"attn_mask must be 2-D [B, Sk] or 3-/4-D broadcastable to [B, H, Sq, Sk], "
+                             f"got {attn_mask.dim()}-D shape {tuple(attn_mask.shape)}")
+        if attn_mask.dim() == 2:
+            # 2-D masks are key-padding masks [B, Sk] (the diffusers / transformers convention).
+            if tuple(attn_mask.shape) != (b, sk):
+                raise ValueError(f"a 2-D attn_mask must be a key-padding mask [B, Sk] = {(b, sk)}, "
+                                 f"got {tuple(attn_mask.shape)}")
+        else:
+            try:
+                torch.broadcast_shapes(attn_mask.shape, (b, h, sq, sk))
+            except RuntimeError:
+                raise ValueError(
+                    f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to "
+                    f"[B, H, Sq, Sk] = {(b, h, sq, sk)}") from None

@@ -1,0 +1,202 @@
+"""NVFP4 preprocessing on the GPU: quantize Q, K, V, and the correction term in bounded chunks.
+
+:func:`quantize_qkv` is the CUDA twin of :func:`nvfp4_dit.format.quantize_qkv`: the same bytes
+and scales (tests compare them exactly), the means equal up to reduction order, read straight
+from the strides of NHD or HND inputs. Two kernels implement it (``csrc/quantize/``):
+
+* the streaming kernel (``quantize_stream.cu``): persistent CTAs whose producer warp feeds TMA
+  copies of 128-row tiles to consumer warps; one launch. It runs where it applies (bf16/fp16
+  rows contiguous with D of 64 or 128, sm_90+, enough shared memory for two CTAs per SM);
+* the tile kernel (``quantize_tiles.cu``): any input, two launches (the K-mean chunks and the
+  V^T tiles, then the K and Q tiles, which need the whole-sequence K mean).
+
+``NVFP4_DIT_QUANTIZE_KERNEL=tiles|stream`` forces one (``auto``, the default, as above). Both
+raise NaN/inf flags while they quantise (:attr:`KernelQuantizedQKV.nonfinite`).
+
+The correction ``delta = qm . (k - km)^T`` is ``B*H*Sq/128*Skp`` fp32 (17.6 GB at 118,800 tokens
+and 40 heads), so it is produced for a chunk of Q blocks at a time (:func:`iter_corrections`)
+within a memory budget: ``budget=`` bytes, else ``NVFP4_DIT_CORRECTION_BUDGET`` (bytes, or with
+a K/M/G suffix), else 1 GiB. The kernel quantiser keeps no fp32 copy of ``k - km``: its
+correction (:func:`correction`) reads the raw K.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Iterator, Optional, Union
+
+import torch
+
+from . import build
+from . import format as fmt
+from .checks import validate_attention_args
+
+KERNEL_ENV = "NVFP4_DIT_QUANTIZE_KERNEL"
+BUDGET_ENV = "NVFP4_DIT_CORRECTION_BUDGET"
+DEFAULT_CORRECTION_BUDGET = 1 << 30
+_CORRECTION_TILE_BLOCKS = 64  # Q blocks per CTA of the correction kernel: chunks are multiples of it
+_SUFFIXES = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+@dataclass
+class KernelQuantizedQKV(fmt.QuantizedQKV):
+    """A :class:`~nvfp4_dit.format.QuantizedQKV` from the CUDA quantiser. It has no
+    ``k_smoothed``: the correction is computed from the raw K instead (``k_input``, a
+    [B, Hkv, Sk, D] view of the caller's tensor)."""
+
+    k_input: Optional[torch.Tensor] = None
+    kv_lens: Optional[torch.Tensor] = None
+    # (q_blocks [B, H, nblk], kv [B, Hkv]) bool: NaN/inf met while quantising (format.nonfinite_blocks)
+    nonfinite: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+
+
+def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: str = "NHD",
+                 kv_lens: Optional[torch.Tensor] = None) -> KernelQuantizedQKV:
+    """Smooth and quantise Q, K, V on the GPU into the attention kernel's layouts.
+
+    Parameters
+    ----------
+    q, k, v : [B, S, H, D] (``layout="NHD"``) or [B, H, S, D] (``"HND"``), bf16/fp16/fp32 CUDA
+        tensors with any strides (nothing is copied). K and V may have fewer heads (GQA).
+    kv_lens : optional int [B]; keys at or past ``kv_lens[b]`` are excluded from the K mean and
+        quantised as zero padding, as in :func:`nvfp4_dit.format.quantize_qkv`.
+
+    Returns
+    -------
+    KernelQuantizedQKV with ``k_smoothed=None``; :func:`iter_corrections` gives the correction.
+    """
+    if isinstance(kv_lens, torch.Tensor) and isinstance(q, torch.Tensor):
+        kv_lens = kv_lens.to(q.device)  # a direct caller may keep lengths on the host
+    validate_attention_args(q, k, v, layout, False, None, None, kv_lens, False, "cuda")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.device.type != "cuda":
+            raise ValueError(f"{name} must be a CUDA tensor, got device {t.device}")
+    d = fmt.to_hnd(q, layout).shape[-1]
+    if fmt.padded_head_dim(d) is None:
+        raise ValueError(f"head dim {d} is not supported (at most {fmt.SUPPORTED_HEAD_DIMS[-1]})")
+    return launch_quantize_qkv(q, k, v, layout=layout, kv_lens=kv_lens)
+
+
+def launch_quantize_qkv(q, k, v, *, layout: str, kv_lens: Optional[torch.Tensor]) -> KernelQuantizedQKV:
+    """:func:`quantize_qkv` for arguments already checked (:func:`nvfp4_dit.attention` checks
+    them once): CUDA tensors, kv_lens on their device."""
+    qh, kh, vh = (fmt.to_hnd(t, layout) for t in (q, k, v))
+    (q_data, q_sf, k_data, k_sf, vt_data, vt_sf, q_mean, k_mean,
+     q_dot_km, nonfinite_q, nonfinite_kv) = build.load_extension().quantize_qkv(qh, kh, vh, kv_lens)
+    d = qh.shape[3]
+    return KernelQuantizedQKV(
+        q_data=q_data, q_sf=q_sf, k_data=k_data, k_sf=k_sf, vt_data=vt_data, vt_sf=vt_sf,
+        q_mean=q_mean, k_mean=k_mean, q_dot_km=q_dot_km, k_smoothed=None,
+        seq_q=qh.shape[2], seq_k=kh.shape[2], head_dim=d, head_dim_padded=fmt.padded_head_dim(d),
+        k_input=kh, kv_lens=kv_lens, nonfinite=(nonfinite_q != 0, nonfinite_kv != 0))
+
+
+# ---------------------------------------------------------------------------------------------
+# The correction term, in chunks of Q blocks
+# ---------------------------------------------------------------------------------------------
+
+def correction_budget_bytes(budget: Union[int, str, None] = None) -> int:
+    """The correction memory budget in bytes: ``budget``, else $NVFP4_DIT_CORRECTION_BUDGET, else 1 GiB.
+
+    Strings may carry a binary suffix: ``"512M"``, ``"2G"``, ``"1.5G"``.
+    """
+    source = "budget"
+    if budget is None:
+        env = os.environ.get(BUDGET_ENV)
+        if env is None or not env.strip():
+            return DEFAULT_CORRECTION_BUDGET
+        budget, source = env, BUDGET_ENV
+    if isinstance(budget, bool):
+        raise TypeError(f"{source} must be a byte count, got {budget!r}")
+    if isinstance(budget, str):
+        text = budget.strip().upper().removesuffix("IB").removesuffix("B")
+        unit = text[-1:] if text[-1:] in _SUFFIXES and text[-1:] else ""
+        number = text[:-1] if unit else text
+        try:
+            value = int(float(number) * _SUFFIXES[unit])
+        except ValueError:
+            raise ValueError(f"{source} must be a byte count like 1073741824, '512M' or '1G', got {budget!r}") from None
+    elif isinstance(budget, int):
+        value = budget
+    else:
+        raise TypeError(f"{source} must be an int or a string, got {type(budget).__name__}")
+    if value <= 0:
+        raise ValueError(f"{source} must be positive, got {budget!r}")
+    return value
+
+
+def correction_bytes_per_block(batch: int, heads: int, seq_k_padded: int) -> int:
+    """Bytes of one Q block's correction rows for all batches and heads."""
+    return batch * heads * seq_k_padded * 4
+
+
+def correction_chunks(num_q_blocks: int, batch: int, heads: int, seq_k_padded: int,
+                      budget: Union[int, str, None] = None) -> list[tuple[int, int]]:
+    """Split Q blocks ``[0, num_q_blocks)`` into ``(begin, end)`` chunks whose correction fits the budget.
+
+    Chunks of 64 or more blocks are multiples of 64 (the kernel's tile). A single block needs
+    ``batch*heads*seq_k_padded*4`` bytes; if even that is above the budget, chunks are one block.
+    """
+    budget_bytes = correction_budget_bytes(budget)
+    per_block = correction_bytes_per_block(batch, heads, seq_k_padded)
+    step = max(1, budget_bytes // max(per_block, 1))
+    if step >= _CORRECTION_TILE_BLOCKS:
+        step -= step % _CORRECTION_TILE_BLOCKS
+    return [(b0, min(b0 + step, num_q_blocks)) for b0 in range(0, num_q_blocks, step)]
+
+
+def _check_kernel_quantized(qq) -> None:
+    if not isinstance(qq, KernelQuantizedQKV) or qq.k_input is None:
+        raise TypeError("qq must come from nvfp4_dit.quantize.quantize_qkv (a KernelQuantizedQKV with k_input)")
+
+
+def correction(qq: KernelQuantizedQKV, block_start: int = 0, block_end: Optional[int] = None, *,
+               out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """delta [B, H, block_end - block_start, Skp] fp32 = qm . (k - km)^T for those Q blocks, on the GPU.
+
+    Keys in natural order; keys past ``kv_lens`` and the padding give 0. Equals
+    :func:`nvfp4_dit.format.correction` up to fp32 summation order. ``out`` (last dim
+    contiguous) is written in place and returned, so one buffer can serve every chunk.
+    """
+    _check_kernel_quantized(qq)
+    n_blocks = qq.num_q_blocks
+    block_end = n_blocks if block_end is None else block_end
+    if not (0 <= block_start <= block_end <= n_blocks):
+        raise ValueError(f"need 0 <= block_start <= block_end <= {n_blocks}, got {block_start}, {block_end}")
+    b, h = qq.q_mean.shape[:2]
+    skp = qq.k_data.shape[2]
+    shape = (b, h, block_end - block_start, skp)
+    if out is None:
+        out = torch.empty(shape, dtype=torch.float32, device=qq.q_mean.device)
+    elif tuple(out.shape) != shape or out.dtype != torch.float32 or out.stride(-1) != 1 or out.device != qq.q_mean.device:
+        raise ValueError(f"out must be a float32 {list(shape)} tensor on {qq.q_mean.device} with a contiguous "
+                         f"last dim, got {out.dtype} {list(out.shape)} strides {out.stride()}")
+    if block_end > block_start:
+        build.load_extension().correction(qq.q_mean, qq.k_input, qq.k_mean, qq.kv_lens, block_start, out)
+    return out
+
+
+def iter_corrections(qq: fmt.QuantizedQKV, budget: Union[int, str, None] = None,
+                     block_range: Optional[tuple[int, int]] = None) -> Iterator[tuple[int, int, torch.Tensor]]:
+    """Yield ``(begin, end, delta)`` over the Q blocks of ``block_range`` (default all), one chunk
+    of at most ``budget`` bytes at a time (consume each delta before asking for the next).
+
+    ``qq`` from :func:`quantize_qkv` gets the CUDA correction, written into one reused buffer; a
+    :class:`~nvfp4_dit.format.QuantizedQKV` from :func:`nvfp4_dit.format.quantize_qkv` (it
+    carries ``k_smoothed``) gets :func:`nvfp4_dit.format.correction`.
+    """
+    first, last = (0, qq.num_q_blocks) if block_range is None else block_range
+    b, h = qq.q_mean.shape[:2]
+    skp = qq.k_data.shape[2]
+    chunks = [(b0 + first, b1 + first) for b0, b1 in correction_chunks(last - first, b, h, skp, budget)]
+    if not chunks:
+        return
+    if not isinstance(qq, KernelQuantizedQKV):
+        for b0, b1 in chunks:
+            yield b0, b1, fmt.correction(qq, b0, b1)
+        return
+    rows = max(b1 - b0 for b0, b1 in chunks)
+    buf = torch.empty((b, h, rows, skp), dtype=torch.float32, device=qq.q_mean.device)
+    for b0, b1 in chunks:
+        yield b0, b1, correction(qq, b0, b1, out=buf[:, :, : b1 - b0])
