@@ -22,6 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import nvfp4_dit  # noqa: E402
+from nvfp4_dit import format as fmt  # noqa: E402
 from nvfp4_dit.reference import attention_exact  # noqa: E402
 
 
@@ -78,7 +79,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seq", type=int, default=2048, help="tokens per sequence (default 2048)")
     ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--head-dim", type=int, default=128, choices=(64, 128))
+    ap.add_argument("--head-dim", type=int, default=128, choices=fmt.SUPPORTED_HEAD_DIMS)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--backend", default="reference", choices=("reference", "cuda"))
     ap.add_argument("--device", default="cpu")

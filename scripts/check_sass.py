@@ -28,11 +28,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-CSRC = ROOT / "csrc"
+from nvfp4_dit import build
+from nvfp4_dit import format as fmt
+
+CSRC = build.csrc_dir()
 OMMA = "OMMA.SF.16864.F32.E2M1.E2M1.UE4M3.4X"
-UNITS = {64: "attention/attention_fwd_native_d64.cu", 128: "attention/attention_fwd_native_d128.cu"}
-ARCHS = ("120a", "121a")
+UNITS = {d: f"attention/attention_fwd_native_d{d}.cu" for d in fmt.SUPPORTED_HEAD_DIMS}
+ARCHS = tuple(a[3:] for a in build.NATIVE_ARCHS)  # "120a", "121a"
 
 
 def mma_per_warp_tile(head_dim: int, block_n: int = 128) -> tuple[int, int]:
@@ -140,7 +142,7 @@ def dynamic_smem_bytes(head_dim: int, out_dir: Path) -> int:
     return int(subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout)
 
 
-def check(archs=ARCHS, head_dims=(64, 128)) -> tuple[list[dict], list[str]]:
+def check(archs=ARCHS, head_dims=fmt.SUPPORTED_HEAD_DIMS) -> tuple[list[dict], list[str]]:
     rows, failures = [], []
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)

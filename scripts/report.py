@@ -41,6 +41,7 @@ import accuracy_report  # noqa: E402
 import capture_attention  # noqa: E402
 import generate_video  # noqa: E402
 import replay_attention  # noqa: E402
+from nvfp4_dit import format as fmt  # noqa: E402
 
 
 def _plt():
@@ -70,7 +71,7 @@ def section_families(out: Path, device: str, backend: str) -> list[str]:
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     rows = []
-    for hd in (64, 128):
+    for hd in fmt.SUPPORTED_HEAD_DIMS:
         for fam in FAMILIES:
             case = build(fam, head_dim=hd, dtype=dtype).to(device)
             dense = case.run()
@@ -84,7 +85,7 @@ def section_families(out: Path, device: str, backend: str) -> list[str]:
     plt = _plt()
     fig, ax = plt.subplots(figsize=(10, 3.6))
     names = sorted({r[0] for r in rows}, key=FAMILIES.index)
-    for i, hd in enumerate((64, 128)):
+    for i, hd in enumerate(fmt.SUPPORTED_HEAD_DIMS):
         vals = [next((r[4] for r in rows if r[0] == n and r[1] == hd), 0) for n in names]
         ax.bar([j + 0.4 * i for j in range(len(names))], vals, 0.4, label=f"head dim {hd}")
     ax.set_xticks([j + 0.2 for j in range(len(names))], names, rotation=20, ha="right", fontsize=8)

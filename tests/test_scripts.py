@@ -124,3 +124,33 @@ def test_report_writes_markdown_with_figures(tmp_path):
     assert "Needs a CUDA GPU" in md or "## 5. Kernel benchmark" in md
     for png in ("accuracy.png", "replay.png"):
         assert f"({png})" in md and (out / png).stat().st_size > 1000
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--frames", "10"], "num_frames must be 4k + 1"),
+    (["--height", "100"], "multiples of 16"),
+    (["--frames", "0"], "argument --frames: must be at least 1"),
+    (["--steps", "two"], "argument --steps: expected an integer"),
+])
+def test_generate_video_rejects_bad_arguments_before_running(args, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        generate_video.main([*args, "--no-video", "--device", "cpu"])
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_generate_video_says_when_no_call_ran_nvfp4(tmp_path, capsys):
+    assert generate_video.main(["--steps", "2", "--dense-steps", "0,0", "--min-seq-len", "100000", "--no-video",
+                                "--device", "cpu", "--json", str(tmp_path / "r.json")]) == 0
+    out = capsys.readouterr().out
+    assert "attention calls: 0 NVFP4" in out and "no call ran NVFP4" in out and "short sequence" in out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
+@pytest.mark.parametrize("script, args", [("bench_attention", []), ("bench_quantize", ["--smoke"]),
+                                          ("bench_quantize", [])])
+def test_benchmarks_without_a_gpu_say_so(script, args):
+    import subprocess
+
+    res = subprocess.run([sys.executable, str(SCRIPTS / f"{script}.py"), *args], capture_output=True, text=True)
+    assert res.returncode == 2 and "needs a CUDA GPU" in res.stderr and "Traceback" not in res.stderr
