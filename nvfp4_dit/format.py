@@ -253,7 +253,7 @@ class QuantizedQKV:
     k_mean: torch.Tensor
     q_dot_km: torch.Tensor
     k_smoothed: Optional[torch.Tensor]
-    """fp32 [B, Hkv, Skp, Dp] natural order, for the correction term (None in the fused path)."""
+    """fp32 [B, Hkv, Skp, Dp] natural order, for the correction term (None from the CUDA quantiser)."""
     seq_q: int
     seq_k: int
     head_dim: int
@@ -278,7 +278,7 @@ def nonfinite_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_lens:
     Returns ``(q_blocks [B, H, Sqp/128], kv [B, Hkv])`` bool: a 128-row Q block holds a non-finite
     element (its block mean carries it to every row of the block), or a valid key (j < kv_lens[b])
     of K or V does (the K mean carries it to the whole head). Keys past kv_lens are zeroed before
-    quantisation and may hold anything. The fused CUDA quantiser returns the same flags for free
+    quantisation and may hold anything. The CUDA quantiser returns the same flags for free
     (from its block maxima); this is the torch twin, one min/max reduction per row and no
     full-size temporary (``torch.isfinite`` would allocate several input-sized tensors).
     """
@@ -378,7 +378,7 @@ def correction(qq: QuantizedQKV, block_start: int = 0, block_end: Optional[int] 
     the FP4 error of (q - qm) and (k - km): q.(k-km) = (q-qm).(k-km) + qm.(k-km).
     """
     if qq.k_smoothed is None:
-        raise ValueError("this QuantizedQKV carries no fp32 k_smoothed (fused path)")
+        raise ValueError("this QuantizedQKV carries no fp32 k_smoothed (it comes from the CUDA quantiser: use nvfp4_dit.quantize.correction)")
     block_end = qq.num_q_blocks if block_end is None else block_end
     qm = qq.q_mean[:, :, block_start:block_end]
     group = qm.shape[1] // qq.k_smoothed.shape[1]

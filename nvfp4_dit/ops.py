@@ -104,7 +104,7 @@ def _poison_non_finite(out, lse, layout, q_blocks_bad, kv_bad):
     attention gives NaN/inf there, so the FP4 paths must not return a finite value.  Poisoned:
     every row of a 128-row Q block flagged in ``q_blocks_bad [B, H, nblk]`` and every row of the
     query heads of a (batch, kv-head) flagged in ``kv_bad [B, Hkv]`` (see
-    :func:`nvfp4_dit.format.nonfinite_blocks`; the fused CUDA quantiser returns the same flags).
+    :func:`nvfp4_dit.format.nonfinite_blocks`; the CUDA quantiser returns the same flags).
     """
     h, sq = fmt.to_hnd(out, layout).shape[1:3]
     bad = q_blocks_bad.repeat_interleave(fmt.SEQ_TILE, 2)[:, :, :sq]

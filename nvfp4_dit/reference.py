@@ -59,8 +59,9 @@ def attention_reference(
         kv_lens: optional int ``[B]``: keys j >= kv_lens[b] are masked.
         query_blocks: optional ``(first, last)`` range of 128-row Q blocks to compute; the
             output then holds only those rows (for sampled checks on long sequences).
-        quantized: a precomputed :class:`~nvfp4_dit.format.QuantizedQKV` (e.g. from the fused
-            CUDA quantiser) to run the rest of the algorithm on; it must carry ``k_smoothed``.
+        quantized: a precomputed :class:`~nvfp4_dit.format.QuantizedQKV` (from
+            :func:`nvfp4_dit.format.quantize_qkv`, e.g. with the CUDA quantiser's means) to run
+            the rest of the algorithm on; it must carry ``k_smoothed``.
 
     Returns:
         ``out`` in q's layout and dtype, and ``lse [B, H, Sq]`` fp32 when ``return_lse``.

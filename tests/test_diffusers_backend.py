@@ -92,7 +92,7 @@ def test_global_backend_leak_is_restored():
     case = build("wan", head_dim=64)
     native = ad.AttentionBackendName.NATIVE
     assert backend.get_active_backend() == native
-    # diffusers' own reset leaves the global set (issue #14249) ...
+    # diffusers' own reset leaves the global set (diffusers issue #14249) ...
     case.model.set_attention_backend("nvfp4")
     case.model.reset_attention_backend()
     assert backend.get_active_backend() == ad.AttentionBackendName("nvfp4")

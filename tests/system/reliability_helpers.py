@@ -1,6 +1,6 @@
 """Shared by the GPU reliability tests: the reference run with the CUDA quantiser's own means.
 
-The fused CUDA quantiser reduces the K and Q-block means in another order than torch, so a mean
+The CUDA quantiser reduces the K and Q-block means in another order than torch, so a mean
 can differ by an ulp, and an element sitting on an e2m1 rounding boundary then takes the other
 code.  That moves a whole row's scores by one FP4 step (LSE by ~0.05): real, allowed, and not
 what a kernel test should measure.  Comparing against the reference *given the kernel's means*

@@ -1,4 +1,4 @@
-"""The bad-input matrix (issue #8): every case gives a clear Python error or a documented result.
+"""The bad-input matrix: every case gives a clear Python error or a documented result.
 
 Each case goes through the public op ``nvfp4_dit.attention`` and, where the entry point exists,
 through the diffusers backend / processors and the ComfyUI override.  The outcome of every case

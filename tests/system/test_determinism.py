@@ -1,4 +1,4 @@
-"""Determinism and concurrency (issue #8): identical bits run to run, and concurrent calls (two
+"""Determinism and concurrency: identical bits run to run, and concurrent calls (two
 CUDA streams, or two Python threads) give the same bits as the same calls run one after another.
 
 The CUDA kernel has no atomics in its math (persistent CTAs write disjoint rows; the quantiser's

@@ -1,4 +1,4 @@
-"""GPU fuzz: ``backend="cuda"`` against ``backend="reference"`` on the same inputs (issue #8).
+"""GPU fuzz: ``backend="cuda"`` against ``backend="reference"`` on the same inputs.
 
 520 seeded random cases (shapes, dtypes, layouts, GQA, causal, kv_lens, key-padding masks, odd
 head dims, cross-attention lengths, scales).  Per case:

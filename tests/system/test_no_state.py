@@ -1,4 +1,4 @@
-"""No state across calls (issue #8): the op, the CUDA back-end, the diffusers backend and
+"""No state across calls: the op, the CUDA back-end, the diffusers backend and
 processors and the ComfyUI override keep no tensors between calls, and a long loop of calls
 keeps memory flat.
 

@@ -1,4 +1,4 @@
-"""Long-sequence stress on the GPU (issue #8): 77k / 118.8k / 256k tokens, and tensors past 2^31.
+"""Long-sequence stress on the GPU: 77k / 118.8k / 256k tokens, and tensors past 2^31.
 
 The first production crash was a TMA assertion abort past ~70k tokens; the second a silently
 wrong output. So every case here checks, on ``backend="cuda"``:
