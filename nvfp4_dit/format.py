@@ -1,23 +1,36 @@
 """The NVFP4 attention format: the one Python definition the CUDA kernels must match byte for byte.
 
-NVFP4 here is e2m1 data in blocks of 16 elements, each block scaled by one ue4m3 (e4m3, sign 0)
-byte, with no per-tensor fp32 scale.  Everything below is plain PyTorch, runs on CPU and on any
-GPU, and is deliberately written as simple elementwise arithmetic so the device code in
-``csrc/nvfp4_format.cuh`` can mirror it operation for operation.
+NVFP4 here is two-level: e2m1 data in blocks of 16 elements, each block scaled by one ue4m3 (e4m3,
+sign 0) byte, under an fp32 power-of-two tensor scale. Everything below is plain PyTorch, runs on
+CPU and on any GPU, and is deliberately written as simple elementwise arithmetic so the device code
+in ``csrc/common/format.cuh`` can mirror it operation for operation.
+
+Before quantisation, Q and K may be balanced per channel (``balance_qk``): Q times ``s_c``, K
+divided by it, ``s_c`` a power of two near sqrt(amax|K_c| / amax|Q_c|), so q . k is unchanged
+exactly. Then every tensor is smoothed by its mean (K per head, Q per 128-row block, V per head)
+and divided by its tensor scale (Q per 128-row block, K and V per head): the power of two that puts
+the largest |x| in (1344, 2688], so the largest block scale lands in the top octave of ue4m3.
+Power-of-two factors are exact, so quantisation is equivariant under power-of-two scaling of the
+inputs, and the scales fold into the softmax scale (Q, K) and the output (V).
 
 Layouts (``Sqp``/``Skp`` are the sequence lengths padded to 128, ``Dp`` the padded head dim):
 
 ============  =============================  ===============================================
 tensor        shape (uint8 unless noted)     meaning
 ============  =============================  ===============================================
-q_data        [B, H, Sqp, Dp/2]              Q - qm, two e2m1 per byte, low nibble first
+q_data        [B, H, Sqp, Dp/2]              (Q - qm) s / q_scale, two e2m1 per byte, low nibble first
 q_sf          [B, H, Sqp, Dp/16]             its ue4m3 scales, row-major
-k_data        [B, Hkv, Skp, Dp/2]            K - km, rows permuted inside 32-key groups
+k_data        [B, Hkv, Skp, Dp/2]            (K - km) / s / k_scale, rows permuted inside 32-key groups
 k_sf          [B, Hkv, Skp, Dp/16]           its scales, rows permuted the same way
-vt_data       [B, Hkv, Dp, Skp/2]            V transposed, packed along tokens
+vt_data       [B, Hkv, Dp, Skp/2]            ((V - vm) / v_scale) transposed, packed along tokens
 vt_sf         [B, Hkv, Dp, Skp/16]           its scales, one per 16 tokens
-q_mean        [B, H, Sqp/128, Dp] float32    per-128-row-block Q means (qm)
-k_mean        [B, Hkv, Dp] float32           per-head K mean over the valid keys (km)
+q_mean        [B, H, Sqp/128, Dp] float32    per-128-row-block Q means (qm), before balancing
+k_mean        [B, Hkv, Dp] float32           per-head K mean over the valid keys (km), before balancing
+v_mean        [B, Hkv, Dp] float32           per-head V mean over the valid keys (vm)
+q_scale       [B, H, Sqp/128] float32        tensor scale of each 128-row Q block (a power of two)
+k_scale       [B, Hkv] float32               tensor scale of K per head
+v_scale       [B, Hkv] float32               tensor scale of V per head
+balance       [B, Hkv, Dp] float32 or None   the channel balance s (None: not balanced, s = 1)
 q_dot_km      [B, H, Sq] float32             q . km, to give back the true LSE
 ============  =============================  ===============================================
 
@@ -52,6 +65,16 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 P_RANGE = E4M3_MAX * E2M1_MAX
 """2688: unnormalised softmax probabilities are scaled into [0, P_RANGE] before P quantisation,
 so the per-16-key scale max(P)/6 uses the whole ue4m3 range."""
+
+TENSOR_SCALE_RANGE = E4M3_MAX * E2M1_MAX
+"""2688: a tensor scale t puts the largest |x| / t of a tensor in (1344, 2688], so its largest
+block scale e4m3(amax / 6) lands in the top octave of ue4m3."""
+
+BALANCE_QK_DEFAULT = True
+"""Whether Q and K are balanced per channel unless the caller says otherwise (docs/report)."""
+
+BALANCE_MAX_EXPONENT = 64
+"""The channel balance s_c lies in [2^-64, 2^64]."""
 
 SUPPORTED_HEAD_DIMS = (64, 128)
 
@@ -118,6 +141,63 @@ def e4m3_encode(x: torch.Tensor) -> torch.Tensor:
 def e4m3_decode(bits: torch.Tensor) -> torch.Tensor:
     """e4m3fn bits (uint8) -> float32."""
     return bits.view(torch.float8_e4m3fn).float()
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensor scales and the channel balance (powers of two from exponents: exact, scale-equivariant)
+# ---------------------------------------------------------------------------------------------
+
+def _frexp(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(m, e) with x = m * 2^e, m in [0.5, 1) (fp32; x > 0 finite)."""
+    m, e = torch.frexp(x.float())
+    return m, e.to(torch.int32)
+
+
+def _power_of_two(exponent: torch.Tensor) -> torch.Tensor:
+    return torch.ldexp(torch.ones(exponent.shape, dtype=torch.float32, device=exponent.device), exponent)
+
+
+def tensor_scale(absmax: torch.Tensor) -> torch.Tensor:
+    """The tensor scale of a tensor whose largest magnitude is ``absmax``: the smallest power of
+    two t with absmax / t <= 2688 (so absmax / t lies in (1344, 2688]), kept in [2^-126, 2^127].
+    1 where absmax is 0 or not finite (a NaN / inf input: the op reports those rows as NaN).
+
+    2688 = 0.65625 * 2^12, so with absmax = m * 2^e (m in [0.5, 1)) the exponent is
+    e - 12 + (m > 0.65625): integers only, which the CUDA code (``tensor_scale`` in
+    ``csrc/common/format.cuh``) repeats bit for bit.
+    """
+    a = absmax.float()
+    ok = torch.isfinite(a) & (a > 0)
+    m, e = _frexp(torch.where(ok, a, 1.0))
+    exponent = (e - 12 + (m > 0.65625).to(torch.int32)).clamp(-126, 127)
+    return torch.where(ok, _power_of_two(exponent), 1.0)
+
+
+def channel_balance(amax_q: torch.Tensor, amax_k: torch.Tensor) -> torch.Tensor:
+    """The channel balance s [..., D] of one head from its per-channel statistics [..., D]: Q is
+    multiplied by s_c and K divided by it, which leaves q . k unchanged exactly.
+
+    s_c = 2^e with 2^(2e-1) <= r_c < 2^(2e+1): the power of two nearest sqrt(r_c) on a log scale,
+    where r_c = (amax_k[c] / amax_q[c]) / (max amax_k / max amax_q) is channel c's ratio relative to
+    the head's. Channels whose ratio lies within a factor 2 of the head's keep s_c = 1 (a factor
+    common to all channels would only move the tensor scales); the others, where Q and K put their
+    energy in different channels, are brought to the same magnitude, so neither side's block scales
+    are set by the other side's large channels.
+
+    Exact: the numerator and denominator of r_c are products of two fp32 values, exact in fp64, and
+    floor(log2 r_c) comes from their exponents and one mantissa compare. A power-of-two factor c on
+    Q and 1/c on K leaves s unchanged. s_c = 1 where a statistic is 0 or not finite; e in [-64, 64].
+    """
+    aq, ak = amax_q.double(), amax_k.double()
+    top_q, top_k = aq.amax(-1, keepdim=True), ak.amax(-1, keepdim=True)
+    num, den = ak * top_q, aq * top_k
+    ok = torch.isfinite(num) & torch.isfinite(den) & (num > 0) & (den > 0)
+    mn, en = torch.frexp(torch.where(ok, num, 1.0))
+    md, ed = torch.frexp(torch.where(ok, den, 1.0))
+    floor_log2 = (en - ed).to(torch.int32) - (mn < md).to(torch.int32)
+    exponent = torch.div(floor_log2 + 1, 2, rounding_mode="floor").clamp(-BALANCE_MAX_EXPONENT,
+                                                                          BALANCE_MAX_EXPONENT)
+    return torch.where(ok, _power_of_two(exponent), 1.0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -199,8 +279,8 @@ def padded_head_dim(d: int) -> Optional[int]:
     return None
 
 
-def pad_dim(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
-    """Zero-pad ``x`` along ``dim`` up to ``size``."""
+def pad_dim(x: torch.Tensor, dim: int, size: int, value: float = 0.0) -> torch.Tensor:
+    """Pad ``x`` along ``dim`` up to ``size`` with ``value`` (zeros by default)."""
     extra = size - x.shape[dim]
     if extra < 0:
         raise ValueError(f"cannot pad dim {dim} of size {x.shape[dim]} down to {size}")
@@ -208,7 +288,7 @@ def pad_dim(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
         return x
     shape = list(x.shape)
     shape[dim] = extra
-    return torch.cat((x, x.new_zeros(shape)), dim=dim)
+    return torch.cat((x, x.new_full(shape, value)), dim=dim)
 
 
 def permute_k_rows(x: torch.Tensor, dim: int = -2) -> torch.Tensor:
@@ -251,9 +331,15 @@ class QuantizedQKV:
     vt_sf: torch.Tensor
     q_mean: torch.Tensor
     k_mean: torch.Tensor
+    v_mean: torch.Tensor
+    q_scale: torch.Tensor
+    k_scale: torch.Tensor
+    v_scale: torch.Tensor
+    balance: Optional[torch.Tensor]
     q_dot_km: torch.Tensor
     k_smoothed: Optional[torch.Tensor]
-    """fp32 [B, Hkv, Skp, Dp] natural order, for the correction term (None from the CUDA quantiser)."""
+    """fp32 [B, Hkv, Skp, Dp] natural order, K - km (unbalanced, unscaled), for the correction
+    term (None from the CUDA quantiser)."""
     seq_q: int
     seq_k: int
     head_dim: int
@@ -262,6 +348,12 @@ class QuantizedQKV:
     @property
     def num_q_blocks(self) -> int:
         return self.q_data.shape[2] // SEQ_TILE
+
+    def score_scale(self) -> torch.Tensor:
+        """[B, H, Sqp/128] fp32: q_scale * k_scale, the factor from the kernel's score units
+        (products of the quantised, tensor-scaled Q and K) to q . k units. A power of two."""
+        group = self.q_scale.shape[1] // self.k_scale.shape[1]
+        return self.q_scale * self.k_scale.repeat_interleave(group, dim=1)[:, :, None]
 
 
 def valid_key_mask(kv_lens: Optional[torch.Tensor], batch: int, seq_k: int, device) -> torch.Tensor:
@@ -296,11 +388,13 @@ def nonfinite_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_lens:
 
 
 def k_mean(k_hnd: torch.Tensor, kv_lens: Optional[torch.Tensor]) -> torch.Tensor:
-    """km [B, Hkv, D] fp32: mean over the valid keys (zero when a batch has none)."""
+    """km [B, Hkv, D] fp32: mean over the valid keys (zero when a batch has none); also V's vm."""
     b, _, s, _ = k_hnd.shape
     valid = valid_key_mask(kv_lens, b, s, k_hnd.device)[:, None, :, None]
     count = valid.sum(2).clamp_min(1).float()
-    return torch.where(valid, k_hnd.float(), 0.0).sum(2) / count
+    # Contiguous first: torch's summation order follows the strides, and the mean must not
+    # depend on the caller's memory layout (a channels-last V gives the same bytes).
+    return torch.where(valid, k_hnd.float(), 0.0).contiguous().sum(2) / count
 
 
 def q_block_means(q_hnd: torch.Tensor, per_block_mean: bool = True) -> torch.Tensor:
@@ -321,6 +415,17 @@ def q_block_means(q_hnd: torch.Tensor, per_block_mean: bool = True) -> torch.Ten
     return padded.sum(3) / count[:, None]
 
 
+def balance_statistics(q_smoothed: torch.Tensor, k_smoothed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(amax|Q_c - qm_c|, amax|K_c - km_c|) [B, Hkv, D] fp32: the statistics of
+    :func:`channel_balance`, taken on what is quantised. Q's are over every row of the query heads
+    that share a kv head; ``k_smoothed`` holds zeros past kv_lens, which cannot raise a maximum."""
+    b, h, sq, d = q_smoothed.shape
+    hkv = k_smoothed.shape[1]
+    amax_q = q_smoothed.abs().reshape(b, hkv, (h // hkv) * sq, d).amax(2) if sq else q_smoothed.new_zeros(b, hkv, d)
+    amax_k = k_smoothed.abs().amax(2) if k_smoothed.shape[2] else k_smoothed.new_zeros(b, hkv, d)
+    return amax_q.float(), amax_k.float()
+
+
 def quantize_qkv(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -328,15 +433,21 @@ def quantize_qkv(
     *,
     layout: str = "NHD",
     kv_lens: Optional[torch.Tensor] = None,
+    balance_qk: bool = BALANCE_QK_DEFAULT,
     per_block_mean: bool = True,
     q_mean: Optional[torch.Tensor] = None,
     k_mean_override: Optional[torch.Tensor] = None,
+    v_mean_override: Optional[torch.Tensor] = None,
+    balance_override: Optional[torch.Tensor] = None,
 ) -> QuantizedQKV:
-    """Smooth and quantise Q, K, V into the kernel's layouts (pure torch, the reference path).
+    """Balance, smooth, scale and quantise Q, K, V into the kernel's layouts (pure torch, the
+    reference path; the module docstring has the steps and the layouts).
 
-    ``q_mean`` [B, H, Sqp/128, D] and ``k_mean_override`` [B, Hkv, D] replace the computed means;
-    tests use them to compare a kernel's bytes exactly given the kernel's own (reduction-order
-    dependent) means.
+    ``q_mean`` [B, H, Sqp/128, D], ``k_mean_override`` and ``v_mean_override`` [B, Hkv, D] replace
+    the computed means, ``balance_override`` [B, Hkv, D] the balance (implies ``balance_qk``); tests
+    use them to compare a kernel's bytes exactly given the kernel's own (reduction-order dependent)
+    means, from which the balance can differ where a channel's ratio sits on a power of two.
+    Everything else follows from the means and the balance exactly.
     """
     qh, kh, vh = (to_hnd(t, layout) for t in (q, k, v))
     b, h, sq, d = qh.shape
@@ -345,45 +456,70 @@ def quantize_qkv(
     if dp is None:
         raise ValueError(f"head dim {d} is above the largest supported ({SUPPORTED_HEAD_DIMS[-1]})")
     sqp, skp = round_up(max(sq, 1), SEQ_TILE), round_up(max(sk, 1), SEQ_TILE)
+    nblk = sqp // SEQ_TILE
     group = h // hkv
 
     # Overrides may come with the padded head dim (as a kernel writes them); slice to D.
     km = k_mean(kh, kv_lens) if k_mean_override is None else k_mean_override.float()[..., :d]
+    vm = k_mean(vh, kv_lens) if v_mean_override is None else v_mean_override.float()[..., :d]
     qm = q_block_means(qh, per_block_mean) if q_mean is None else q_mean.float()[..., :d]
-
-    # Smooth before padding so padded rows stay exactly zero.  Keys past kv_lens are padding
+    # Smooth before padding so padded rows stay exactly zero. Keys past kv_lens are padding
     # too: zeroing them keeps their values out of the 16-token V scales of valid keys.
     valid = valid_key_mask(kv_lens, b, sk, kh.device)[:, None, :, None]
-    k_s = pad_dim(pad_dim(torch.where(valid, kh.float() - km[:, :, None, :], 0.0), 3, dp), 2, skp)
-    qm_rows = qm.repeat_interleave(SEQ_TILE, dim=2)[:, :, :sq]
-    q_s = pad_dim(pad_dim(qh.float() - qm_rows, 3, dp), 2, sqp)
-    vt = pad_dim(pad_dim(torch.where(valid, vh.float(), 0.0), 3, dp), 2, skp).transpose(2, 3)
+    k_s = torch.where(valid, kh.float() - km[:, :, None, :], 0.0)
+    v_s = torch.where(valid, vh.float() - vm[:, :, None, :], 0.0)
+    q_s = qh.float() - qm.repeat_interleave(SEQ_TILE, dim=2)[:, :, :sq]
+    if balance_override is not None:
+        balance = balance_override.float()[..., :d]
+    else:
+        balance = channel_balance(*balance_statistics(q_s, k_s)) if balance_qk else None
+    k_b, q_b = k_s, q_s
+    if balance is not None:  # powers of two: exact
+        k_b = k_s / balance[:, :, None, :]
+        q_b = q_s * balance.repeat_interleave(group, dim=1)[:, :, None, :]
 
-    q_data, q_sf = quantize_blocks(q_s)
-    k_data, k_sf = quantize_blocks(permute_k_rows(k_s, dim=2))
+    def absmax(x, dims):
+        return x.abs().amax(dims) if x.numel() else x.new_zeros([n for i, n in enumerate(x.shape) if i not in dims])
+
+    k_scale = tensor_scale(absmax(k_b, (2, 3)))
+    v_scale = tensor_scale(absmax(v_s, (2, 3)))
+    q_rows = pad_dim(pad_dim(q_b, 3, dp), 2, sqp)
+    q_scale = tensor_scale(absmax(q_rows.unflatten(2, (nblk, SEQ_TILE)), (3, 4)))
+
+    q_data, q_sf = quantize_blocks(q_rows / q_scale.repeat_interleave(SEQ_TILE, dim=2)[..., None])
+    k_rows = pad_dim(pad_dim(k_b / k_scale[:, :, None, None], 3, dp), 2, skp)
+    k_data, k_sf = quantize_blocks(permute_k_rows(k_rows, dim=2))
+    vt = pad_dim(pad_dim(v_s / v_scale[:, :, None, None], 3, dp), 2, skp).transpose(2, 3)
     vt_data, vt_sf = quantize_blocks(vt)
     km_q = km.repeat_interleave(group, dim=1)
     q_dot_km = (qh.float() * km_q[:, :, None, :]).sum(-1)
     return QuantizedQKV(
         q_data=q_data, q_sf=q_sf, k_data=k_data, k_sf=k_sf, vt_data=vt_data, vt_sf=vt_sf,
-        q_mean=pad_dim(qm, 3, dp), k_mean=pad_dim(km, 2, dp), q_dot_km=q_dot_km,
-        k_smoothed=k_s, seq_q=sq, seq_k=sk, head_dim=d, head_dim_padded=dp,
+        q_mean=pad_dim(qm, 3, dp), k_mean=pad_dim(km, 2, dp), v_mean=pad_dim(vm, 2, dp),
+        q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
+        balance=None if balance is None else pad_dim(balance, 2, dp, 1.0),
+        q_dot_km=q_dot_km, k_smoothed=pad_dim(pad_dim(k_s, 3, dp), 2, skp), seq_q=sq, seq_k=sk, head_dim=d,
+        head_dim_padded=dp,
     )
 
 
 def correction(qq: QuantizedQKV, block_start: int = 0, block_end: Optional[int] = None) -> torch.Tensor:
-    """delta [B, H, nblk, Skp] fp32 = qm . k_smoothed^T for Q blocks [block_start, block_end).
+    """delta [B, H, nblk, Skp] fp32 for Q blocks [block_start, block_end), in the kernel's score
+    units: qm . k_smoothed^T / (q_scale * k_scale).
 
     Keys are in natural order. Added to the FP4 scores, it restores q . (k - km) exactly up to
-    the FP4 error of (q - qm) and (k - km): q.(k-km) = (q-qm).(k-km) + qm.(k-km).
+    the FP4 error of (q - qm) and (k - km): q.(k-km) = (q-qm).(k-km) + qm.(k-km). The channel
+    balance cancels in it exactly (qm s . ks / s), so it is computed without it.
     """
     if qq.k_smoothed is None:
-        raise ValueError("this QuantizedQKV carries no fp32 k_smoothed (it comes from the CUDA quantiser: use nvfp4_dit.quantize.correction)")
+        raise ValueError("this QuantizedQKV carries no fp32 k_smoothed (it comes from the CUDA quantiser: "
+                         "use nvfp4_dit.quantize.correction)")
     block_end = qq.num_q_blocks if block_end is None else block_end
     qm = qq.q_mean[:, :, block_start:block_end]
     group = qm.shape[1] // qq.k_smoothed.shape[1]
     ks = qq.k_smoothed.repeat_interleave(group, dim=1) if group > 1 else qq.k_smoothed
-    return torch.matmul(qm, ks.transpose(-1, -2))
+    delta = torch.matmul(qm, ks.transpose(-1, -2))
+    return delta / qq.score_scale()[:, :, block_start:block_end, None]
 
 
 def dequantize_qkv(qq: QuantizedQKV) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -1,19 +1,22 @@
 """The NVFP4 attention algorithm in plain PyTorch: the exact numerics the CUDA kernel runs.
 
-Step for step (see DEVELOPERS.md, "The NVFP4 contract"):
+Step for step (the format: :mod:`nvfp4_dit.format`; the contract: CONTRIBUTING.md):
 
-1. K is smoothed by its per-head mean, Q by per-128-row-block means; both are FP4-quantised
-   (:func:`nvfp4_dit.format.quantize_qkv`), V is FP4-quantised along tokens.
-2. Scores ``s = FP4(q - qm) . FP4(k - km)^T + qm . (k - km)^T`` (the correction term is fp32).
+1. Q and K are optionally balanced per channel; K is smoothed by its per-head mean, Q by
+   per-128-row-block means, V by its per-head mean; each is divided by its power-of-two tensor
+   scale and FP4-quantised (:func:`nvfp4_dit.format.quantize_qkv`), V along tokens.
+2. Scores in the kernel's units ``s = FP4(q') . FP4(k')^T + delta`` with ``delta = qm . (k - km)^T
+   / f`` (fp32) and ``f = q_scale * k_scale`` per (batch, head, Q block); q . k = s * f.
 3. Online softmax over 128-key tiles in ascending key order: the running max ``m_t`` after tile
-   t sets the unnormalised ``P' = 2688 * exp(scale * (s - m_t))``, which is quantised per 16 keys
-   (:func:`nvfp4_dit.format.quantize_p_blocks`) and multiplied with FP4(V) in fp32; earlier
-   tiles are rescaled by ``exp(scale * (m_t - m_T))``.  The row sum uses the unquantised P'.
-4. ``out = O / rowsum``; ``lse = m*scale + ln(rowsum) - ln(2688) + scale * q.km`` (the true LSE
-   of the scaled scores, the K-mean term given back).
+   t sets the unnormalised ``P' = 2688 * exp(scale * f * (s - m_t))``, which is quantised per 16
+   keys (:func:`nvfp4_dit.format.quantize_p_blocks`) and multiplied with FP4(V') in fp32; earlier
+   tiles are rescaled by ``exp(scale * f * (m_t - m_T))``. The row sum uses the unquantised P'.
+4. ``out = O / rowsum * v_scale + vm`` (0 for a row with no visible key);
+   ``lse = m * scale * f + ln(rowsum) - ln(2688) + scale * q.km`` (the true LSE of the scaled
+   scores, the K-mean term given back).
 
 The tile loop is written in closed form (a cumulative max over tile maxima) so it vectorises;
-it is the same arithmetic as the kernel's sequential rescaling up to fp32 rounding.  Q is
+it is the same arithmetic as the kernel's sequential rescaling up to fp32 rounding. Q is
 processed in chunks of 128-row blocks, so memory is O(S*D + chunk*S), never S x S.
 """
 
@@ -41,6 +44,7 @@ def attention_reference(
     key_bias: Optional[torch.Tensor] = None,
     kv_lens: Optional[torch.Tensor] = None,
     return_lse: bool = False,
+    balance_qk: bool = fmt.BALANCE_QK_DEFAULT,
     per_block_mean: bool = True,
     query_blocks: Optional[tuple[int, int]] = None,
     chunk_elems: int = _DEFAULT_CHUNK_ELEMS,
@@ -57,6 +61,7 @@ def attention_reference(
         key_bias: optional additive float bias per key ``[B, Sk]`` (in units of the *scaled*
             score; ``-inf`` masks a key).
         kv_lens: optional int ``[B]``: keys j >= kv_lens[b] are masked.
+        balance_qk: balance Q and K per channel before quantising (exact in the logits).
         query_blocks: optional ``(first, last)`` range of 128-row Q blocks to compute; the
             output then holds only those rows (for sampled checks on long sequences).
         quantized: a precomputed :class:`~nvfp4_dit.format.QuantizedQKV` (from
@@ -71,21 +76,22 @@ def attention_reference(
     hkv, sk = fmt.to_hnd(k, layout).shape[1:3]
     scale = fmt.default_scale(d) if scale is None else float(scale)
     qq = quantized if quantized is not None else fmt.quantize_qkv(
-        q, k, v, layout=layout, kv_lens=kv_lens, per_block_mean=per_block_mean
+        q, k, v, layout=layout, kv_lens=kv_lens, balance_qk=balance_qk, per_block_mean=per_block_mean
     )
     q_hat, k_hat, v_hat = fmt.dequantize_qkv(qq)
     dp, skp = qq.head_dim_padded, k_hat.shape[2]
     group = h // hkv
     dev = q_hat.device
 
-    # Additive bias per key in unscaled-score units (the kernel compares raw scores).
+    # Key masks: -inf for keys past kv_lens and the padding; a key bias (in units of the scaled
+    # score) becomes kernel score units per Q block below (divided by scale * f).
     valid = fmt.valid_key_mask(kv_lens, b, sk, dev)
-    bias = torch.where(valid, 0.0, -math.inf)
-    if key_bias is not None:
-        bias = bias + key_bias.to(dev, torch.float32) / scale
-    bias = fmt.pad_dim(bias, 1, skp)
-    bias[:, sk:] = -math.inf
-    bias = bias[:, None, None, :]
+    mask = fmt.pad_dim(torch.where(valid, 0.0, -math.inf), 1, skp, -math.inf)[:, None, None, None, :]
+    key_bias_units = None if key_bias is None else \
+        fmt.pad_dim(key_bias.to(dev, torch.float32), 1, skp)[:, None, None, None, :] / scale
+    f_all = qq.score_scale().to(dev)  # [B, H, nblk]: kernel score units -> q.k units
+    v_scale = qq.v_scale.to(dev).repeat_interleave(group, 1)[:, :, None, None]
+    v_mean = qq.v_mean.to(dev).repeat_interleave(group, 1)[:, :, None, :]
 
     nblk = qq.num_q_blocks
     first, last = (0, nblk) if query_blocks is None else query_blocks
@@ -104,8 +110,13 @@ def attention_reference(
         rows = r1 - r0
         qc = q_hat[:, :, r0:r1].reshape(b, hkv, group * rows, dp)
         s = torch.matmul(qc, k_hat.transpose(-1, -2)).view(b, h, b1 - b0, fmt.SEQ_TILE, skp)
-        s = s + fmt.correction(qq, b0, b1)[:, :, :, None, :]
-        s = s.view(b, h, rows, skp) + bias
+        s = s + fmt.correction(qq, b0, b1)[:, :, :, None, :] + mask
+        f = f_all[:, :, b0:b1, None, None]
+        if key_bias_units is not None:
+            s = s + key_bias_units / f
+        s = s.view(b, h, rows, skp)
+        f_rows = f.view(b, h, b1 - b0, 1, 1).expand(b, h, b1 - b0, fmt.SEQ_TILE, 1).reshape(b, h, rows, 1)
+        cf = c * f_rows  # the softmax scale in kernel units, log2 based
         if causal:
             q_idx = torch.arange(r0, r1, device=dev)
             s = s.masked_fill(key_idx[None, :] > q_idx[:, None], -math.inf)
@@ -113,17 +124,19 @@ def attention_reference(
         tiles = s.view(b, h, rows, skp // fmt.SEQ_TILE, fmt.SEQ_TILE)
         m_run = torch.cummax(tiles.amax(-1), dim=-1).values
         m_safe = torch.where(torch.isneginf(m_run), 0.0, m_run)
-        p = torch.exp2((tiles - m_safe[..., None]) * c + log2_range)
+        p = torch.exp2((tiles - m_safe[..., None]) * cf[..., None] + log2_range)
         m_last = m_safe[..., -1:]
         # Tiles before the first unmasked key carry p = 0; weight them 0 too (no inf * 0).
-        weight = torch.where(torch.isneginf(m_run), 0.0, torch.exp2((m_safe - m_last) * c))
+        weight = torch.where(torch.isneginf(m_run), 0.0, torch.exp2((m_safe - m_last) * cf))
         row_sum = (p.sum(-1) * weight).sum(-1)
         p_q = fmt.quantize_p_blocks(p) * weight[..., None]
         o = torch.matmul(p_q.reshape(b, hkv, group * rows, skp), v_hat).view(b, h, rows, dp)
         has_keys = row_sum > 0
-        outs.append(torch.where(has_keys[..., None], o / row_sum.clamp_min(1e-30)[..., None], 0.0))
+        o = o / row_sum.clamp_min(1e-30)[..., None] * v_scale + v_mean
+        outs.append(torch.where(has_keys[..., None], o, 0.0))
         if return_lse:
-            lse = m_last[..., 0] * scale + torch.log(row_sum.clamp_min(1e-30)) - math.log(fmt.P_RANGE)
+            lse = (m_last[..., 0] * (scale * f_rows[..., 0]) + torch.log(row_sum.clamp_min(1e-30))
+                   - math.log(fmt.P_RANGE))
             lses.append(torch.where(has_keys, lse, -math.inf))
 
     row_end = min(last * fmt.SEQ_TILE, sq)

@@ -94,3 +94,72 @@ def test_header_matches_format_module(host_program, tmp_path):
     qb = fmt.e2m1_encode(torch.where(s == 0, 0.0, x / torch.where(s == 0, 1.0, s)))
     np.testing.assert_array_equal(got["sb"], sb.numpy())
     np.testing.assert_array_equal(got["qb"], qb.numpy())
+
+
+SCALES_PROGRAM = r"""
+#include "common/format.cuh"
+#include <cstdio>
+#include <vector>
+// Reads float quadruples (amax_q, amax_k, top_q, top_k); writes tensor_scale(amax_q) and
+// channel_balance(amax_q, amax_k, top_q, top_k) per quadruple.
+int main(int argc, char** argv) {
+  FILE* f = fopen(argv[1], "rb");
+  FILE* o = fopen(argv[2], "wb");
+  float x[4];
+  while (fread(x, sizeof(float), 4, f) == 4) {
+    const float t = nvfp4_dit::tensor_scale(x[0]);
+    const float s = nvfp4_dit::channel_balance(x[0], x[1], x[2], x[3]);
+    fwrite(&t, 4, 1, o);
+    fwrite(&s, 4, 1, o);
+  }
+  fclose(f);
+  fclose(o);
+  return 0;
+}
+"""
+
+
+def test_tensor_scale_and_balance_match_format_module(tmp_path):
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("nvcc not found")
+    src = tmp_path / "scales.cu"
+    src.write_text(SCALES_PROGRAM)
+    exe = tmp_path / "scales"
+    subprocess.run([nvcc, "-std=c++17", "-O2", f"-I{CSRC}", str(src), "-o", str(exe)], check=True, capture_output=True)
+    g = torch.Generator().manual_seed(3)
+    n = 200_000
+    mags = lambda: torch.exp2(torch.randint(-140, 128, (n,), generator=g).float()) * torch.rand(n, generator=g)  # noqa: E731
+    x = torch.stack([mags(), mags(), mags(), mags()], 1)
+    # Exact boundaries: 2688 * 2^e and its neighbours, ratios on powers of two, zeros and specials.
+    edges = torch.tensor([2688.0, 1344.0, 2688.0 * 2.0 ** -130, 0.0, float("inf"), float("nan"), 3e38, 1e-45])
+    x[: len(edges), 0] = edges
+    x[len(edges): 2 * len(edges), 0] = torch.nextafter(edges.abs(), torch.full_like(edges, float("inf")))
+    x[100:200, 1] = x[100:200, 0] * torch.exp2(torch.randint(-40, 40, (100,), generator=g).float())
+    x[200:300, 2:] = x[200:300, :2].flip(1)
+    x = torch.where(torch.rand(x.shape, generator=g) < 0.01, 0.0, x)
+    inp, out = tmp_path / "in.bin", tmp_path / "out.bin"
+    x.numpy().tofile(inp)
+    subprocess.run([str(exe), str(inp), str(out)], check=True)
+    got = torch.from_numpy(np.fromfile(out, dtype=np.float32).reshape(-1, 2))
+    want_t = fmt.tensor_scale(x[:, 0])
+    # channel_balance over the last dim with its maxima: one channel per "head" row, top given.
+    aq, ak, top_q, top_k = (x[:, i].double() for i in range(4))
+    num, den = ak * top_q, aq * top_k
+    ok = torch.isfinite(num) & torch.isfinite(den) & (num > 0) & (den > 0)
+    mn, en = torch.frexp(torch.where(ok, num, 1.0))
+    md, ed = torch.frexp(torch.where(ok, den, 1.0))
+    e = torch.div((en - ed).int() - (mn < md).int() + 1, 2, rounding_mode="floor").clamp(-64, 64)
+    want_s = torch.where(ok, torch.ldexp(torch.ones(n), e), 1.0)
+    assert torch.equal(got[:, 0], want_t), (got[:, 0] != want_t).nonzero()[:5]
+    assert torch.equal(got[:, 1], want_s), (got[:, 1] != want_s).nonzero()[:5]
+    # The same rule through format.channel_balance, whose head maxima come from its inputs.
+    heads = x[:1000].view(100, 10, 4)
+    s = fmt.channel_balance(heads[..., 0], heads[..., 1])
+    top_q = heads[..., 0].double().amax(-1, keepdim=True).expand(100, 10)
+    top_k = heads[..., 1].double().amax(-1, keepdim=True).expand(100, 10)
+    num, den = heads[..., 1].double() * top_q, heads[..., 0].double() * top_k
+    log_ratio = (num / den).log2()
+    inside = torch.isfinite(log_ratio) & (log_ratio.abs() < 2 * 64)  # not clamped
+    assert inside.sum() > 300
+    assert torch.all((log_ratio - 2 * s.double().log2())[inside].abs() <= 1.0)

@@ -53,16 +53,14 @@ def test_block_structured_q(gen):
 
 
 def test_uniform_score_probe():
-    # All-equal scores and V = ones: the output is V's quantised value (1.03125: e4m3(1/6)*6),
-    # never a halved 0.5, and the LSE is ln(S) exactly.
+    # All-equal scores and V = ones: V smoothing takes the constant out of quantisation, so the
+    # output is exactly 1 (never a halved 0.5), and the LSE is ln(S).
     s = 1000
     q = torch.zeros(1, s, 2, 64)
     k = torch.zeros(1, s, 2, 64)
     v = torch.ones(1, s, 2, 64)
     out, lse = attention_reference(q, k, v, return_lse=True)
-    v_q = fmt.dequantize_blocks(*fmt.quantize_blocks(torch.ones(16)))[0].item()
-    assert v_q == pytest.approx(1.03125)
-    assert torch.allclose(out, torch.full_like(out, v_q), atol=1e-6)
+    assert torch.equal(out, torch.ones_like(out))
     assert torch.allclose(lse, torch.full_like(lse, math.log(s)), atol=1e-5)
 
 
@@ -80,8 +78,9 @@ def test_causal_matches_sdpa_semantics(gen):
     exact = F.scaled_dot_product_attention(*(t.transpose(1, 2).double() for t in (q, k, v)),
                                            is_causal=True).transpose(1, 2)
     assert _cos(out, exact) >= 0.98
-    # Row 0 sees only key 0: its output is FP4(v[0]) (P quantises exactly for a single key).
-    vq = fmt.dequantize_qkv(fmt.quantize_qkv(q, k, v))[2][0, :, 0]
+    # Row 0 sees only key 0: its output is v[0] through FP4 (P quantises exactly for a single key).
+    qq = fmt.quantize_qkv(q, k, v)
+    vq = fmt.dequantize_qkv(qq)[2][0, :, 0] * qq.v_scale[0, :, None] + qq.v_mean[0]
     assert torch.allclose(out[0, 0], vq, atol=1e-6)
 
 
@@ -174,3 +173,91 @@ def test_half_precision_inputs(gen):
     assert out.dtype == torch.bfloat16
     exact, _ = attention_exact(q, k, v)
     assert _cos(out, exact) >= 0.98
+
+
+# ---------------------------------------------------------------------------------------------
+# Two-level scales, channel balance, V smoothing
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("balance_qk", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_power_of_two_scaling_is_exact(dtype, balance_qk):
+    """attention(c q, k / c, d v) == d attention(q, k, v) bit for bit, with the same LSE: the tensor
+    scales and the balance are powers of two chosen from exponents."""
+    g = torch.Generator().manual_seed(11)
+    # Magnitudes kept off zero, so that no scaled value becomes subnormal (inexact) in fp16.
+    q, k, v = (x.sign() * x.abs().clamp_min(0.05) for x in (torch.randn(2, 300, 4, 64, generator=g) for _ in range(3)))
+    k = k[:, :, :2]
+    v = v[:, :, :2]
+    lens = torch.tensor([300, 177])
+    # fp16 has 5 exponent bits: keep every scaled value normal there.
+    factors = [(2.0 ** 5, 2.0 ** -7), (2.0 ** -3, 2.0 ** 4)] if dtype == torch.float16 else \
+        [(2.0 ** 40, 2.0 ** -60), (2.0 ** -20, 2.0 ** 50)]
+    q, k, v = (t.to(dtype) for t in (q, k, v))
+    out, lse = attention_reference(q, k, v, kv_lens=lens, causal=True, return_lse=True, balance_qk=balance_qk)
+    for c, d in factors:
+        qc, kc, vd = (q.float() * c).to(dtype), (k.float() / c).to(dtype), (v.float() * d).to(dtype)
+        assert torch.equal(qc.float() / c, q.float()) and torch.equal(vd.float() / d, v.float())
+        out2, lse2 = attention_reference(qc, kc, vd, kv_lens=lens, causal=True, return_lse=True, balance_qk=balance_qk)
+        # Outputs that are (or would be) subnormal in the dtype round differently: compare the rest.
+        tiny = torch.finfo(dtype).tiny
+        normal = (out.float().abs() >= tiny) & ((out.float() * d).abs() >= tiny) | (out == 0)
+        assert normal.float().mean() > 0.95
+        assert torch.equal(out2.float()[normal], (out.float() * d)[normal])
+        assert torch.equal(lse2, lse)
+
+
+@pytest.mark.parametrize("magnitude", [1e-4, 1e-2, 1e2, 1e4])
+@pytest.mark.parametrize("which", ["v", "qk"])
+def test_any_head_magnitude_keeps_the_accuracy(which, magnitude):
+    """A head whose absmax lies anywhere in [1e-4, 1e4] (V, or Q times c with K over c): no block
+    scale underflows or saturates (cos >= 0.975, never an all-zero output)."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 512, 2, 128, generator=g) for _ in range(3))
+    if which == "v":
+        v = v * (magnitude / v.abs().amax())
+    else:
+        c = magnitude / q.abs().amax()
+        q, k = q * c, k / c
+    q, k, v = (t.bfloat16() for t in (q, k, v))
+    out = attention_reference(q, k, v, balance_qk=False)
+    exact, _ = attention_exact(q, k, v)
+    assert out.abs().amax() > 0
+    assert _cos(out, exact) >= 0.975
+
+
+@pytest.mark.parametrize("factor", [30.0, 100.0])
+def test_balance_restores_channels_where_q_and_k_disagree(factor):
+    """K large and Q small in a few channels (the same logits): balancing brings cos back to iid's."""
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(1, 512, 2, 128, generator=g) for _ in range(3))
+    ch = torch.randperm(128, generator=g)[:4]
+    k[..., ch] *= factor
+    q[..., ch] /= factor
+    exact, exact_lse = attention_exact(q, k, v)
+    plain = attention_reference(q, k, v, balance_qk=False)
+    out, lse = attention_reference(q, k, v, balance_qk=True, return_lse=True)
+    assert _cos(out, exact) >= 0.975 > _cos(plain, exact)
+    assert (lse.double() - exact_lse).abs().mean() <= 0.03
+
+
+def test_balance_leaves_balanced_heads_alone():
+    """Channels whose K/Q ratio is within a factor 2 of the head's keep s = 1 (iid data), and a
+    factor common to every channel is only a tensor scale: the bytes do not change."""
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(1, 512, 2, 128, generator=g) for _ in range(3))
+    qq = fmt.quantize_qkv(q, k, v, balance_qk=True)
+    assert torch.all(qq.balance == 1)
+    plain = fmt.quantize_qkv(q * 3.7, k / 3.7, v, balance_qk=False)
+    balanced = fmt.quantize_qkv(q * 3.7, k / 3.7, v, balance_qk=True)
+    assert torch.equal(plain.q_data, balanced.q_data) and torch.equal(plain.k_data, balanced.k_data)
+
+
+def test_v_smoothing_keeps_empty_rows_zero_and_a_constant_v_exact(gen):
+    q, k, v = _qkv(gen, sq=300, sk=300, d=64)
+    v = v + 50.0
+    lens = torch.tensor([0, 300])[: q.shape[0]] if q.shape[0] == 2 else torch.tensor([0])
+    out, lse = attention_reference(q, k, v, kv_lens=lens, return_lse=True)
+    assert torch.all(out[0] == 0) and torch.isneginf(lse[0]).all()  # no key: 0, not the V mean
+    const = torch.full_like(v, 3.25)
+    assert torch.equal(attention_reference(q, k, const), torch.full_like(q, 3.25))

@@ -188,6 +188,42 @@ __host__ __device__ __forceinline__ float block_scale_value(float amax, uint32_t
   return e4m3_to_float(bits);
 }
 
+// ---------------------------------------------------------------------------------------------
+// Tensor scales and the channel balance (format.tensor_scale, format.channel_balance)
+// ---------------------------------------------------------------------------------------------
+
+constexpr float kTensorScaleRange = 2688.0f;  // 448 * 6: a tensor scale puts |x| / t in (1344, 2688]
+constexpr int kBalanceMaxExponent = 64;
+
+// The smallest power of two t with absmax / t <= 2688, in [2^-126, 2^127]; 1 for 0 or non-finite.
+// 2688 = 0.65625 * 2^12, so with absmax = m * 2^e (m in [0.5, 1)) the exponent is
+// e - 12 + (m > 0.65625): integers only, as in format.py.
+__host__ __device__ __forceinline__ float tensor_scale(float absmax) {
+  if (!(absmax > 0.0f) || !(absmax <= 3.4028234663852886e38f)) return 1.0f;
+  int e;
+  const float m = frexpf(absmax, &e);
+  int exponent = e - 12 + (m > 0.65625f ? 1 : 0);
+  exponent = exponent < -126 ? -126 : (exponent > 127 ? 127 : exponent);
+  return bits_float(uint32_t(exponent + 127) << 23);
+}
+
+// The channel balance s_c of one channel from its statistics and the head's maxima over
+// channels (format.channel_balance): 2^e with 2^(2e-1) <= r < 2^(2e+1),
+// r = (amax_k * top_q) / (amax_q * top_k), the products exact in fp64.
+__host__ __device__ __forceinline__ float channel_balance(float amax_q, float amax_k, float top_q, float top_k) {
+  const double num = double(amax_k) * double(top_q), den = double(amax_q) * double(top_k);
+  const double kMax = 1.7976931348623157e308;
+  if (!(num > 0.0) || !(den > 0.0) || !(num <= kMax) || !(den <= kMax)) return 1.0f;
+  int en, ed;
+  const double mn = frexp(num, &en), md = frexp(den, &ed);
+  const int floor_log2 = en - ed - (mn < md ? 1 : 0);
+  // floor((n + 1) / 2) for negative n too
+  int exponent = (floor_log2 + 1) >= 0 ? (floor_log2 + 1) / 2 : -((-(floor_log2 + 1) + 1) / 2);
+  exponent = exponent < -kBalanceMaxExponent ? -kBalanceMaxExponent
+                                             : (exponent > kBalanceMaxExponent ? kBalanceMaxExponent : exponent);
+  return bits_float(uint32_t(exponent + 127) << 23);
+}
+
 // x / scale for quantisation (IEEE division; a zero scale gives 0 so the block is all-zero).
 __host__ __device__ __forceinline__ float scale_for_e2m1(float x, float scale) {
 #ifdef __CUDA_ARCH__

@@ -190,13 +190,44 @@ def _round_up(n: int, m: int) -> int:
     return (n + m - 1) // m * m
 
 
-def oracle_fp4_attention(q, k, v, *, causal, scale, kv_lens, key_bias, layout, means=None):
+def oracle_tensor_scale(absmax: float) -> float:
+    """The contract's tensor scale, by search: the smallest power of two t with absmax / t <= 2688."""
+    if not (math.isfinite(absmax) and absmax > 0):
+        return 1.0
+    e = math.frexp(absmax)[1] - 13
+    while absmax / 2.0 ** e > 2688:
+        e += 1
+    return 2.0 ** max(-126, min(127, e))
+
+
+def oracle_balance(amax_q: list, amax_k: list) -> list:
+    """The contract's channel balance of one head, by search: per channel the power of two 2^e with
+    2^(2e-1) <= r < 2^(2e+1), r = (amax_k / amax_q) / (max amax_k / max amax_q) (exact rationals)."""
+    from fractions import Fraction
+
+    top_q, top_k = max(amax_q), max(amax_k)
+    out = []
+    for aq, ak in zip(amax_q, amax_k):
+        if not all(math.isfinite(x) and x > 0 for x in (aq, ak, top_q, top_k)):
+            out.append(1.0)
+            continue
+        r = Fraction(ak) * Fraction(top_q) / (Fraction(aq) * Fraction(top_k))
+        e = 0
+        while r >= Fraction(2) ** (2 * e + 1):
+            e += 1
+        while r < Fraction(2) ** (2 * e - 1):
+            e -= 1
+        out.append(2.0 ** max(-64, min(64, e)))
+    return out
+
+
+def oracle_fp4_attention(q, k, v, *, causal, scale, kv_lens, key_bias, layout, balance_qk=False, means=None):
     """The contract, step by step, with a sequential tile loop (float64 after quantisation).
 
-    ``means=(qm, km)`` replaces the oracle's own fp32 means (float64 sums rounded once), which
+    ``means=(qm, km, vm)`` replaces the oracle's own fp32 means (float64 sums rounded once), which
     may differ from a torch fp32 reduction by an ulp and so flip a code at a rounding boundary;
     :func:`check_case` checks the means separately and then compares everything else exactly.
-    Returns ``(out, lse, (qm, km))``.
+    Returns ``(out, lse, (qm, km, vm))``.
     """
     qh, kh, vh = (fmt.to_hnd(t, layout).float() for t in (q, k, v))
     b, h, sq, d = qh.shape
@@ -212,30 +243,51 @@ def oracle_fp4_attention(q, k, v, *, causal, scale, kv_lens, key_bias, layout, m
     vmask = valid[:, None, :, None]
     cnt = vmask.sum(2).clamp_min(1)
     km = (torch.where(vmask, kh.double(), 0.0).sum(2) / cnt).float()       # [B, Hkv, D]
+    vm = (torch.where(vmask, vh.double(), 0.0).sum(2) / cnt).float()
     nblk = sqp // TILE
     qpad = torch.zeros(b, h, sqp, d)
     qpad[:, :, :sq] = qh
     rows_valid = (torch.arange(sqp) < sq).view(nblk, TILE)
     qm = (qpad.double().view(b, h, nblk, TILE, d).sum(3) / rows_valid.sum(1).clamp_min(1)[:, None]).float()
-    own_means = (qm, km)
+    own_means = (qm, km, vm)
     if means is not None:
-        qm, km = means
+        qm, km, vm = means
 
     def pad(x, s_to, d_to):
         out = torch.zeros(*x.shape[:2], s_to, d_to, dtype=x.dtype)
         out[:, :, :x.shape[2], :x.shape[3]] = x
         return out
 
-    k_s = pad(torch.where(vmask, kh - km[:, :, None], 0.0), skp, dp)
-    q_s = pad(qh - qm.repeat_interleave(TILE, 2)[:, :, :sq], sqp, dp)
-    v_z = pad(torch.where(vmask, vh, 0.0), skp, dp)
-    q_hat = oracle_quantize(q_s)[2]
-    k_hat = oracle_quantize(k_s)[2]                                        # row permutation: storage only
-    v_hat = oracle_quantize(v_z.transpose(2, 3))[2].transpose(2, 3)        # blocks of 16 tokens
+    k_dev = torch.where(vmask, kh - km[:, :, None], 0.0)
+    v_dev = torch.where(vmask, vh - vm[:, :, None], 0.0)
+    q_dev = qh - qm.repeat_interleave(TILE, 2)[:, :, :sq]
+    # Channel balance from the smoothed Q rows (every head of a kv group) and K's valid keys.
+    bal = torch.ones(b, hkv, d)
+    if balance_qk:
+        for bi in range(b):
+            for kv in range(hkv):
+                aq = [q_dev[bi, kv * g:(kv + 1) * g, :, c].abs().max().item() if sq else 0.0 for c in range(d)]
+                ak = [k_dev[bi, kv, :, c].abs().max().item() if sk else 0.0 for c in range(d)]
+                bal[bi, kv] = torch.tensor(oracle_balance(aq, ak))
+    k_bal = k_dev / bal[:, :, None]
+    q_bal = q_dev * bal.repeat_interleave(g, 1)[:, :, None]
+    ts_k = torch.tensor([[oracle_tensor_scale(k_bal[bi, kv].abs().max().item() if sk else 0.0) for kv in range(hkv)]
+                         for bi in range(b)])
+    ts_v = torch.tensor([[oracle_tensor_scale(v_dev[bi, kv].abs().max().item() if sk else 0.0) for kv in range(hkv)]
+                         for bi in range(b)])
+    q_bal_pad = pad(q_bal, sqp, d)
+    ts_q = torch.tensor([[[oracle_tensor_scale(q_bal_pad[bi, hh, i * TILE:(i + 1) * TILE].abs().max().item())
+                           for i in range(nblk)] for hh in range(h)] for bi in range(b)])
 
-    k_hat, v_hat, k_s64 = (x.repeat_interleave(g, 1) for x in (k_hat, v_hat, k_s.double()))
+    q_hat = oracle_quantize(pad(q_bal / ts_q.repeat_interleave(TILE, 2)[:, :, :sq, None], sqp, dp))[2]
+    k_hat = oracle_quantize(pad(k_bal / ts_k[:, :, None, None], skp, dp))[2]   # row permutation: storage only
+    v_hat = oracle_quantize(pad(v_dev / ts_v[:, :, None, None], skp, dp).transpose(2, 3))[2].transpose(2, 3)
+
+    # Scores in q.k units: FP4 products times the tensor scales, plus the Q-mean correction.
+    k_hat, v_hat, k_s64 = (x.repeat_interleave(g, 1) for x in (k_hat, v_hat, pad(k_dev, skp, dp).double()))
+    f = (ts_q * ts_k.repeat_interleave(g, 1)[:, :, None]).double().repeat_interleave(TILE, 2)[..., None]
     qm_rows = pad(qm, nblk, dp).double().repeat_interleave(TILE, 2)        # [B, H, Sqp, Dp]
-    s = q_hat @ k_hat.transpose(-1, -2) + qm_rows @ k_s64.transpose(-1, -2)
+    s = (q_hat @ k_hat.transpose(-1, -2)) * f + qm_rows @ k_s64.transpose(-1, -2)
     bias = torch.full((b, skp), -math.inf, dtype=torch.float64)
     bias[:, :sk] = torch.where(valid, 0.0, -math.inf)
     if key_bias is not None:
@@ -259,7 +311,9 @@ def oracle_fp4_attention(q, k, v, *, causal, scale, kv_lens, key_bias, layout, m
         o = o * alpha[..., None] + p_q @ v_hat[:, :, t0:t0 + TILE]
         m = m_new
     has = lsum > 0
-    out = torch.where(has[..., None], o / lsum.clamp_min(1e-300)[..., None], 0.0)[:, :, :sq, :d]
+    v_scale = ts_v.repeat_interleave(g, 1).double()[:, :, None, None]
+    v_mean = pad(vm[:, :, None], 1, dp).repeat_interleave(g, 1).double()
+    out = torch.where(has[..., None], o / lsum.clamp_min(1e-300)[..., None] * v_scale + v_mean, 0.0)[:, :, :sq, :d]
     q_dot_km = (qh.double() * km.repeat_interleave(g, 1)[:, :, None, :].double()).sum(-1)
     lse = torch.where(has, m * scale + torch.log(lsum.clamp_min(1e-300)) - math.log(fmt.P_RANGE), -math.inf)
     lse = lse[:, :, :sq] + scale * q_dot_km
@@ -306,6 +360,7 @@ class Case:
     lens: Optional[list]
     mask: str          # none | suffix_bool | suffix_float | nonsuffix_bool | bias
     offset: float      # DiT-like per-128-row offsets in Q and a common offset in K
+    balance_qk: bool = True
 
     def tensors(self):
         g = torch.Generator().manual_seed(self.seed)
@@ -364,7 +419,7 @@ def make_case(seed: int) -> Case:
         layout=r.choice(["NHD", "HND"]), causal=r.random() < 0.3,
         scale=None if r.random() < 0.7 else r.uniform(0.02, 0.3),
         lens=lens, mask=r.choice(["none"] * 4 + ["suffix_bool", "suffix_float", "nonsuffix_bool", "bias"]),
-        offset=r.choice([0.0, 0.0, 1.0, 4.0]),
+        offset=r.choice([0.0, 0.0, 1.0, 4.0]), balance_qk=r.random() < 0.5,
     )
 
 
@@ -378,12 +433,12 @@ def check_case(case: Case):
     q, k, v = case.tensors()
     kwargs, lens, bias = case.masks()
     out, lse = nvfp4_dit.attention(q, k, v, layout=case.layout, causal=case.causal, scale=case.scale,
-                                   backend="reference", return_lse=True, **kwargs)
+                                   backend="reference", return_lse=True, balance_qk=case.balance_qk, **kwargs)
     okw = dict(causal=case.causal, scale=case.scale, kv_lens=lens, key_bias=bias, layout=case.layout)
     # The reference's fp32 means (what the op uses: suffix masks become kv_lens).
     qh, kh = (fmt.to_hnd(t, case.layout) for t in (q, k))
-    ref_means = (fmt.q_block_means(qh), fmt.k_mean(kh, lens))
-    want, want_lse, own_means = oracle_fp4_attention(q, k, v, means=ref_means, **okw)
+    ref_means = (fmt.q_block_means(qh), fmt.k_mean(kh, lens), fmt.k_mean(fmt.to_hnd(v, case.layout), lens))
+    want, want_lse, own_means = oracle_fp4_attention(q, k, v, means=ref_means, balance_qk=case.balance_qk, **okw)
     for mine, theirs in zip(own_means, ref_means):
         assert torch.allclose(theirs, mine, rtol=1e-5, atol=1e-5 * max(1.0, mine.abs().max().item()))
     exact, exact_lse = exact_attention(q, k, v, **okw)
@@ -417,18 +472,21 @@ def test_reference_matches_the_contract_and_exact_math(seed):
 
 @pytest.mark.parametrize("seed", range(0, N_ATTENTION_CASES, 12))
 def test_invariances(seed):
-    """HND == NHD (fp32 rounding: the matmuls see other strides); kv_lens == truncated K/V; GQA == repeated K/V (fp32 rounding)."""
+    """HND == NHD (fp32 rounding: the matmuls see other strides); kv_lens == truncated K/V; GQA == repeated K/V (fp32 rounding).
+
+    Without the channel balance: GQA balances over the query heads of a group, repeated K/V over
+    each head alone."""
     case = make_case(seed)
     case.mask, case.scale = "none", None
     q, k, v = case.tensors()
     kwargs, lens, _ = case.masks()
     run = lambda q, k, v, **kw: nvfp4_dit.attention(q, k, v, layout=case.layout, causal=case.causal,  # noqa: E731
-                                                     backend="reference", return_lse=True, **kw)
+                                                     backend="reference", return_lse=True, balance_qk=False, **kw)
     out, lse = run(q, k, v, **kwargs)
     other = "HND" if case.layout == "NHD" else "NHD"
     flip = lambda x: x.transpose(1, 2).contiguous()  # noqa: E731
     out2, lse2 = nvfp4_dit.attention(flip(q), flip(k), flip(v), layout=other, causal=case.causal,
-                                     backend="reference", return_lse=True, **kwargs)
+                                     backend="reference", return_lse=True, balance_qk=False, **kwargs)
     assert _rel_l2(flip(out2), out) <= 1e-5 and torch.allclose(lse2, lse, atol=1e-5)
 
     g = case.h // case.hkv
