@@ -24,7 +24,9 @@ void check_plane(const at::Tensor& t, const char* name, const at::Tensor& like) 
 
 void attention_fwd(const at::Tensor& q_data, const at::Tensor& q_sf, const at::Tensor& k_data,
                    const at::Tensor& k_sf, const at::Tensor& vt_data, const at::Tensor& vt_sf,
-                   const at::Tensor& delta, const at::Tensor& q_dot_km, const std::optional<at::Tensor>& kv_lens,
+                   const at::Tensor& delta, const at::Tensor& q_dot_km, const at::Tensor& q_scale,
+                   const at::Tensor& k_scale, const at::Tensor& v_scale, const at::Tensor& v_mean,
+                   const std::optional<at::Tensor>& kv_lens,
                    const at::Tensor& out, const std::optional<at::Tensor>& lse, int64_t seq_q, int64_t seq_k,
                    int64_t q_block_begin, int64_t q_block_end, double scale, bool causal, bool native) {
   check_plane(q_data, "q_data", q_data);
@@ -58,6 +60,15 @@ void attention_fwd(const at::Tensor& q_data, const at::Tensor& q_sf, const at::T
   TORCH_CHECK(q_dot_km.is_cuda() && q_dot_km.scalar_type() == at::kFloat && q_dot_km.dim() == 3 &&
                   q_dot_km.size(0) == B && q_dot_km.size(1) == H && q_dot_km.size(2) >= seq_q && q_dot_km.stride(2) == 1,
               "q_dot_km must be float32 [B, H, Sq] with a contiguous last dim");
+  auto check_f32 = [&](const at::Tensor& t, const char* name, at::IntArrayRef shape) {
+    TORCH_CHECK(t.is_cuda() && t.device() == q_data.device() && t.scalar_type() == at::kFloat && t.is_contiguous() &&
+                    t.sizes() == shape, name, " must be a contiguous float32 CUDA tensor of shape ", shape, ", got ",
+                t.sizes());
+  };
+  check_f32(q_scale, "q_scale", {B, H, sqp / 128});
+  check_f32(k_scale, "k_scale", {B, hkv});
+  check_f32(v_scale, "v_scale", {B, hkv});
+  check_f32(v_mean, "v_mean", {B, hkv, dp});
   TORCH_CHECK(out.is_cuda() && out.device() == q_data.device() && out.dim() == 4 &&
                   (out.scalar_type() == at::kBFloat16 || out.scalar_type() == at::kHalf),
               "out must be a bf16/fp16 4-D CUDA tensor [B, H, Sq, D] (any batch/head/seq strides)");
@@ -91,6 +102,10 @@ void attention_fwd(const at::Tensor& q_data, const at::Tensor& q_sf, const at::T
   p.delta_stride_blk = delta.size(2) == 1 ? 0 : delta.stride(2);
   p.q_dot_km = q_dot_km.data_ptr<float>();
   p.qdk_stride_b = q_dot_km.stride(0); p.qdk_stride_h = q_dot_km.stride(1);
+  p.q_scale = q_scale.data_ptr<float>();
+  p.k_scale = k_scale.data_ptr<float>();
+  p.v_scale = v_scale.data_ptr<float>();
+  p.v_mean = v_mean.data_ptr<float>();
   p.kv_lens = kv_lens.has_value() ? kv_lens->data_ptr<int32_t>() : nullptr;
   p.out = out.data_ptr();
   p.out_stride_b = out.stride(0); p.out_stride_h = out.stride(1); p.out_stride_s = out.stride(2);
@@ -141,7 +156,8 @@ at::Tensor mma_fp4_probe(const at::Tensor& a, const at::Tensor& b, const at::Ten
 TORCH_LIBRARY_FRAGMENT(nvfp4_dit_cuda, m) {
   m.def(
       "attention_fwd(Tensor q_data, Tensor q_sf, Tensor k_data, Tensor k_sf, Tensor vt_data, Tensor vt_sf, "
-      "Tensor delta, Tensor q_dot_km, Tensor? kv_lens, Tensor(a!) out, Tensor(b!)? lse, int seq_q, int seq_k, "
+      "Tensor delta, Tensor q_dot_km, Tensor q_scale, Tensor k_scale, Tensor v_scale, Tensor v_mean, Tensor? kv_lens, "
+      "Tensor(a!) out, Tensor(b!)? lse, int seq_q, int seq_k, "
       "int q_block_begin, int q_block_end, float scale, bool causal, bool native) -> ()");
   m.def(
       "mma_fp4_probe(Tensor a, Tensor b, Tensor sfa, Tensor sfb, Tensor c, int tid_a, int tid_b, bool native) "

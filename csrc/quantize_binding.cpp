@@ -64,7 +64,7 @@ nvfp4_dit::QuantizeKernel quantize_kernel_choice() {
 }
 
 std::vector<at::Tensor> quantize_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                     const std::optional<at::Tensor>& kv_lens) {
+                                     const std::optional<at::Tensor>& kv_lens, bool balance_qk) {
   TORCH_CHECK(q.is_cuda() && k.is_cuda() && v.is_cuda(), "nvfp4_dit_cuda::quantize_qkv: q, k, v must be CUDA tensors");
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "nvfp4_dit_cuda::quantize_qkv: q, k, v must be 4-D [B, H, S, D]");
   TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
@@ -89,13 +89,21 @@ std::vector<at::Tensor> quantize_qkv(const at::Tensor& q, const at::Tensor& k, c
   at::Tensor vt_sf = at::empty({b, hkv, dp, skp / 16}, u8);
   at::Tensor q_mean = at::empty({b, h, sqp / 128, dp}, f32);
   at::Tensor k_mean = at::empty({b, hkv, dp}, f32);
+  at::Tensor v_mean = at::empty({b, hkv, dp}, f32);
+  at::Tensor q_scale = at::empty({b, h, sqp / 128}, f32);
+  at::Tensor k_scale = at::empty({b, hkv}, f32);
+  at::Tensor v_scale = at::empty({b, hkv}, f32);
+  at::Tensor balance = at::empty({b, hkv, dp}, f32);
   at::Tensor q_dot_km = at::empty({b, h, sq}, f32);
   const nvfp4_dit::QuantizeKernel kernel = quantize_kernel_choice();
   const bool streaming = kernel != nvfp4_dit::QuantizeKernel::kTiles;  // may run the streaming kernel
   at::Tensor partial = at::empty({nvfp4_dit::quantize_qkv_workspace_floats(b, hkv, sk, dp, streaming)}, f32);
-  // One zeroed int32 buffer (one memset): the work counters, then the non-finite flags.
+  // One zeroed int32 buffer (one memset): the work counters, the non-finite flags, then (balance_qk)
+  // the channel statistics of Q.
   const int64_t n_counters = nvfp4_dit::quantize_qkv_workspace_counters(b, hkv, sk);
-  at::Tensor counters = at::zeros({n_counters + b * hkv + b * h * (sqp / 128)}, q.options().dtype(at::kInt));
+  const int64_t n_flags = b * hkv + b * h * (sqp / 128);
+  const int64_t n_q_stats = balance_qk ? b * hkv * dp : 0;
+  at::Tensor counters = at::zeros({n_counters + n_flags + n_q_stats}, q.options().dtype(at::kInt));
   at::Tensor nonfinite_kv = counters.narrow(0, n_counters, b * hkv).view({b, hkv});
   at::Tensor nonfinite_q = counters.narrow(0, n_counters + b * hkv, b * h * (sqp / 128)).view({b, h, sqp / 128});
 
@@ -125,7 +133,16 @@ std::vector<at::Tensor> quantize_qkv(const at::Tensor& q, const at::Tensor& k, c
   p.vt_sf = vt_sf.data_ptr<uint8_t>();
   p.q_mean = q_mean.data_ptr<float>();
   p.k_mean = k_mean.data_ptr<float>();
+  p.v_mean = v_mean.data_ptr<float>();
+  p.q_scale = q_scale.data_ptr<float>();
+  p.k_scale = k_scale.data_ptr<float>();
+  p.v_scale = v_scale.data_ptr<float>();
+  p.balance = balance.data_ptr<float>();
   p.q_dot_km = q_dot_km.data_ptr<float>();
+  p.balance_qk = balance_qk;
+  p.q_channel_amax = balance_qk
+      ? reinterpret_cast<const uint32_t*>(counters.narrow(0, n_counters + n_flags, n_q_stats).data_ptr<int32_t>())
+      : nullptr;
   p.k_partial_sums = partial.data_ptr<float>();
   p.work_counters = reinterpret_cast<uint32_t*>(counters.data_ptr<int32_t>());
   p.nonfinite_kv = reinterpret_cast<uint32_t*>(nonfinite_kv.data_ptr<int32_t>());
@@ -136,11 +153,12 @@ std::vector<at::Tensor> quantize_qkv(const at::Tensor& q, const at::Tensor& k, c
               "nvfp4_dit_cuda::quantize_qkv: NVFP4_DIT_QUANTIZE_KERNEL=stream, but the streaming kernel needs "
               "bf16/fp16 inputs with contiguous 16-byte-aligned rows, D of 64 or 128, and an sm_90+ device");
   TORCH_CHECK(err == cudaSuccess, "nvfp4_dit_cuda::quantize_qkv: launch failed: ", cudaGetErrorString(err));
-  return {q_data, q_sf, k_data, k_sf, vt_data, vt_sf, q_mean, k_mean, q_dot_km, nonfinite_q, nonfinite_kv};
+  return {q_data, q_sf, k_data, k_sf, vt_data, vt_sf, q_mean, k_mean, v_mean, q_scale, k_scale, v_scale, balance,
+          q_dot_km, nonfinite_q, nonfinite_kv};
 }
 
-void correction(const at::Tensor& q_mean, const at::Tensor& k, const at::Tensor& k_mean,
-                   const std::optional<at::Tensor>& kv_lens, int64_t block_begin, at::Tensor& out) {
+void correction(const at::Tensor& q_mean, const at::Tensor& k, const at::Tensor& k_mean, const at::Tensor& q_scale,
+                const at::Tensor& k_scale, const std::optional<at::Tensor>& kv_lens, int64_t block_begin, at::Tensor& out) {
   TORCH_CHECK(q_mean.is_cuda() && k.is_cuda() && k_mean.is_cuda() && out.is_cuda(),
               "nvfp4_dit_cuda::correction: all tensors must be CUDA tensors");
   TORCH_CHECK(q_mean.scalar_type() == at::kFloat && k_mean.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
@@ -168,6 +186,14 @@ void correction(const at::Tensor& q_mean, const at::Tensor& k, const at::Tensor&
   p.k = strided(k);
   p.dtype = input_dtype(k);
   p.k_mean = k_mean.data_ptr<float>();
+  TORCH_CHECK(q_scale.is_cuda() && q_scale.scalar_type() == at::kFloat && q_scale.is_contiguous() &&
+                  q_scale.sizes() == at::IntArrayRef({b, h, nblk}),
+              "nvfp4_dit_cuda::correction: q_scale must be contiguous float32 [B, H, nblk]");
+  TORCH_CHECK(k_scale.is_cuda() && k_scale.scalar_type() == at::kFloat && k_scale.is_contiguous() &&
+                  k_scale.sizes() == at::IntArrayRef({b, hkv}),
+              "nvfp4_dit_cuda::correction: k_scale must be contiguous float32 [B, Hkv]");
+  p.q_scale = q_scale.data_ptr<float>();
+  p.k_scale = k_scale.data_ptr<float>();
   p.delta = out.data_ptr<float>();
   p.delta_stride_b = out.stride(0);
   p.delta_stride_h = out.stride(1);
@@ -189,8 +215,9 @@ void correction(const at::Tensor& q_mean, const at::Tensor& k, const at::Tensor&
 }  // namespace
 
 TORCH_LIBRARY(nvfp4_dit_cuda, m) {
-  m.def("quantize_qkv(Tensor q, Tensor k, Tensor v, Tensor? kv_lens) -> Tensor[]");
-  m.def("correction(Tensor q_mean, Tensor k, Tensor k_mean, Tensor? kv_lens, int block_begin, Tensor(a!) out) -> ()");
+  m.def("quantize_qkv(Tensor q, Tensor k, Tensor v, Tensor? kv_lens, bool balance_qk) -> Tensor[]");
+  m.def("correction(Tensor q_mean, Tensor k, Tensor k_mean, Tensor q_scale, Tensor k_scale, Tensor? kv_lens, "
+        "int block_begin, Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(nvfp4_dit_cuda, CUDA, m) {

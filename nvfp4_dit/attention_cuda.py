@@ -62,12 +62,14 @@ def run_kernel(qq: fmt.QuantizedQKV, corrections, out_hnd: torch.Tensor, lse: Op
     for b0, b1, delta in corrections:
         if delta.stride(-1) != 1 or delta.data_ptr() % 16 or any(s % 4 for s in delta.stride()[:3]):
             delta = delta.contiguous()
-        op(qq.q_data, qq.q_sf, qq.k_data, qq.k_sf, qq.vt_data, qq.vt_sf, delta, qq.q_dot_km, lens,
+        op(qq.q_data, qq.q_sf, qq.k_data, qq.k_sf, qq.vt_data, qq.vt_sf, delta, qq.q_dot_km,
+           qq.q_scale.contiguous(), qq.k_scale.contiguous(), qq.v_scale.contiguous(), qq.v_mean.contiguous(), lens,
            out_hnd, lse, qq.seq_q, qq.seq_k, b0, b1, float(scale), bool(causal), bool(native))
         del delta
 
 
-def attention(q, k, v, *, layout, causal, scale, kv_lens, return_lse, quantizer: str = "cuda"):
+def attention(q, k, v, *, layout, causal, scale, kv_lens, return_lse, balance_qk: bool = fmt.BALANCE_QK_DEFAULT,
+              quantizer: str = "cuda"):
     """NVFP4 attention on the GPU; the caller has validated the arguments (:func:`nvfp4_dit.attention`).
 
     ``quantizer``: "cuda" (:func:`nvfp4_dit.quantize.quantize_qkv`) or "torch"
@@ -88,10 +90,10 @@ def attention(q, k, v, *, layout, causal, scale, kv_lens, return_lse, quantizer:
     scale = fmt.default_scale(d) if scale is None else float(scale)
     native = build.is_native(torch.cuda.get_device_capability(q.device))
     if quantizer == "cuda":
-        qq = quantize.launch_quantize_qkv(q, k, v, layout=layout, kv_lens=kv_lens)
+        qq = quantize.launch_quantize_qkv(q, k, v, layout=layout, kv_lens=kv_lens, balance_qk=balance_qk)
         nonfinite = qq.nonfinite
     else:
-        qq = fmt.quantize_qkv(q, k, v, layout=layout, kv_lens=kv_lens)
+        qq = fmt.quantize_qkv(q, k, v, layout=layout, kv_lens=kv_lens, balance_qk=balance_qk)
         nonfinite = fmt.nonfinite_blocks(q, k, v, kv_lens, layout)
     out_dtype = q.dtype if q.dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
     if layout == "NHD":

@@ -52,15 +52,16 @@ class KernelQuantizedQKV(fmt.QuantizedQKV):
 
 
 def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: str = "NHD",
-                 kv_lens: Optional[torch.Tensor] = None) -> KernelQuantizedQKV:
+                 kv_lens: Optional[torch.Tensor] = None, balance_qk: bool = fmt.BALANCE_QK_DEFAULT) -> KernelQuantizedQKV:
     """Smooth and quantise Q, K, V on the GPU into the attention kernel's layouts.
 
     Parameters
     ----------
     q, k, v : [B, S, H, D] (``layout="NHD"``) or [B, H, S, D] (``"HND"``), bf16/fp16/fp32 CUDA
         tensors with any strides (nothing is copied). K and V may have fewer heads (GQA).
-    kv_lens : optional int [B]; keys at or past ``kv_lens[b]`` are excluded from the K mean and
-        quantised as zero padding, as in :func:`nvfp4_dit.format.quantize_qkv`.
+    kv_lens : optional int [B]; keys at or past ``kv_lens[b]`` are excluded from the K and V
+        statistics and quantised as zero padding, as in :func:`nvfp4_dit.format.quantize_qkv`.
+    balance_qk : balance Q and K per channel (one more read of Q, by a statistics kernel).
 
     Returns
     -------
@@ -68,26 +69,28 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: s
     """
     if isinstance(kv_lens, torch.Tensor) and isinstance(q, torch.Tensor):
         kv_lens = kv_lens.to(q.device)  # a direct caller may keep lengths on the host
-    validate_attention_args(q, k, v, layout, False, None, None, kv_lens, False, "cuda")
+    validate_attention_args(q, k, v, layout, False, None, None, kv_lens, False, "cuda", balance_qk)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.device.type != "cuda":
             raise ValueError(f"{name} must be a CUDA tensor, got device {t.device}")
     d = fmt.to_hnd(q, layout).shape[-1]
     if fmt.padded_head_dim(d) is None:
         raise ValueError(f"head dim {d} is not supported (at most {fmt.SUPPORTED_HEAD_DIMS[-1]})")
-    return launch_quantize_qkv(q, k, v, layout=layout, kv_lens=kv_lens)
+    return launch_quantize_qkv(q, k, v, layout=layout, kv_lens=kv_lens, balance_qk=balance_qk)
 
 
-def launch_quantize_qkv(q, k, v, *, layout: str, kv_lens: Optional[torch.Tensor]) -> KernelQuantizedQKV:
+def launch_quantize_qkv(q, k, v, *, layout: str, kv_lens: Optional[torch.Tensor],
+                        balance_qk: bool) -> KernelQuantizedQKV:
     """:func:`quantize_qkv` for arguments already checked (:func:`nvfp4_dit.attention` checks
     them once): CUDA tensors, kv_lens on their device."""
     qh, kh, vh = (fmt.to_hnd(t, layout) for t in (q, k, v))
-    (q_data, q_sf, k_data, k_sf, vt_data, vt_sf, q_mean, k_mean,
-     q_dot_km, nonfinite_q, nonfinite_kv) = build.load_extension().quantize_qkv(qh, kh, vh, kv_lens)
+    (q_data, q_sf, k_data, k_sf, vt_data, vt_sf, q_mean, k_mean, v_mean, q_scale, k_scale, v_scale, balance,
+     q_dot_km, nonfinite_q, nonfinite_kv) = build.load_extension().quantize_qkv(qh, kh, vh, kv_lens, balance_qk)
     d = qh.shape[3]
     return KernelQuantizedQKV(
         q_data=q_data, q_sf=q_sf, k_data=k_data, k_sf=k_sf, vt_data=vt_data, vt_sf=vt_sf,
-        q_mean=q_mean, k_mean=k_mean, q_dot_km=q_dot_km, k_smoothed=None,
+        q_mean=q_mean, k_mean=k_mean, v_mean=v_mean, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
+        balance=balance if balance_qk else None, q_dot_km=q_dot_km, k_smoothed=None,
         seq_q=qh.shape[2], seq_k=kh.shape[2], head_dim=d, head_dim_padded=fmt.padded_head_dim(d),
         k_input=kh, kv_lens=kv_lens, nonfinite=(nonfinite_q != 0, nonfinite_kv != 0))
 
@@ -153,7 +156,8 @@ def _check_kernel_quantized(qq) -> None:
 
 def correction(qq: KernelQuantizedQKV, block_start: int = 0, block_end: Optional[int] = None, *,
                out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """delta [B, H, block_end - block_start, Skp] fp32 = qm . (k - km)^T for those Q blocks, on the GPU.
+    """delta [B, H, block_end - block_start, Skp] fp32 = qm . (k - km)^T / (q_scale k_scale) for those
+    Q blocks (the attention kernel's score units), on the GPU.
 
     Keys in natural order; keys past ``kv_lens`` and the padding give 0. Equals
     :func:`nvfp4_dit.format.correction` up to fp32 summation order. ``out`` (last dim
@@ -173,7 +177,8 @@ def correction(qq: KernelQuantizedQKV, block_start: int = 0, block_end: Optional
         raise ValueError(f"out must be a float32 {list(shape)} tensor on {qq.q_mean.device} with a contiguous "
                          f"last dim, got {out.dtype} {list(out.shape)} strides {out.stride()}")
     if block_end > block_start:
-        build.load_extension().correction(qq.q_mean, qq.k_input, qq.k_mean, qq.kv_lens, block_start, out)
+        build.load_extension().correction(qq.q_mean, qq.k_input, qq.k_mean, qq.q_scale, qq.k_scale, qq.kv_lens,
+                                          block_start, out)
     return out
 
 

@@ -250,13 +250,16 @@ def test_accuracy_floor_vs_exact(kernel, causal):
 
 @pytest.mark.cuda
 def test_uniform_score_probe(kernel):
-    s = 1000
+    # All scores equal; V is 0 on 3/4 of the keys and 4 on the rest: the exact output is 1, the FP4
+    # one 0.9765625 (V - vm = -1 and 3 through their scales: -1.03125 and 3). A row sum reduced over
+    # the wrong lanes (xor 4 mixes two rows) would halve the P.V part and give 0.98828125.
+    s = 1024
     q = torch.zeros(1, s, 2, 64, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(1, s, 2, 64, device="cuda").to(torch.bfloat16) * 0.0
-    v = torch.ones(1, s, 2, 64, device="cuda", dtype=torch.bfloat16)
+    k = torch.zeros(1, s, 2, 64, device="cuda", dtype=torch.bfloat16)
+    v = torch.zeros(1, s, 2, 64, device="cuda", dtype=torch.bfloat16)
+    v[:, 3 * s // 4:] = 4
     out, lse = _run(q, k, v)
-    # V's quantised value e4m3(1/6)*6 = 1.03125; a row sum over 8 lanes would give half of it.
-    assert torch.allclose(out.float(), torch.full_like(out.float(), 1.03125), atol=1e-6)
+    assert torch.allclose(out.float(), torch.full_like(out.float(), 0.9765625), atol=1e-6)
     assert torch.allclose(lse, torch.full_like(lse, math.log(s)), atol=1e-4)
 
 

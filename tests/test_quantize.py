@@ -147,9 +147,9 @@ def test_fast_element_math_equals_reference_on_host(tmp_path):
 
 
 # The streaming kernel's ticket order (quantize_schedule.cuh), every ticket decoded on the host:
-# each work item exactly once, every K and Q tile after all K-mean tiles of its kv head (the only
-# dependency; the lowest unfinished ticket then never waits), the head of a Q tile's K mean right
-# for GQA, the unit a divisor of B * Hkv whose runs fill the pipeline depth where one can.
+# each work item exactly once, every V, K and Q tile after all statistics tiles (K and V) of its kv
+# head (the only dependency; the lowest unfinished ticket then never waits), the kv head of a Q
+# tile right for GQA, the unit a divisor of B * Hkv whose runs fill the pipeline depth where one can.
 # Arguments: batch heads_q heads_kv seq_q seq_k depth. Prints "ok" or the first violation.
 SCHEDULE_PROGRAM = r"""
 #include "quantize/quantize_schedule.cuh"
@@ -175,13 +175,13 @@ int main(int argc, char** argv) {
   const Schedule sc(p, shape);
   if (int64_t(sc.total) != heads * tickets_per_kv_head(p)) FAIL("total %u", sc.total);
   // Ticket of every item: [kind][head][tile], -1 = not seen.
-  std::vector<int64_t> mean(heads * n_kv, -1), v(heads * n_kv, -1), k(heads * n_kv, -1);
+  std::vector<int64_t> kstat(heads * n_kv, -1), vstat(heads * n_kv, -1), v(heads * n_kv, -1), k(heads * n_kv, -1);
   std::vector<int64_t> q(p.batch * p.heads_q * n_qh, -1);
-  std::vector<int64_t> last_mean(heads, -1);
+  std::vector<int64_t> last_stat(heads, -1);
   for (uint32_t t = 0; t < sc.total; ++t) {
     const Item it = decode_ticket(sc, t);
-    std::vector<int64_t>* seen = it.kind == kMeanTile ? &mean : it.kind == kVTile ? &v : it.kind == kKTile ? &k
-                               : it.kind == kQTile ? &q : nullptr;
+    std::vector<int64_t>* seen = it.kind == kKStatTile ? &kstat : it.kind == kVStatTile ? &vstat
+                               : it.kind == kVTile ? &v : it.kind == kKTile ? &k : it.kind == kQTile ? &q : nullptr;
     if (seen == nullptr) FAIL("ticket %u: kind %d", t, it.kind);
     const int64_t per_head = it.kind == kQTile ? n_qh : n_kv;
     const int64_t n_heads = it.kind == kQTile ? p.batch * p.heads_q : heads;
@@ -192,18 +192,19 @@ int main(int argc, char** argv) {
     const int64_t kv_head = it.kind == kQTile ? (it.bh / p.heads_q) * p.heads_kv + (it.bh % p.heads_q) / group
                                               : int64_t(it.bh);
     if (int64_t(it.kv_head) != kv_head) FAIL("ticket %u: kv head %u, expected %ld", t, it.kv_head, (long)kv_head);
-    if (it.kind == kMeanTile) last_mean[it.bh] = t;
+    if (is_stat_tile(it.kind)) last_stat[it.bh] = t;
   }
   if (decode_ticket(sc, sc.total).kind != kEnd) FAIL("no end after the last ticket");
-  for (const auto* seen : {&mean, &v, &k, &q})
+  for (const auto* seen : {&kstat, &vstat, &v, &k, &q})
     for (int64_t s : *seen)
       if (s < 0) FAIL("an item has no ticket");
-  for (int64_t i = 0; i < heads * n_kv; ++i)
-    for (int64_t h = i / n_kv, m = 0; m < n_kv; ++m)
-      if (mean[h * n_kv + m] > k[i]) FAIL("K tile before its head's mean tiles");
+  for (int64_t i = 0; i < heads * n_kv; ++i) {
+    if (last_stat[i / n_kv] > k[i]) FAIL("K tile before its head's statistics tiles");
+    if (last_stat[i / n_kv] > v[i]) FAIL("V tile before its head's statistics tiles");
+  }
   for (int64_t i = 0; i < p.batch * p.heads_q * n_qh; ++i) {
     const int64_t bh = i / n_qh, kvh = (bh / p.heads_q) * p.heads_kv + (bh % p.heads_q) / group;
-    if (last_mean[kvh] > q[i]) FAIL("Q tile before its kv head's mean tiles");
+    if (last_stat[kvh] > q[i]) FAIL("Q tile before its kv head's statistics tiles");
   }
   printf("ok\n");
   return 0;
@@ -296,33 +297,55 @@ def _make(shape_hnd, layout, dtype, gen, block_structure=True):
 
 
 def _assert_matches_format(qq, q, k, v, layout, kv_lens):
-    ref = fmt.quantize_qkv(q, k, v, layout=layout, kv_lens=kv_lens, q_mean=qq.q_mean, k_mean_override=qq.k_mean)
+    """qq's bytes equal format.quantize_qkv's given qq's means and balance; its means, scales and
+    balance equal format.py's (means up to summation order, the rest exactly given the means)."""
+    balance_qk = qq.balance is not None
+    ref = fmt.quantize_qkv(q, k, v, layout=layout, kv_lens=kv_lens, balance_qk=balance_qk, q_mean=qq.q_mean,
+                           k_mean_override=qq.k_mean, v_mean_override=qq.v_mean, balance_override=qq.balance)
     for name in BYTE_FIELDS:
         got, want = getattr(qq, name), getattr(ref, name)
         assert got.shape == want.shape and got.dtype == want.dtype, (name, got.shape, want.shape)
         diff = (got != want).sum().item()
         assert diff == 0, f"{name}: {diff} of {got.numel()} bytes differ"
+    for name in ("q_scale", "k_scale", "v_scale"):
+        assert torch.equal(getattr(qq, name), getattr(ref, name)), name
     d = qq.head_dim
-    qh, kh = fmt.to_hnd(q, layout), fmt.to_hnd(k, layout)
+    qh, kh, vh = (fmt.to_hnd(t, layout) for t in (q, k, v))
+    if balance_qk:
+        # The kernel's balance is format.py's on the kernel's means (exactly: a tie on a power of two
+        # would need an ulp of difference in a statistic, and the statistics here come from the same means).
+        unbalanced = fmt.quantize_qkv(q, k, v, layout=layout, kv_lens=kv_lens, balance_qk=True, q_mean=qq.q_mean,
+                                      k_mean_override=qq.k_mean, v_mean_override=qq.v_mean)
+        assert torch.equal(qq.balance, unbalanced.balance)
     qm_ref = fmt.q_block_means(qh)
-    km_ref = fmt.k_mean(kh, kv_lens)
-    assert torch.all(qq.q_mean[..., d:] == 0) and torch.all(qq.k_mean[..., d:] == 0)
+    km_ref, vm_ref = fmt.k_mean(kh, kv_lens), fmt.k_mean(vh, kv_lens)
+    for got in (qq.q_mean, qq.k_mean, qq.v_mean):
+        assert torch.all(got[..., d:] == 0)
     torch.testing.assert_close(qq.q_mean[..., :d], qm_ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(qq.k_mean[..., :d], km_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(qq.v_mean[..., :d], vm_ref, rtol=1e-5, atol=1e-5)
     # q . km with the same km: only the summation order differs.
     scale = (qh.float().abs() * qq.k_mean[..., :d].abs().repeat_interleave(qh.shape[1] // kh.shape[1], 1)[:, :, None]).sum(-1)
     assert torch.all((qq.q_dot_km - ref.q_dot_km).abs() <= 1e-5 * scale + 1e-6)
     return ref
 
 
-def _run_case(b, h, hkv, sq, sk, d, layout, dtype, kv_lens=None, seed=0):
+def _run_case(b, h, hkv, sq, sk, d, layout, dtype, kv_lens=None, seed=0, balance_qk=False):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     q = _make((b, h, sq, d), layout, dtype, gen)
     k = _make((b, hkv, sk, d), layout, dtype, gen, block_structure=False)
     v = _make((b, hkv, sk, d), layout, dtype, gen, block_structure=False)
+    if balance_qk:  # channels where K is large and Q small, and the reverse: the balance moves them
+        kh, qh = fmt.to_hnd(k, layout), fmt.to_hnd(q, layout)
+        kh[..., :4] *= 16
+        qh[..., :4] /= 16
+        qh[..., 4:8] *= 8
     lens = None if kv_lens is None else torch.tensor(kv_lens, device="cuda", dtype=torch.int32)
-    qq = cq.quantize_qkv(q, k, v, layout=layout, kv_lens=lens)
+    qq = cq.quantize_qkv(q, k, v, layout=layout, kv_lens=lens, balance_qk=balance_qk)
+    assert (qq.balance is not None) == balance_qk
     ref = _assert_matches_format(qq, q, k, v, layout, lens)
+    if balance_qk:
+        assert (qq.balance != 1).any(), "the balance did not move any channel"
     return qq, ref, (q, k, v, lens)
 
 
@@ -338,9 +361,10 @@ def kernel_choice(request, monkeypatch):
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
-def test_bytes_equal_format_4096(kernel_choice, layout, dtype, d):
+@pytest.mark.parametrize("balance_qk", [False, True])
+def test_bytes_equal_format_4096(kernel_choice, layout, dtype, d, balance_qk):
     kv_lens = [4096, 3001] if dtype == torch.float16 else None
-    _run_case(2, 4, 2, 4096, 4096, d, layout, dtype, kv_lens=kv_lens)
+    _run_case(2, 4, 2, 4096, 4096, d, layout, dtype, kv_lens=kv_lens, balance_qk=balance_qk)
 
 
 @pytest.mark.cuda
@@ -349,8 +373,10 @@ def test_bytes_equal_format_4096(kernel_choice, layout, dtype, d):
     (2, 2, 2, 1, 300, 40, "NHD", torch.bfloat16, [0, 45]),     # one query row, D padded to 64, empty batch
     (1, 8, 2, 257, 4133, 128, "NHD", torch.float16, [4100]),  # GQA 4:1, tails inside a 32-key group
 ])
-def test_bytes_equal_format_ragged(kernel_choice, b, h, hkv, sq, sk, d, layout, dtype, kv_lens):
-    qq, ref, (q, k, v, lens) = _run_case(b, h, hkv, sq, sk, d, layout, dtype, kv_lens=kv_lens, seed=1)
+@pytest.mark.parametrize("balance_qk", [False, True])
+def test_bytes_equal_format_ragged(kernel_choice, b, h, hkv, sq, sk, d, layout, dtype, kv_lens, balance_qk):
+    qq, ref, (q, k, v, lens) = _run_case(b, h, hkv, sq, sk, d, layout, dtype, kv_lens=kv_lens, seed=1,
+                                         balance_qk=balance_qk)
     # The chunked correction equals format.correction (same means) up to summation order.
     want = fmt.correction(ref)
     got = cq.correction(qq)
@@ -401,7 +427,8 @@ def test_non_unit_strides_and_specials(kernel_choice):
     v[0, 64, 1, :] = 1e4  # saturates the 448 scale: codes clamp to 6
     k[1, 100, 0, 20] = 3e38
     qq = cq.quantize_qkv(q, k, v, layout="NHD")
-    ref = fmt.quantize_qkv(q, k, v, layout="NHD", q_mean=qq.q_mean, k_mean_override=qq.k_mean)
+    ref = fmt.quantize_qkv(q, k, v, layout="NHD", q_mean=qq.q_mean, k_mean_override=qq.k_mean,
+                           v_mean_override=qq.v_mean, balance_override=qq.balance)
     for name in BYTE_FIELDS:
         diff = (getattr(qq, name) != getattr(ref, name)).sum().item()
         assert diff == 0, f"{name}: {diff} bytes differ"
@@ -409,7 +436,8 @@ def test_non_unit_strides_and_specials(kernel_choice):
     # last bit (another summation order): bytes equal format.py's with its own means.
     qc, kc, vc = q.contiguous(), k.contiguous(), v.contiguous()
     qq2 = cq.quantize_qkv(qc, kc, vc, layout="NHD")
-    ref2 = fmt.quantize_qkv(qc, kc, vc, layout="NHD", q_mean=qq2.q_mean, k_mean_override=qq2.k_mean)
+    ref2 = fmt.quantize_qkv(qc, kc, vc, layout="NHD", q_mean=qq2.q_mean, k_mean_override=qq2.k_mean,
+                            v_mean_override=qq2.v_mean, balance_override=qq2.balance)
     for name in BYTE_FIELDS:
         assert torch.equal(getattr(qq2, name), getattr(ref2, name)), name
     torch.testing.assert_close(qq2.q_mean, qq.q_mean, rtol=1e-5, atol=1e-6, equal_nan=True)

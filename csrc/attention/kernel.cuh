@@ -113,7 +113,7 @@ __device__ __forceinline__ void attention_fwd_body(const AttentionFwdParams& p) 
   const int nblk = p.q_block_end - p.q_block_begin;
   const int64_t total = int64_t(p.batch) * p.heads * nblk;
   const int group = p.heads / p.kv_heads;
-  const float c = p.scale_log2;
+  const int64_t nblk_all = p.seq_q_pad / T::kBlockM;
 
   for (int64_t work = blockIdx.x; work < total; work += gridDim.x) {
     const int64_t bh = work / nblk;
@@ -121,6 +121,10 @@ __device__ __forceinline__ void attention_fwd_body(const AttentionFwdParams& p) 
     if (p.causal) mi = nblk - 1 - mi;
     const int m_blk = p.q_block_begin + mi;
     const int b = int(bh / p.heads), h = int(bh % p.heads), hk = h / group;
+    const int64_t bhk = int64_t(b) * p.kv_heads + hk;
+    // Scores are in units of q_scale * k_scale (a power of two): fold it into the softmax scale.
+    const float score_unit = p.q_scale[bh * nblk_all + m_blk] * p.k_scale[bhk];
+    const float c = p.scale_log2 * score_unit;
     const int kv_len = p.kv_lens != nullptr ? min(max(p.kv_lens[b], 0), p.seq_k) : p.seq_k;
     int n_end = (kv_len + T::kBlockN - 1) / T::kBlockN;
     if (p.causal) n_end = min(n_end, m_blk + 1);
@@ -350,11 +354,14 @@ __device__ __forceinline__ void attention_fwd_body(const AttentionFwdParams& p) 
     __syncthreads();   // the next work item's prologue reuses the stages
 
     // ---- epilogue ------------------------------------------------------------------------------
-    float l[2], inv_l[2];
+    // out = O / rowsum * v_scale + v_mean; a row with no visible key gives 0 (not v_mean, not NaN).
+    const float v_scale = p.v_scale[bhk];
+    const float* v_mean = p.v_mean + bhk * kHeadDim;
+    float l[2], out_scale[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       l[r] = quad_sum(l_part[r]);
-      inv_l[r] = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;   // a fully masked row gives 0, not NaN
+      out_scale[r] = l[r] > 0.0f ? (1.0f / l[r]) * v_scale : 0.0f;
     }
     const bool bf16 = p.out_bf16 != 0;
 #pragma unroll
@@ -362,10 +369,12 @@ __device__ __forceinline__ void attention_fwd_body(const AttentionFwdParams& p) 
       const int row = r ? row_g8 : row_g;
       if (row >= p.seq_q) continue;
       const int64_t base = b * p.out_stride_b + h * p.out_stride_h + int64_t(row) * p.out_stride_s;
+      const bool has_keys = l[r] > 0.0f;
 #pragma unroll
       for (int j = 0; j < T::kNTilesO; ++j) {
         const int col = 8 * j + 2 * t;
-        const float x0 = o[j][2 * r] * inv_l[r], x1 = o[j][2 * r + 1] * inv_l[r];
+        const float2 vm = has_keys ? *reinterpret_cast<const float2*>(v_mean + col) : make_float2(0.0f, 0.0f);
+        const float x0 = fmaf(o[j][2 * r], out_scale[r], vm.x), x1 = fmaf(o[j][2 * r + 1], out_scale[r], vm.y);
         if (p.out_vec2 && col + 1 < p.head_dim_out) {
           detail::store_pair(p.out, base + col, x0, x1, bf16);
         } else {
@@ -378,7 +387,7 @@ __device__ __forceinline__ void attention_fwd_body(const AttentionFwdParams& p) 
           float lse = -INFINITY;
           if (l[r] > 0.0f) {
             const float qdk = p.q_dot_km[b * p.qdk_stride_b + h * p.qdk_stride_h + row];
-            lse = m_run[r] * p.scale + logf(l[r]) - kLnPRange + p.scale * qdk;
+            lse = m_run[r] * (p.scale * score_unit) + logf(l[r]) - kLnPRange + p.scale * qdk;
           }
           p.lse[b * p.lse_stride_b + h * p.lse_stride_h + row] = lse;
         }

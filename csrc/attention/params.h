@@ -22,15 +22,23 @@ struct AttentionFwdParams {
   int64_t vt_stride_b, vt_stride_h;
   int64_t vtsf_stride_b, vtsf_stride_h;
 
-  // Correction qm . k_s for Q blocks [q_block_begin, q_block_end): fp32, natural key order,
-  // row (m - q_block_begin) of [B, H, nblk_chunk, Skp]; strides in elements, the last dim
-  // contiguous and 16-byte aligned. delta_stride_blk may be 0 (one row for every block).
+  // Correction qm . k_s / (q_scale * k_scale) for Q blocks [q_block_begin, q_block_end): fp32,
+  // natural key order, row (m - q_block_begin) of [B, H, nblk_chunk, Skp]; strides in elements,
+  // the last dim contiguous and 16-byte aligned. delta_stride_blk may be 0 (one row for every block).
   const float* delta;
   int64_t delta_stride_b, delta_stride_h, delta_stride_blk;
 
   // q . km [B, H, Sq] fp32 (only read when the LSE is written).
   const float* q_dot_km;
   int64_t qdk_stride_b, qdk_stride_h;
+
+  // Tensor scales (fp32 powers of two, contiguous): Q per 128-row block [B, H, Sqp/128], K and V
+  // per head [B, Hkv]. Scores come out of the MMAs in units of q_scale * k_scale, which the kernel
+  // folds into its softmax scale; the output is O / rowsum * v_scale + v_mean.
+  const float* q_scale;
+  const float* k_scale;
+  const float* v_scale;
+  const float* v_mean;   // [B, Hkv, Dp] fp32, contiguous: V's per-head mean, added back to the output
 
   // Per-batch key lengths (int32 [B], each <= seq_k) or nullptr for seq_k everywhere.
   const int32_t* kv_lens;
@@ -47,7 +55,7 @@ struct AttentionFwdParams {
   int seq_q_pad, seq_k_pad;
   int head_dim_out;      // true head dim (<= padded head dim of the kernel instantiation)
   int q_block_begin, q_block_end;
-  float scale;           // softmax scale
+  float scale;           // softmax scale (in q . k units)
   float scale_log2;      // scale * log2(e)
   int causal;            // SDPA is_causal: query i sees keys j <= i
   int out_bf16;          // 1: bf16 output, 0: fp16

@@ -1,4 +1,5 @@
-// The per-Q-block correction delta = qm . (k - km)^T for a range of Q blocks (quantize.cuh).
+// The per-Q-block correction delta = qm . (k - km)^T / (q_scale k_scale) for a range of Q blocks
+// (quantize.cuh).
 //
 // The full tensor is B*H*S^2/128 fp32 (17.6 GB at 118,800 tokens x 40 heads), so the pipeline
 // asks for it one chunk of Q blocks at a time, sized to a memory budget, and the attention
@@ -152,20 +153,23 @@ __global__ void __launch_bounds__(kThreads) correction_kernel(const CorrectionPa
   }
 
   float* out = p.delta + b * p.delta_stride_b + h * p.delta_stride_h;
+  const float k_scale = p.k_scale[b * p.heads_kv + kvh];
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
     const int64_t m = m0 + tm * 8 + i;
     if (m >= n_rows) continue;
     float* row = out + m * p.delta_stride_blk + key0;
+    // To the attention kernel's score units: a power of two, so the product is exact.
+    const float unit = __frcp_rn(p.q_scale[bh * p.num_q_blocks + p.block_begin + m] * k_scale);
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int n = half * 64 + tn * 4;
       if constexpr (VEC_STORE) {
-        *reinterpret_cast<float4*>(row + n) =
-            make_float4(acc[i][4 * half], acc[i][4 * half + 1], acc[i][4 * half + 2], acc[i][4 * half + 3]);
+        *reinterpret_cast<float4*>(row + n) = make_float4(acc[i][4 * half] * unit, acc[i][4 * half + 1] * unit,
+                                                          acc[i][4 * half + 2] * unit, acc[i][4 * half + 3] * unit);
       } else {
 #pragma unroll
-        for (int j = 0; j < 4; ++j) row[n + j] = acc[i][4 * half + j];
+        for (int j = 0; j < 4; ++j) row[n + j] = acc[i][4 * half + j] * unit;
       }
     }
   }

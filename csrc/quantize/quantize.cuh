@@ -61,16 +61,28 @@ struct QuantizeQkvParams {
   uint8_t* vt_sf;    // [B, Hkv, Dp, Skp/16]
   float* q_mean;     // [B, H, Sqp/128, Dp]
   float* k_mean;     // [B, Hkv, Dp]
+  float* v_mean;     // [B, Hkv, Dp]
+  float* q_scale;    // [B, H, Sqp/128] tensor scale of each Q block (a power of two)
+  float* k_scale;    // [B, Hkv]
+  float* v_scale;    // [B, Hkv]
+  float* balance;    // [B, Hkv, Dp] the channel balance s (1 where balance_qk is off)
   float* q_dot_km;   // [B, H, Sq]
+
+  // Channel balance (format.channel_balance): on, Q is multiplied by s and K divided by it.
+  // q_channel_amax holds max |q - qm| per (b, kv head, channel) over the group's rows as fp32
+  // bits, written before launch_quantize_qkv by launch_balance_statistics.
+  bool balance_qk;
+  const uint32_t* q_channel_amax;  // [B, Hkv, Dp], or nullptr when balance_qk is off
 
   // Non-finite flags (zero on entry, set nonzero): FP4 scales saturate, so a NaN/inf input
   // would otherwise come out finite. The caller turns them into NaN rows (nvfp4_dit/ops.py).
   uint32_t* nonfinite_kv;        // [B * Hkv]: a valid key (j < kv_lens[b]) of K or V holds NaN/inf
   uint32_t* nonfinite_q_blocks;  // [B * H * Sqp/128]: that 128-row Q block holds NaN/inf
 
-  // Workspace of the K-mean reduction and the work-item order (see quantize_qkv_workspace_*).
-  float* k_partial_sums;    // [quantize_qkv_workspace_floats]: chunk sums [B * Hkv, k_chunks, Dp], then
-                            // (streaming kernel) tile sums [B * Hkv, k_tiles, Dp]; no initial value needed
+  // Workspace of the K and V statistics and the work-item order (see quantize_qkv_workspace_*).
+  float* k_partial_sums;    // [quantize_qkv_workspace_floats]: chunk statistics
+                            // [B * Hkv, kStatTensors, k_chunks, kStatVectors, Dp], then (streaming kernel)
+                            // tile statistics [B * Hkv, kStatTensors, k_tiles, kStatVectors, Dp]; no initial value
   uint32_t* work_counters;  // [quantize_qkv_workspace_counters], zero on entry
 
   QuantizeKernel kernel;
@@ -78,8 +90,15 @@ struct QuantizeQkvParams {
 
 constexpr int kTileRows = 128;  // rows of a Q/K tile and tokens of a V^T tile, in every kernel
 
-// Keys reduced by one K-mean work item (quantize_tiles.cu), or per chunk of tile sums (quantize_stream.cu).
+// Keys reduced by one statistics work item (quantize_tiles.cu), or per chunk of tile statistics
+// (quantize_stream.cu).
 constexpr int64_t kKeyMeanChunk = 1024;
+
+// Per-head statistics of the keys: for K and V (kStatTensors), per channel the sum, the minimum and
+// the maximum over the valid keys (kStatVectors). They give the means (km, vm), max |k - km| and
+// max |v - vm| per channel (the tensor scales and the balance) without a second pass.
+constexpr int kStatTensors = 2;  // 0: K, 1: V
+constexpr int kStatVectors = 3;  // 0: sum, 1: min, 2: max
 
 __host__ __device__ inline int64_t quantize_qkv_k_chunks(int64_t seq_k) {
   return seq_k <= 0 ? 1 : (seq_k + kKeyMeanChunk - 1) / kKeyMeanChunk;
@@ -87,24 +106,30 @@ __host__ __device__ inline int64_t quantize_qkv_k_chunks(int64_t seq_k) {
 
 __host__ __device__ inline int64_t quantize_qkv_k_tiles(int64_t seq_k) { return seq_k <= 0 ? 1 : (seq_k + 127) / 128; }
 
-// Floats of k_partial_sums needed for these sizes: per (b, kv-head) one sum per chunk, and for the
-// streaming kernel then one per 128-key tile (its first level).
+// Floats of k_partial_sums needed for these sizes: per (b, kv-head) and tensor the statistics of
+// each chunk, and for the streaming kernel then those of each 128-key tile (its first level).
 __host__ __device__ inline int64_t quantize_qkv_workspace_floats(int64_t batch, int64_t heads_kv, int64_t seq_k,
                                                                  int64_t head_dim_padded, bool streaming) {
   const int64_t per_head = quantize_qkv_k_chunks(seq_k) + (streaming ? quantize_qkv_k_tiles(seq_k) : 0);
-  return batch * heads_kv * per_head * head_dim_padded;
+  return batch * heads_kv * kStatTensors * per_head * kStatVectors * head_dim_padded;
 }
 
 // 32-bit counters of work_counters (zero them before every launch_quantize_qkv): the streaming
-// kernel's ticket dispenser, per (b, kv-head) the chunk arrivals and the km-ready flag, then per
-// chunk its tile arrivals (the tile kernel uses only the chunk arrivals).
+// kernel's ticket dispenser, per (b, kv-head) the chunk arrivals and the statistics-ready flag, then
+// per (b, kv-head), tensor and chunk its tile arrivals (the tile kernel uses only the chunk arrivals).
 __host__ __device__ inline int64_t quantize_qkv_workspace_counters(int64_t batch, int64_t heads_kv, int64_t seq_k) {
-  return 1 + 2 * batch * heads_kv + batch * heads_kv * quantize_qkv_k_chunks(seq_k);
+  return 1 + 2 * batch * heads_kv + batch * heads_kv * kStatTensors * quantize_qkv_k_chunks(seq_k);
 }
 
-// Kernel launches on `stream` that reduce the K means and quantize every Q, K and V^T tile (and
-// write the Q block means and q . km): two for the tile kernel (K means and V^T, then K and Q),
-// one for the streaming kernel. Returns the launch error.
+// With balance_qk: max |q - qm| per (b, kv head, channel) over every row of the query heads of the
+// kv head (qm the mean of the row's 128-row block), atomically into p.q_channel_amax (zero on entry).
+// Reads Q once. Launch it before launch_quantize_qkv on the same stream.
+cudaError_t launch_balance_statistics(const QuantizeQkvParams& params, cudaStream_t stream);
+
+// Kernel launches on `stream` that reduce the K and V statistics (means, tensor scales, the
+// balance) and quantize every Q, K and V^T tile (and write the Q block means and scales and q . km):
+// two for the tile kernel (the statistics, then the tiles), one for the streaming kernel. Returns
+// the launch error.
 cudaError_t launch_quantize_qkv(const QuantizeQkvParams& params, cudaStream_t stream);
 
 // The streaming kernel behind launch_quantize_qkv (quantize_stream.cu) for bf16/fp16 inputs whose
@@ -119,6 +144,8 @@ struct CorrectionParams {
   const void* kv_lens;  // [B] or nullptr, as in QuantizeQkvParams: keys past it have k_s = 0
   bool kv_lens_int64;
   const float* k_mean;  // [B, Hkv, Dp], contiguous
+  const float* q_scale;  // [B, H, num_q_blocks] and
+  const float* k_scale;  // [B, Hkv] tensor scales (contiguous): delta is written in their units
   float* delta;         // [B, H, block_end - block_begin, Skp], last dim contiguous
   int64_t delta_stride_b;
   int64_t delta_stride_h;
@@ -137,7 +164,8 @@ struct CorrectionParams {
 };
 
 // delta[b, h, m - block_begin, j] = sum_d q_mean[b, h, m, d] * (k[b, kvh, j, d] - k_mean[b, kvh, d])
-// in fp32 for valid keys j < min(kv_lens[b], Sk), and 0 for the padded ones. One launch.
+// / (q_scale[b, h, m] * k_scale[b, kvh]) in fp32 (the division by a power of two is exact) for valid
+// keys j < min(kv_lens[b], Sk), and 0 for the padded ones. One launch.
 cudaError_t launch_correction(const CorrectionParams& params, cudaStream_t stream);
 
 }  // namespace nvfp4_dit

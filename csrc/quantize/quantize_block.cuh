@@ -24,6 +24,12 @@ __device__ __forceinline__ float max_nan(float a, float b) {
   return r;
 }
 
+__device__ __forceinline__ float min_nan(float a, float b) {
+  float r;
+  asm("min.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+
 // max |v[e]| as a tree of depth 4 rather than a chain of 16 (max is exact and associative, so
 // the order does not change the result); max.NaN makes a NaN reach the scale.
 __device__ __forceinline__ float abs_max16(const float (&v)[16]) {
@@ -253,15 +259,25 @@ __device__ __forceinline__ int k_row_perm(int t) {
 
 // Work counters (one zeroed workspace, quantize_qkv_workspace_counters): [0] the streaming
 // kernel's ticket dispenser, then per (b, kv-head) the chunk arrivals and (streaming kernel) the
-// km-ready flag, then (streaming kernel) per chunk the arrivals of its tile sums.
+// statistics-ready flag, then (streaming kernel) per (b, kv-head), tensor and chunk the arrivals of
+// its tile statistics.
 __device__ __forceinline__ uint32_t* arrivals(const QuantizeQkvParams& p) { return p.work_counters + 1; }
 
-// The K-mean chunk sums of kv head bh in the workspace: [n_chunks, dp] (QuantizeQkvParams::k_partial_sums).
-__device__ __forceinline__ float* key_chunk_sums(const QuantizeQkvParams& p, int64_t bh, int64_t n_chunks, int dp) {
-  return p.k_partial_sums + bh * n_chunks * dp;
+// The statistics of chunk `chunk` of tensor `tensor` (0: K, 1: V) of kv head bh in the workspace:
+// [kStatVectors, dp] (sum, min, max per channel; QuantizeQkvParams::k_partial_sums).
+__device__ __forceinline__ float* key_chunk_stats(const QuantizeQkvParams& p, int64_t bh, int tensor, int64_t chunk,
+                                                  int64_t n_chunks, int dp) {
+  return p.k_partial_sums + ((bh * kStatTensors + tensor) * n_chunks + chunk) * kStatVectors * dp;
 }
 
-// The K mean is finished by whichever CTA adds the last partial sum. Each CTA's threads store
+// max |fl(x - mean)| over the keys of one channel, from their min and max: fl(x - mean) is monotone
+// in x, so this is the maximum over the keys exactly (format.quantize_qkv takes it over every key).
+// 0 without keys (min +inf, max -inf); NaN when an input or the mean is.
+__device__ __forceinline__ float channel_deviation(float mean, float lo, float hi) {
+  return max_nan(max_nan(__fsub_rn(hi, mean), __fsub_rn(mean, lo)), 0.0f);
+}
+
+// A head's statistics are finished by whichever CTA adds the last partial. Each CTA's threads store
 // their partials and meet at a barrier (the CTA's, or a warp's: __syncwarp); then one thread
 // counts the CTA on `counter` with count_arrival: it releases the partials at gpu scope first (a
 // fence is cumulative over the writes the barrier ordered before it: CUTLASS's semaphore pattern),
@@ -289,6 +305,52 @@ __device__ __forceinline__ bool cta_arrived_last(uint32_t* counter, int64_t expe
 // the count to 1).
 __device__ __forceinline__ float key_mean(float sum, int64_t n_valid) {
   return __fdiv_rn(sum, float(n_valid > 0 ? n_valid : 1));
+}
+
+// Finishes the statistics of kv head bh from the per-channel totals over its valid keys (sum, min,
+// max of K and of V) of channels c0 .. c0 + kCols - 1, held by this thread (`active`; inactive
+// threads take part in the reductions only): writes km, vm, the channel balance s and the tensor
+// scales k_scale = t(max_c max|k - km| / s_c), v_scale = t(max_c max|v - vm|) (format.quantize_qkv).
+// group_max(x) is the NaN-propagating max of x over every thread holding channels of the head; all
+// of them call this alike.
+template <int kCols, typename GroupMax>
+__device__ __forceinline__ void finish_head_statistics(const QuantizeQkvParams& p, int64_t bh, int c0, bool active,
+                                                       int dp, const float (&sum)[kStatTensors][kCols],
+                                                       const float (&lo)[kStatTensors][kCols],
+                                                       const float (&hi)[kStatTensors][kCols], GroupMax group_max) {
+  const int64_t n_valid = valid_key_count(p, bh / p.heads_kv);
+  float km[kCols], vm[kCols], dev_k[kCols], dev_v[kCols], amax_q[kCols];
+  float top_k = 0.0f, top_q = 0.0f, top_v = 0.0f;
+#pragma unroll
+  for (int c = 0; c < kCols; ++c) {
+    km[c] = key_mean(sum[0][c], n_valid);
+    vm[c] = key_mean(sum[1][c], n_valid);
+    dev_k[c] = active ? channel_deviation(km[c], lo[0][c], hi[0][c]) : 0.0f;
+    dev_v[c] = active ? channel_deviation(vm[c], lo[1][c], hi[1][c]) : 0.0f;
+    amax_q[c] = active && p.balance_qk ? __uint_as_float(p.q_channel_amax[bh * dp + c0 + c]) : 0.0f;
+    top_k = max_nan(top_k, dev_k[c]);
+    top_q = max_nan(top_q, amax_q[c]);
+    top_v = max_nan(top_v, dev_v[c]);
+  }
+  top_k = group_max(top_k);
+  top_q = group_max(top_q);
+  float k_dev_max = 0.0f;
+#pragma unroll
+  for (int c = 0; c < kCols; ++c) {
+    const float s = p.balance_qk ? channel_balance(amax_q[c], dev_k[c], top_q, top_k) : 1.0f;
+    k_dev_max = max_nan(k_dev_max, __fdiv_rn(dev_k[c], s));  // a power of two: exact
+    if (active) {
+      p.k_mean[bh * dp + c0 + c] = km[c];
+      p.v_mean[bh * dp + c0 + c] = vm[c];
+      p.balance[bh * dp + c0 + c] = s;
+    }
+  }
+  k_dev_max = group_max(k_dev_max);
+  top_v = group_max(top_v);
+  if (active && c0 == 0) {
+    p.k_scale[bh] = tensor_scale(k_dev_max);
+    p.v_scale[bh] = tensor_scale(top_v);
+  }
 }
 
 // Host side: whether input t can be read as 16-byte vectors: D == Dp, unit stride along D and

@@ -4,24 +4,28 @@
 //
 // Two kernel launches (after the caller's memset of a small counter workspace), each CTA one
 // work item by blockIdx, none waiting for another:
-//   1. key_mean_v_kernel: K-mean chunks, each summing kKeyMeanChunk keys of one (b, kv-head)
-//      (the last chunk of a head to arrive adds the chunk sums in a fixed order, deterministic,
-//      and writes km), then the V^T tiles (transposed through shared memory, quantized along
-//      tokens; they need no km).
-//   2. key_query_kernel: K tiles (subtract km, write rows permuted) and Q tiles (reduce the
-//      tile's own 128-row block mean, subtract it, quantize, write q . km). Stream order makes km
-//      ready.
-// Why two launches rather than one with a ticket order: in one launch a K or Q tile waits for its
-// head's mean from other CTAs (a ticket atomic, a ready-flag poll, then the km load), which needs
+//   1. key_stats_kernel: statistics chunks, each reducing kKeyMeanChunk keys of K or of V of one
+//      (b, kv-head) to per-channel sums, minima and maxima (the last chunk of a head to arrive
+//      adds them in a fixed order, deterministic, and finishes the head: km, vm, the channel
+//      balance, the K and V tensor scales).
+//   2. tiles_kernel: K tiles ((k - km) / (s k_scale), rows permuted), Q tiles (the tile's own
+//      128-row block mean and tensor scale, then (q - qm) s / q_scale, and q . km) and V^T tiles
+//      ((v - vm) / v_scale, transposed through shared memory, quantized along tokens). Stream
+//      order makes the statistics ready.
+// With balance_qk, balance_statistics_kernel runs first (one CTA per Q tile: max |q - qm| per
+// channel of each kv group), since the balance of a head needs all of its query heads' rows.
+// Why two launches rather than one with a ticket order: in one launch a tile waits for its head's
+// statistics from other CTAs (a ticket atomic, a ready-flag poll, then the loads), which needs
 // every earlier ticket's CTA to be resident and costs round trips to L2 per tile. Split, no CTA
-// waits on another and each tile issues its loads first thing. The price: K is read twice from
-// DRAM (by its mean chunks, then by its tiles after every head's mean); the streaming kernel's
-// per-head order serves the second read from L2 (docs/quantize.md).
+// waits on another and each tile issues its loads first thing. The price: K and V are read twice
+// from DRAM (by their statistics chunks, then by their tiles); the streaming kernel's per-head
+// order serves the second reads from L2 (docs/quantize.md).
 // Padding rows/columns are written as zero data with zero scales; keys past kv_lens are padding.
 //
 // Every offset is int64. No fast-math: the scale and data divisions are correctly rounded
 // (quantize_math.cuh, checked exhaustively on the host), so the bytes equal format.py's.
 #include <cfloat>
+#include <type_traits>
 
 #include <cuda_fp16.h>
 
@@ -127,74 +131,7 @@ __device__ __forceinline__ void prefetch_tile_l2(const QuantizeQkvParams& p, con
 }
 
 ////////////////////////////////////////////////////////////////////////////////////////////////
-// Work items 1: the K mean, kKeyMeanChunk keys per item
-
-template <InputDtype DT, int DP, bool VEC, typename Shared>
-__device__ __forceinline__ void key_mean_item(const QuantizeQkvParams& p, Shared& sm, int64_t item) {
-  using Raw = typename InputTraits<DT>::Raw;
-  constexpr int kColGroups = DP / 16;             // threads per row, 16 columns each
-  constexpr int kRowsPerPass = kThreads / kColGroups;
-  const int64_t n_chunks = quantize_qkv_k_chunks(p.seq_k);
-  const int64_t bh = item / n_chunks;  // b * Hkv + kvh
-  const int64_t chunk = item % n_chunks;
-  const int64_t b = bh / p.heads_kv, h = bh % p.heads_kv;
-  const int64_t n_valid = valid_key_count(p, b);
-  const int cg = threadIdx.x % kColGroups;
-  const int r0 = threadIdx.x / kColGroups;
-  const Raw* base = static_cast<const Raw*>(p.k.ptr) + row_offset(p.k, b, h, 0);
-  if constexpr (VEC) {  // the whole chunk at once, not kUnroll loads per thread at a time
-    const int64_t first = chunk * kKeyMeanChunk;
-    prefetch_rows_l2<Raw, DP>(p.k, b, h, first, rows_below(n_valid, first, kKeyMeanChunk));
-  }
-
-  float sum[16];
-#pragma unroll
-  for (int e = 0; e < 16; ++e) sum[e] = 0.0f;
-  const int64_t key0 = chunk * kKeyMeanChunk;
-  constexpr int kUnroll = 4;  // loads in flight per thread
-  for (int pass = 0; pass < kKeyMeanChunk / kRowsPerPass; pass += kUnroll) {
-    if (key0 + pass * kRowsPerPass >= n_valid) break;  // uniform across the CTA
-    Block16<DT> blk[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t key = key0 + (pass + u) * kRowsPerPass + r0;
-      blk[u].zero();
-      if (key < n_valid) load_block16<DT, VEC>(blk[u], base + key * p.k.stride_s, p.k.stride_d, cg * 16, int(p.head_dim));
-    }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u)
-#pragma unroll
-      for (int e = 0; e < 16; ++e) sum[e] += blk[u].get(e);
-  }
-  // Lanes with equal lane % kColGroups hold the same columns.
-#pragma unroll
-  for (int off = kColGroups; off < 32; off <<= 1)
-#pragma unroll
-    for (int e = 0; e < 16; ++e) sum[e] += __shfl_xor_sync(0xFFFFFFFFu, sum[e], off);
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  if (lane < kColGroups)
-#pragma unroll
-    for (int e = 0; e < 16; ++e) sm.red[warp][lane * 16 + e] = sum[e];
-  __syncthreads();
-
-  float* partial = key_chunk_sums(p, bh, n_chunks, DP);
-  if (threadIdx.x < DP) {
-    float s = 0.0f;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) s += sm.red[w][threadIdx.x];
-    partial[chunk * DP + threadIdx.x] = s;
-  }
-  // Publish the chunk sum, then count arrivals; the last CTA of this head finishes the mean.
-  if (!cta_arrived_last(arrivals(p) + bh, n_chunks, sm.last_arrival)) return;
-  if (threadIdx.x < DP) {
-    float s = 0.0f;
-    for (int64_t c = 0; c < n_chunks; ++c) s += __ldcg(partial + c * DP + threadIdx.x);
-    p.k_mean[bh * DP + threadIdx.x] = key_mean(s, n_valid);
-  }
-}
-
-////////////////////////////////////////////////////////////////////////////////////////////////
-// Work items 2: Q, K and V^T tiles
+// Shared memory and the CTA's column statistics
 
 // Shared index of column c of a per-column vector: 4 floats of padding after every 16 columns.
 __device__ __forceinline__ int padded_column(int c) { return c + (c >> 4) * 4; }
@@ -209,16 +146,167 @@ template <int DP>
 struct SharedStorage {
   union {
     unsigned char v_tile[kVTileBytes];
-    float red[kWarps][DP];
+    float red[kStatVectors][kWarps][DP];  // per-warp column statistics: sum, min, max
   };
   // Per-column vectors, column c at padded_column(c): a warp's eight column blocks then read
   // them as 16-byte vectors without bank conflicts (a pitch of 16 floats would put four
-  // blocks on the same banks).
-  float mean[DP + DP / 4];  // the Q tile's block mean
-  float km[DP + DP / 4];    // km of the tile's kv head (K tiles: subtracted; Q tiles: q . km)
+  // blocks on the same banks). A tile quantises fma(x, factor, -offset) = (x - mean) * factor.
+  float offset[DP + DP / 4];  // mean * factor
+  float factor[DP + DP / 4];  // a power of two: the balance over the tensor scale
+  float km[DP + DP / 4];      // Q tiles: km of the tile's kv head (q . km)
+  float warp_max[kWarps];
   ScaleTables tables;
-  uint32_t last_arrival;  // this CTA added a head's last K-mean chunk
+  uint32_t last_arrival;  // this CTA added a head's last statistics chunk
 };
+
+// NaN-propagating max of x over the CTA; every thread calls it (two barriers).
+template <int DP>
+__device__ __forceinline__ float cta_max(float x, SharedStorage<DP>& sm) {
+#pragma unroll
+  for (int off = 16; off; off >>= 1) x = max_nan(x, __shfl_xor_sync(0xFFFFFFFFu, x, off));
+  __syncthreads();  // earlier readers of warp_max are done
+  if ((threadIdx.x & 31) == 0) sm.warp_max[threadIdx.x / 32] = x;
+  __syncthreads();
+  float r = sm.warp_max[0];
+#pragma unroll
+  for (int w = 1; w < kWarps; ++w) r = max_nan(r, sm.warp_max[w]);
+  return r;
+}
+
+// Per-thread statistics of 16 columns (sum, min, max over this thread's rows) into the CTA's
+// per-warp partials, the lanes that hold the same columns (lane % kColBlocks) combined first. The
+// caller synchronises before reading them with cta_column_stats.
+template <int kColBlocks, int DP>
+__device__ __forceinline__ void stage_column_stats(SharedStorage<DP>& sm, float (&sum)[16], float (&lo)[16],
+                                                   float (&hi)[16]) {
+#pragma unroll
+  for (int off = kColBlocks; off < 32; off <<= 1)
+#pragma unroll
+    for (int e = 0; e < 16; ++e) {
+      sum[e] += __shfl_xor_sync(0xFFFFFFFFu, sum[e], off);
+      lo[e] = min_nan(lo[e], __shfl_xor_sync(0xFFFFFFFFu, lo[e], off));
+      hi[e] = max_nan(hi[e], __shfl_xor_sync(0xFFFFFFFFu, hi[e], off));
+    }
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  if (lane < kColBlocks)
+#pragma unroll
+    for (int e = 0; e < 16; ++e) {
+      sm.red[0][warp][lane * 16 + e] = sum[e];
+      sm.red[1][warp][lane * 16 + e] = lo[e];
+      sm.red[2][warp][lane * 16 + e] = hi[e];
+    }
+}
+
+// The CTA's statistics of column c (after the barrier that follows stage_column_stats), the warps
+// in a fixed order (deterministic sums).
+template <int DP>
+__device__ __forceinline__ void cta_column_stats(const SharedStorage<DP>& sm, int c, float& sum, float& lo, float& hi) {
+  sum = 0.0f;
+  lo = INFINITY;
+  hi = -INFINITY;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) {
+    sum += sm.red[0][w][c];
+    lo = min_nan(lo, sm.red[1][w][c]);
+    hi = max_nan(hi, sm.red[2][w][c]);
+  }
+}
+
+__device__ __forceinline__ void init_column_stats(float (&sum)[16], float (&lo)[16], float (&hi)[16]) {
+#pragma unroll
+  for (int e = 0; e < 16; ++e) {
+    sum[e] = 0.0f;
+    lo[e] = INFINITY;
+    hi[e] = -INFINITY;
+  }
+}
+
+// Adds one block of 16 elements of a valid row to this thread's column statistics.
+template <InputDtype DT>
+__device__ __forceinline__ void add_column_stats(const Block16<DT>& x, float (&sum)[16], float (&lo)[16],
+                                                 float (&hi)[16]) {
+#pragma unroll
+  for (int e = 0; e < 16; ++e) {
+    const float xe = x.get(e);
+    sum[e] += xe;
+    lo[e] = min_nan(lo[e], xe);
+    hi[e] = max_nan(hi[e], xe);
+  }
+}
+
+////////////////////////////////////////////////////////////////////////////////////////////////
+// Work items 1: the K and V statistics, kKeyMeanChunk keys per item
+
+// Item (bh, tensor, chunk): the sum, min and max per channel of chunk `chunk` of K (tensor 0) or
+// V (1) of kv head bh over its valid keys. The CTA that adds a head's last chunk finishes the head
+// (finish_head_statistics: means, balance, tensor scales).
+template <InputDtype DT, int DP, bool VEC>
+__device__ __forceinline__ void key_stats_item(const QuantizeQkvParams& p, SharedStorage<DP>& sm, int64_t item) {
+  using Raw = typename InputTraits<DT>::Raw;
+  constexpr int kColGroups = DP / 16;             // threads per row, 16 columns each
+  constexpr int kRowsPerPass = kThreads / kColGroups;
+  const int64_t n_chunks = quantize_qkv_k_chunks(p.seq_k);
+  const int64_t bh = item / (kStatTensors * n_chunks);  // b * Hkv + kvh
+  const int tensor = int(item / n_chunks % kStatTensors);
+  const int64_t chunk = item % n_chunks;
+  const int64_t b = bh / p.heads_kv, h = bh % p.heads_kv;
+  const int64_t n_valid = valid_key_count(p, b);
+  const StridedInput& in = tensor == 0 ? p.k : p.v;
+  const int cg = threadIdx.x % kColGroups;
+  const int r0 = threadIdx.x / kColGroups;
+  const Raw* base = static_cast<const Raw*>(in.ptr) + row_offset(in, b, h, 0);
+  if constexpr (VEC) {  // the whole chunk at once, not kUnroll loads per thread at a time
+    const int64_t first = chunk * kKeyMeanChunk;
+    prefetch_rows_l2<Raw, DP>(in, b, h, first, rows_below(n_valid, first, kKeyMeanChunk));
+  }
+
+  float sum[16], lo[16], hi[16];
+  init_column_stats(sum, lo, hi);
+  const int64_t key0 = chunk * kKeyMeanChunk;
+  constexpr int kUnroll = 4;  // loads in flight per thread
+  for (int pass = 0; pass < kKeyMeanChunk / kRowsPerPass; pass += kUnroll) {
+    if (key0 + pass * kRowsPerPass >= n_valid) break;  // uniform across the CTA
+    Block16<DT> blk[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t key = key0 + (pass + u) * kRowsPerPass + r0;
+      blk[u].zero();
+      if (key < n_valid) load_block16<DT, VEC>(blk[u], base + key * in.stride_s, in.stride_d, cg * 16, int(p.head_dim));
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+      if (key0 + (pass + u) * kRowsPerPass + r0 < n_valid) add_column_stats(blk[u], sum, lo, hi);
+  }
+  stage_column_stats<kColGroups>(sm, sum, lo, hi);
+  __syncthreads();
+
+  const int64_t n_stats = kStatTensors * n_chunks;  // items per head
+  if (threadIdx.x < DP) {
+    float* out = key_chunk_stats(p, bh, tensor, chunk, n_chunks, DP);
+    cta_column_stats(sm, threadIdx.x, out[threadIdx.x], out[DP + threadIdx.x], out[2 * DP + threadIdx.x]);
+  }
+  // Publish the chunk's statistics, then count arrivals; the last CTA of this head finishes it.
+  if (!cta_arrived_last(arrivals(p) + bh, n_stats, sm.last_arrival)) return;
+  const bool active = threadIdx.x < DP;
+  const int c = active ? int(threadIdx.x) : 0;
+  float tsum[kStatTensors][1], tlo[kStatTensors][1], thi[kStatTensors][1];
+#pragma unroll
+  for (int t = 0; t < kStatTensors; ++t) {
+    tsum[t][0] = 0.0f;
+    tlo[t][0] = INFINITY;
+    thi[t][0] = -INFINITY;
+    for (int64_t k = 0; k < n_chunks; ++k) {
+      const float* st = key_chunk_stats(p, bh, t, k, n_chunks, DP);
+      tsum[t][0] += __ldcg(st + c);
+      tlo[t][0] = min_nan(tlo[t][0], __ldcg(st + DP + c));
+      thi[t][0] = max_nan(thi[t][0], __ldcg(st + 2 * DP + c));
+    }
+  }
+  finish_head_statistics<1>(p, bh, c, active, DP, tsum, tlo, thi, [&sm](float x) { return cta_max(x, sm); });
+}
+
+////////////////////////////////////////////////////////////////////////////////////////////////
+// Work items 2: Q, K and V^T tiles
 
 // Rows of a Q or K tile: thread (row r0 + kRowsPerPass * pass, column block cb).
 template <int DP>
@@ -228,57 +316,74 @@ struct RowTileMap {
   static constexpr int kPasses = kTileRows / kRowsPerPass;
 };
 
+// Loads 128-row Q tile `tile` (of [B, H, Sqp/128] tiles) into registers and reduces its column
+// statistics over the valid rows: after it, thread c < DP holds qm_c and dev_c = max |q - qm_c| of
+// column c (channel_deviation). Shared by the Q tiles and the balance statistics.
 template <InputDtype DT, int DP, bool VEC>
-__device__ __forceinline__ void q_tile(const QuantizeQkvParams& p, SharedStorage<DP>& sm, int64_t tile) {
+__device__ __forceinline__ void q_tile_stats(const QuantizeQkvParams& p, SharedStorage<DP>& sm, int64_t tile,
+                                             Block16<DT> (&x)[RowTileMap<DP>::kPasses], float& qm, float& dev) {
   using Raw = typename InputTraits<DT>::Raw;
   using Map = RowTileMap<DP>;
   const int64_t n_blocks = p.seq_q_padded / kTileRows;
   const int64_t blk = tile % n_blocks;
   const int64_t bh = tile / n_blocks;  // b * H + h
   const int64_t b = bh / p.heads_q, h = bh % p.heads_q;
-  const int64_t kvh = h / (p.heads_q / p.heads_kv);
   const int cb = threadIdx.x % Map::kColBlocks;
   const int r0 = threadIdx.x / Map::kColBlocks;
   const int64_t row0 = blk * kTileRows;
   const int valid_rows = int(rows_below(p.seq_q, row0, kTileRows));
-
   const Raw* base = static_cast<const Raw*>(p.q.ptr) + row_offset(p.q, b, h, row0);
-  Block16<DT> x[Map::kPasses];
 #pragma unroll
   for (int ps = 0; ps < Map::kPasses; ++ps) {
     const int r = r0 + ps * Map::kRowsPerPass;
     x[ps].zero();
     if (r < valid_rows) load_block16<DT, VEC>(x[ps], base + r * p.q.stride_s, p.q.stride_d, cb * 16, int(p.head_dim));
   }
-  // While the loads are in flight: km (written by the previous launch) and the scale tables.
-  if (threadIdx.x < DP) sm.km[padded_column(threadIdx.x)] = __ldcg(p.k_mean + (b * p.heads_kv + kvh) * DP + threadIdx.x);
-  fill_scale_tables(sm.tables);
-
-  // Column sums over the tile's valid rows (padding rows were loaded as zeros).
-  float sum[16];
+  float sum[16], lo[16], hi[16];
+  init_column_stats(sum, lo, hi);
 #pragma unroll
-  for (int e = 0; e < 16; ++e) {
-    sum[e] = 0.0f;
-#pragma unroll
-    for (int ps = 0; ps < Map::kPasses; ++ps) sum[e] += x[ps].get(e);
-  }
-#pragma unroll
-  for (int off = Map::kColBlocks; off < 32; off <<= 1)
-#pragma unroll
-    for (int e = 0; e < 16; ++e) sum[e] += __shfl_xor_sync(0xFFFFFFFFu, sum[e], off);
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  if (lane < Map::kColBlocks)
-#pragma unroll
-    for (int e = 0; e < 16; ++e) sm.red[warp][lane * 16 + e] = sum[e];
+  for (int ps = 0; ps < Map::kPasses; ++ps)
+    if (r0 + ps * Map::kRowsPerPass < valid_rows) add_column_stats(x[ps], sum, lo, hi);
+  stage_column_stats<Map::kColBlocks>(sm, sum, lo, hi);
   __syncthreads();
+  qm = dev = 0.0f;
   if (threadIdx.x < DP) {
-    float s = 0.0f;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) s += sm.red[w][threadIdx.x];
-    const float qm = __fdiv_rn(s, float(valid_rows > 0 ? valid_rows : 1));
-    sm.mean[padded_column(threadIdx.x)] = qm;
-    p.q_mean[(bh * n_blocks + blk) * DP + threadIdx.x] = qm;
+    float s, l, u;
+    cta_column_stats(sm, threadIdx.x, s, l, u);
+    qm = __fdiv_rn(s, float(valid_rows > 0 ? valid_rows : 1));
+    dev = channel_deviation(qm, l, u);
   }
+}
+
+template <InputDtype DT, int DP, bool VEC>
+__device__ __forceinline__ void q_tile(const QuantizeQkvParams& p, SharedStorage<DP>& sm, int64_t tile) {
+  using Map = RowTileMap<DP>;
+  const int64_t n_blocks = p.seq_q_padded / kTileRows;
+  const int64_t blk = tile % n_blocks;
+  const int64_t bh = tile / n_blocks;  // b * H + h
+  const int64_t b = bh / p.heads_q, h = bh % p.heads_q;
+  const int64_t bhk = b * p.heads_kv + h / (p.heads_q / p.heads_kv);
+  const int cb = threadIdx.x % Map::kColBlocks;
+  const int r0 = threadIdx.x / Map::kColBlocks;
+  const int64_t row0 = blk * kTileRows;
+  const int valid_rows = int(rows_below(p.seq_q, row0, kTileRows));
+
+  Block16<DT> x[Map::kPasses];
+  float qm, dev;
+  q_tile_stats<DT, DP, VEC>(p, sm, tile, x, qm, dev);
+  // The block's tensor scale t(max_c max|q - qm_c| * s_c); then quantise (q - qm) * s_c / t.
+  const int c = int(threadIdx.x);
+  const float s = c < DP ? p.balance[bhk * DP + c] : 1.0f;
+  const float q_scale = tensor_scale(cta_max(dev * s, sm));  // powers of two: exact
+  if (c < DP) {
+    const float f = __fdiv_rn(s, q_scale);
+    sm.factor[padded_column(c)] = f;
+    sm.offset[padded_column(c)] = qm * f;
+    sm.km[padded_column(c)] = __ldcg(p.k_mean + bhk * DP + c);
+    p.q_mean[(bh * n_blocks + blk) * DP + c] = qm;
+    if (c == 0) p.q_scale[bh * n_blocks + blk] = q_scale;
+  }
+  fill_scale_tables(sm.tables);
   __syncthreads();
 
   // This thread's outputs of pass 0; pass ps writes kRowsPerPass * ps rows further.
@@ -291,13 +396,14 @@ __device__ __forceinline__ void q_tile(const QuantizeQkvParams& p, SharedStorage
     uint32_t lo = 0, hi = 0, sf_bits = 0;
     float dot = 0.0f;
     if (r < valid_rows) {
-      float v[16], qm[16], km[16];
-      load_column_block(sm.mean, cb, qm);
+      float v[16], off[16], f[16], km[16];
+      load_column_block(sm.offset, cb, off);
+      load_column_block(sm.factor, cb, f);
       load_column_block(sm.km, cb, km);
 #pragma unroll
       for (int e = 0; e < 16; ++e) {
         const float xe = x[ps].get(e);
-        v[e] = xe - qm[e];
+        v[e] = fmaf(xe, f[e], -off[e]);  // (x - qm) * f, one rounding: f is a power of two
         dot = fmaf(xe, km[e], dot);
       }
       nonfinite |= quantize_block16(v, sm.tables, lo, hi, sf_bits);
@@ -310,6 +416,20 @@ __device__ __forceinline__ void q_tile(const QuantizeQkvParams& p, SharedStorage
     if (cb == 0 && r < valid_rows) p.q_dot_km[bh * p.seq_q + row0 + r] = dot;
   }
   raise_flag(p.nonfinite_q_blocks + bh * n_blocks + blk, nonfinite);
+}
+
+// The per-column factor and offset of a K or V^T tile of kv head bh: K quantises
+// (k - km) / (s_c * k_scale), V (v - vm) / v_scale (powers of two: exact).
+template <int DP>
+__device__ __forceinline__ void key_tile_columns(const QuantizeQkvParams& p, SharedStorage<DP>& sm, int64_t bh,
+                                                 bool values) {
+  const int c = int(threadIdx.x);
+  if (c < DP) {
+    const float f = values ? __frcp_rn(p.v_scale[bh]) : __frcp_rn(p.balance[bh * DP + c] * p.k_scale[bh]);
+    const float mean = __ldcg((values ? p.v_mean : p.k_mean) + bh * DP + c);
+    sm.factor[padded_column(c)] = f;
+    sm.offset[padded_column(c)] = mean * f;
+  }
 }
 
 template <InputDtype DT, int DP, bool VEC>
@@ -334,8 +454,8 @@ __device__ __forceinline__ void k_tile(const QuantizeQkvParams& p, SharedStorage
     x[ps].zero();
     if (r < valid_rows) load_block16<DT, VEC>(x[ps], base + r * p.k.stride_s, p.k.stride_d, cb * 16, int(p.head_dim));
   }
-  // While the loads are in flight: km (written by the previous launch) and the scale tables.
-  if (threadIdx.x < DP) sm.km[padded_column(threadIdx.x)] = __ldcg(p.k_mean + bh * DP + threadIdx.x);
+  // While the loads are in flight: km and the scales (written by the previous launch), the tables.
+  key_tile_columns(p, sm, bh, false);
   fill_scale_tables(sm.tables);
   __syncthreads();
 
@@ -350,10 +470,11 @@ __device__ __forceinline__ void k_tile(const QuantizeQkvParams& p, SharedStorage
     const int r = r0 + ps * Map::kRowsPerPass;
     uint32_t lo = 0, hi = 0, sf_bits = 0;
     if (r < valid_rows) {
-      float v[16], km[16];
-      load_column_block(sm.km, cb, km);
+      float v[16], off[16], f[16];
+      load_column_block(sm.offset, cb, off);
+      load_column_block(sm.factor, cb, f);
 #pragma unroll
-      for (int e = 0; e < 16; ++e) v[e] = x[ps].get(e) - km[e];
+      for (int e = 0; e < 16; ++e) v[e] = fmaf(x[ps].get(e), f[e], -off[e]);
       nonfinite |= quantize_block16(v, sm.tables, lo, hi, sf_bits);
     }
     store_u64(data + ps * Map::kRowsPerPass * (DP / 2), lo, hi);
@@ -387,6 +508,7 @@ __device__ __forceinline__ void v_tile(const QuantizeQkvParams& p, SharedStorage
   const int64_t n_valid = valid_key_count(p, b);  // keys past kv_lens[b] are zero padding
   Raw* stile = reinterpret_cast<Raw*>(sm.v_tile);
   const Raw* base = static_cast<const Raw*>(p.v.ptr) + row_offset(p.v, b, h, 0);
+  key_tile_columns(p, sm, bh, true);  // read after the first barrier below
 
   for (int sub = 0; sub < kTileRows / kSubRows; ++sub) {
     const int64_t tok0 = blk * kTileRows + sub * kSubRows;
@@ -416,10 +538,17 @@ __device__ __forceinline__ void v_tile(const QuantizeQkvParams& p, SharedStorage
 
     // Each thread reads one 32-bit word per token: kCols adjacent columns (two 16-bit or one
     // fp32 element; a warp reads 128 contiguous bytes of a token row, conflict-free), and
-    // quantizes kBlocksPerThread consecutive 16-token blocks of each of those columns.
+    // quantizes kBlocksPerThread consecutive 16-token blocks of each of those columns. Tokens
+    // past n_valid are padding: 0, not (0 - vm) / v_scale.
     uint32_t words[kCols][2 * kBlocksPerThread];
     uint32_t sfs[kCols] = {};
     bool nonfinite = false;
+    float f[kCols], off[kCols];
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) {
+      f[c] = sm.factor[padded_column(cg * kCols + c)];
+      off[c] = sm.offset[padded_column(cg * kCols + c)];
+    }
     const uint32_t* swords = reinterpret_cast<const uint32_t*>(sm.v_tile);
 #pragma unroll
     for (int i = 0; i < kBlocksPerThread; ++i) {
@@ -428,18 +557,18 @@ __device__ __forceinline__ void v_tile(const QuantizeQkvParams& p, SharedStorage
 #pragma unroll
       for (int e = 0; e < 16; ++e) {
         const uint32_t w = swords[(tb * 16 + e) * (DP / kCols) + cg];
+        const bool valid = tok0 + tb * 16 + e < n_valid;
         if constexpr (kCols == 2) {
-          v[0][e] = InputTraits<DT>::to_float(w & 0xFFFFu);
-          v[1][e] = InputTraits<DT>::to_float(w >> 16);
+          v[0][e] = valid ? fmaf(InputTraits<DT>::to_float(w & 0xFFFFu), f[0], -off[0]) : 0.0f;
+          v[1][e] = valid ? fmaf(InputTraits<DT>::to_float(w >> 16), f[1], -off[1]) : 0.0f;
         } else {
-          v[0][e] = InputTraits<DT>::to_float(w);
+          v[0][e] = valid ? fmaf(InputTraits<DT>::to_float(w), f[0], -off[0]) : 0.0f;
         }
       }
 #pragma unroll
       for (int c = 0; c < kCols; ++c) {
         uint32_t sf_bits;
-        nonfinite |= quantize_block16<DT != InputDtype::kFloat32>(v[c], sm.tables, words[c][2 * i], words[c][2 * i + 1],
-                                                                 sf_bits);
+        nonfinite |= quantize_block16(v[c], sm.tables, words[c][2 * i], words[c][2 * i + 1], sf_bits);
         sfs[c] |= sf_bits << (8 * i);
       }
     }
@@ -456,97 +585,139 @@ __device__ __forceinline__ void v_tile(const QuantizeQkvParams& p, SharedStorage
   }
 }
 
-// Each CTA of a launch first prefetches (L2) the input tile of the block `prefetch_distance`
-// ahead, about one wave of resident CTAs: that CTA starts about when this one ends.
-
-// Launch 1: blocks [0, mean_items) reduce K-mean chunks, the rest quantize V^T tiles.
+// Launch 1: the K and V statistics items (key_stats_item; each prefetches its own chunk).
 template <InputDtype DT, int DP, bool VEC>
-__global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
-    key_mean_v_kernel(const QuantizeQkvParams p, int64_t prefetch_distance) {
-  using Raw = typename InputTraits<DT>::Raw;
+__global__ void __launch_bounds__(kThreads, kMinCtasPerSm) key_stats_kernel(const QuantizeQkvParams p) {
   __shared__ __align__(16) SharedStorage<DP> sm;
-  const int64_t mean_items = p.batch * p.heads_kv * quantize_qkv_k_chunks(p.seq_k);
-  const int64_t n_blocks = p.seq_k_padded / kTileRows;
-  const int64_t item = blockIdx.x;
-  if constexpr (VEC) {
-    const int64_t ahead = item + prefetch_distance - mean_items;  // a V^T tile (mean chunks prefetch themselves)
-    if (ahead >= 0 && ahead < p.batch * p.heads_kv * n_blocks)
-      prefetch_tile_l2<Raw, DP>(p, p.v, p.heads_kv, n_blocks, ahead, true);
-  }
-  if (item < mean_items) {
-    key_mean_item<DT, DP, VEC>(p, sm, item);
-    return;
-  }
-  fill_scale_tables(sm.tables);  // v_tile synchronises before its first block
-  v_tile<DT, DP, VEC>(p, sm, item - mean_items);
+  key_stats_item<DT, DP, VEC>(p, sm, blockIdx.x);
 }
 
-// Launch 2: blocks [0, kv_tiles) quantize K tiles, the rest Q tiles.
+// Launch 2: blocks [0, kv_tiles) quantize K tiles, then the Q tiles, then the V^T tiles. Each
+// CTA first prefetches (L2) the input tile of the block `prefetch_distance` ahead, about one wave
+// of resident CTAs: that CTA starts about when this one ends.
 template <InputDtype DT, int DP, bool VEC>
 __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
-    key_query_kernel(const QuantizeQkvParams p, int64_t prefetch_distance) {
+    tiles_kernel(const QuantizeQkvParams p, int64_t prefetch_distance) {
   using Raw = typename InputTraits<DT>::Raw;
   __shared__ __align__(16) SharedStorage<DP> sm;
   const int64_t n_kblocks = p.seq_k_padded / kTileRows, n_qblocks = p.seq_q_padded / kTileRows;
-  const int64_t kv_tiles = p.batch * p.heads_kv * n_kblocks;
+  const int64_t kv_tiles = p.batch * p.heads_kv * n_kblocks, q_tiles = p.batch * p.heads_q * n_qblocks;
   const int64_t item = blockIdx.x;
   if constexpr (VEC) {
     const int64_t ahead = item + prefetch_distance;
     if (ahead < kv_tiles)
       prefetch_tile_l2<Raw, DP>(p, p.k, p.heads_kv, n_kblocks, ahead, true);
-    else if (ahead - kv_tiles < p.batch * p.heads_q * n_qblocks)
+    else if (ahead < kv_tiles + q_tiles)
       prefetch_tile_l2<Raw, DP>(p, p.q, p.heads_q, n_qblocks, ahead - kv_tiles, false);
+    else if (ahead < 2 * kv_tiles + q_tiles)
+      prefetch_tile_l2<Raw, DP>(p, p.v, p.heads_kv, n_kblocks, ahead - kv_tiles - q_tiles, true);
   }
-  if (item < kv_tiles) k_tile<DT, DP, VEC>(p, sm, item);
-  else q_tile<DT, DP, VEC>(p, sm, item - kv_tiles);
+  if (item < kv_tiles) {
+    k_tile<DT, DP, VEC>(p, sm, item);
+  } else if (item < kv_tiles + q_tiles) {
+    q_tile<DT, DP, VEC>(p, sm, item - kv_tiles);
+  } else {
+    fill_scale_tables(sm.tables);  // v_tile synchronises before its first block
+    v_tile<DT, DP, VEC>(p, sm, item - kv_tiles - q_tiles);
+  }
+}
+
+// The balance statistics: one CTA per Q tile, max |q - qm| per column into the kv head's
+// q_channel_amax (fp32 bits of non-negative values, or NaN: they order like unsigned integers).
+template <InputDtype DT, int DP, bool VEC>
+__global__ void __launch_bounds__(kThreads, kMinCtasPerSm) balance_statistics_kernel(const QuantizeQkvParams p) {
+  __shared__ __align__(16) SharedStorage<DP> sm;
+  const int64_t tile = blockIdx.x;
+  Block16<DT> x[RowTileMap<DP>::kPasses];
+  float qm, dev;
+  q_tile_stats<DT, DP, VEC>(p, sm, tile, x, qm, dev);
+  if (threadIdx.x < DP) {
+    const int64_t bh = tile / (p.seq_q_padded / kTileRows);
+    const int64_t bhk = (bh / p.heads_q) * p.heads_kv + (bh % p.heads_q) / (p.heads_q / p.heads_kv);
+    atomicMax(const_cast<uint32_t*>(p.q_channel_amax) + bhk * DP + threadIdx.x, __float_as_uint(dev));
+  }
 }
 
 template <InputDtype DT, int DP, bool VEC>
 cudaError_t launch_typed(const QuantizeQkvParams& p, cudaStream_t stream) {
-  const int64_t kv_heads = p.batch * p.heads_kv;
-  const int64_t kv_tiles = kv_heads * (p.seq_k_padded / kTileRows);
-  const int64_t first = kv_heads * quantize_qkv_k_chunks(p.seq_k) + kv_tiles;
-  const int64_t second = kv_tiles + p.batch * p.heads_q * (p.seq_q_padded / kTileRows);
+  const int64_t kv_tiles = p.batch * p.heads_kv * (p.seq_k_padded / kTileRows);
+  const int64_t q_tiles = p.batch * p.heads_q * (p.seq_q_padded / kTileRows);
+  const int64_t first = p.batch * p.heads_kv * kStatTensors * quantize_qkv_k_chunks(p.seq_k);
+  const int64_t second = 2 * kv_tiles + q_tiles;
   if (first > 0x7FFFFFFFLL || second > 0x7FFFFFFFLL) return cudaErrorInvalidConfiguration;
   int device = 0, sms = 0;
   cudaError_t err = cudaGetDevice(&device);
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   if (err != cudaSuccess) return err;
   const int64_t prefetch_distance = int64_t(kPrefetchWaves) * sms * kMinCtasPerSm;
-  key_mean_v_kernel<DT, DP, VEC><<<unsigned(first), kThreads, 0, stream>>>(p, prefetch_distance);
+  key_stats_kernel<DT, DP, VEC><<<unsigned(first), kThreads, 0, stream>>>(p);
   if ((err = cudaGetLastError()) != cudaSuccess) return err;
-  key_query_kernel<DT, DP, VEC><<<unsigned(second), kThreads, 0, stream>>>(p, prefetch_distance);
+  tiles_kernel<DT, DP, VEC><<<unsigned(second), kThreads, 0, stream>>>(p, prefetch_distance);
   return cudaGetLastError();
 }
 
 template <InputDtype DT>
-cudaError_t launch_dtype(const QuantizeQkvParams& p, cudaStream_t stream) {
+bool vector_loads(const QuantizeQkvParams& p) {
   const int64_t eb = sizeof(typename InputTraits<DT>::Raw);
-  const bool vec = vector_loads_ok(p.q, eb, p.head_dim, p.head_dim_padded) &&
-                   vector_loads_ok(p.k, eb, p.head_dim, p.head_dim_padded) &&
-                   vector_loads_ok(p.v, eb, p.head_dim, p.head_dim_padded);
+  return vector_loads_ok(p.q, eb, p.head_dim, p.head_dim_padded) &&
+         vector_loads_ok(p.k, eb, p.head_dim, p.head_dim_padded) &&
+         vector_loads_ok(p.v, eb, p.head_dim, p.head_dim_padded);
+}
+
+template <InputDtype DT>
+cudaError_t launch_dtype(const QuantizeQkvParams& p, cudaStream_t stream) {
+  const bool vec = vector_loads<DT>(p);
   return NVFP4_DIT_HEAD_DIM_SWITCH(
       p.head_dim_padded, DP, vec ? launch_typed<DT, DP, true>(p, stream) : launch_typed<DT, DP, false>(p, stream));
 }
 
+template <InputDtype DT>
+cudaError_t launch_balance_dtype(const QuantizeQkvParams& p, cudaStream_t stream) {
+  const int64_t q_tiles = p.batch * p.heads_q * (p.seq_q_padded / kTileRows);
+  if (q_tiles > 0x7FFFFFFFLL) return cudaErrorInvalidConfiguration;
+  const bool vec = vector_loads<DT>(p);
+  return NVFP4_DIT_HEAD_DIM_SWITCH(p.head_dim_padded, DP, [&] {
+    if (vec) balance_statistics_kernel<DT, DP, true><<<unsigned(q_tiles), kThreads, 0, stream>>>(p);
+    else balance_statistics_kernel<DT, DP, false><<<unsigned(q_tiles), kThreads, 0, stream>>>(p);
+    return cudaGetLastError();
+  }());
+}
+
+template <typename Launch>
+cudaError_t by_dtype(const QuantizeQkvParams& p, Launch launch) {
+  switch (p.dtype) {
+    case InputDtype::kBFloat16: return launch(std::integral_constant<InputDtype, InputDtype::kBFloat16>());
+    case InputDtype::kFloat16: return launch(std::integral_constant<InputDtype, InputDtype::kFloat16>());
+    case InputDtype::kFloat32: return launch(std::integral_constant<InputDtype, InputDtype::kFloat32>());
+  }
+  return cudaErrorInvalidValue;
+}
+
+bool params_ok(const QuantizeQkvParams& p) {
+  return !(p.batch <= 0 || p.heads_q <= 0 || p.heads_kv <= 0 || p.heads_q % p.heads_kv != 0 ||
+           p.seq_q_padded % kTileRows != 0 || p.seq_k_padded % kTileRows != 0 || p.seq_q_padded < p.seq_q ||
+           p.seq_k_padded < p.seq_k || p.seq_q_padded <= 0 || p.seq_k_padded <= 0 ||
+           padded_head_dim(p.head_dim) != p.head_dim_padded || (p.balance_qk && p.q_channel_amax == nullptr));
+}
+
 }  // namespace
 
+cudaError_t launch_balance_statistics(const QuantizeQkvParams& p, cudaStream_t stream) {
+  if (!params_ok(p) || !p.balance_qk) return cudaErrorInvalidValue;
+  return by_dtype(p, [&](auto dt) { return launch_balance_dtype<decltype(dt)::value>(p, stream); });
+}
+
 cudaError_t launch_quantize_qkv(const QuantizeQkvParams& p, cudaStream_t stream) {
-  if (p.batch <= 0 || p.heads_q <= 0 || p.heads_kv <= 0 || p.heads_q % p.heads_kv != 0 ||
-      p.seq_q_padded % kTileRows != 0 || p.seq_k_padded % kTileRows != 0 ||
-      p.seq_q_padded < p.seq_q || p.seq_k_padded < p.seq_k || p.seq_q_padded <= 0 || p.seq_k_padded <= 0 ||
-      padded_head_dim(p.head_dim) != p.head_dim_padded)
-    return cudaErrorInvalidValue;
+  if (!params_ok(p)) return cudaErrorInvalidValue;
+  if (p.balance_qk) {
+    const cudaError_t err = launch_balance_statistics(p, stream);
+    if (err != cudaSuccess) return err;
+  }
   if (p.kernel != QuantizeKernel::kTiles) {
     const cudaError_t err = launch_quantize_qkv_stream(p, stream);
     if (err != cudaErrorNotSupported || p.kernel == QuantizeKernel::kStream) return err;
   }
-  switch (p.dtype) {
-    case InputDtype::kBFloat16: return launch_dtype<InputDtype::kBFloat16>(p, stream);
-    case InputDtype::kFloat16: return launch_dtype<InputDtype::kFloat16>(p, stream);
-    case InputDtype::kFloat32: return launch_dtype<InputDtype::kFloat32>(p, stream);
-  }
-  return cudaErrorInvalidValue;
+  return by_dtype(p, [&](auto dt) { return launch_dtype<decltype(dt)::value>(p, stream); });
 }
 
 }  // namespace nvfp4_dit

@@ -18,23 +18,22 @@ from nvfp4_dit import format as fmt
 from nvfp4_dit.reference import attention_reference
 
 
-def kernel_means(q, k, v, *, layout, kv_lens=None) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-    """(q_mean [B, H, nblk, Dp], k_mean [B, Hkv, Dp]) as the cuda back-end computes them, or None
-    for CPU tensors (there every back-end quantises with ``format.quantize_qkv``)."""
+def kernel_means(q, k, v, *, layout, kv_lens=None, balance_qk=True) -> Optional[dict]:
+    """The means and the balance the cuda back-end computes, as ``format.quantize_qkv`` overrides,
+    or None for CPU tensors (there every back-end quantises with ``format.quantize_qkv``)."""
     if q.device.type != "cuda":
         return None
     from nvfp4_dit import quantize
 
-    qq = quantize.quantize_qkv(q, k, v, layout=layout, kv_lens=kv_lens)
-    return qq.q_mean, qq.k_mean
+    qq = quantize.quantize_qkv(q, k, v, layout=layout, kv_lens=kv_lens, balance_qk=balance_qk)
+    return dict(q_mean=qq.q_mean, k_mean_override=qq.k_mean, v_mean_override=qq.v_mean, balance_override=qq.balance)
 
 
 def matched_reference(q, k, v, *, layout, causal=False, scale=None, kv_lens=None, query_blocks=None,
-                      means=None):
+                      means=None, balance_qk=True):
     """``attention_reference`` (out, lse) on the kernel's means (see the module docstring)."""
     if means is None:
-        means = kernel_means(q, k, v, layout=layout, kv_lens=kv_lens)
-    qm, km = means if means is not None else (None, None)
-    qq = fmt.quantize_qkv(q, k, v, layout=layout, kv_lens=kv_lens, q_mean=qm, k_mean_override=km)
+        means = kernel_means(q, k, v, layout=layout, kv_lens=kv_lens, balance_qk=balance_qk)
+    qq = fmt.quantize_qkv(q, k, v, layout=layout, kv_lens=kv_lens, balance_qk=balance_qk, **(means or {}))
     return attention_reference(q, k, v, layout=layout, causal=causal, scale=scale, kv_lens=kv_lens,
                                return_lse=True, query_blocks=query_blocks, quantized=qq)

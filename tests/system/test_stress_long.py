@@ -86,12 +86,11 @@ def check_sampled(q, k, v, out, lse, *, layout, causal=False, kv_lens=None, bloc
     head_dim = 2 if layout == "NHD" else 1
     sel = lambda t, idx: t.index_select(head_dim, torch.tensor(idx, device=t.device))  # noqa: E731
     qs, ks, vs = sel(q, q_heads), sel(k, kv_heads), sel(v, kv_heads)
-    means = kernel_means(q, k, v, layout=layout, kv_lens=kv_lens)
-    qm = km = None
-    if means is not None:
-        qm, km = means[0][:, q_heads].contiguous(), means[1][:, kv_heads].contiguous()
-        del means
-    qq = fmt.quantize_qkv(qs, ks, vs, layout=layout, kv_lens=kv_lens, q_mean=qm, k_mean_override=km)
+    means = kernel_means(q, k, v, layout=layout, kv_lens=kv_lens) or {}
+    overrides = {name: value[:, q_heads if name == "q_mean" else kv_heads].contiguous()
+                 for name, value in means.items() if value is not None}
+    del means
+    qq = fmt.quantize_qkv(qs, ks, vs, layout=layout, kv_lens=kv_lens, balance_qk=True, **overrides)
     sq = fmt.to_hnd(q, layout).shape[2]
     out_h, lse_sel = fmt.to_hnd(sel(out, q_heads), layout), lse[:, q_heads]
     for blk in blocks:
