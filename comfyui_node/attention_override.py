@@ -232,13 +232,14 @@ class NVFP4AttentionOverride:
         return dict(
             q=q4, k=k4, v=v4, layout=layout, batch=batch, heads=heads, queries=queries, head_dim=head_dim,
             scale=float(head_dim ** -0.5) if scale is None else float(scale), attn_mask=padding,
-            backend=backend, skip_output_reshape=bool(arguments.get("skip_output_reshape", False)),
+            backend=backend, balance_qk=policy.balance_qk,
+            skip_output_reshape=bool(arguments.get("skip_output_reshape", False)),
         )
 
     @staticmethod
     def run(plan: dict) -> torch.Tensor:
         out = _nvfp4_attention(plan["q"], plan["k"], plan["v"], layout=plan["layout"], scale=plan["scale"],
-                               attn_mask=plan["attn_mask"], backend=plan["backend"])
+                               attn_mask=plan["attn_mask"], backend=plan["backend"], balance_qk=plan["balance_qk"])
         batch, heads, queries, head_dim = plan["batch"], plan["heads"], plan["queries"], plan["head_dim"]
         if plan["layout"] == "NHD":  # out [B, Lq, H, D]
             if plan["skip_output_reshape"]:

@@ -60,18 +60,26 @@ class NVFP4Attention(io.ComfyNode):
                     "min_seq_len", default=_DEFAULTS.min_seq_len, min=0, max=1 << 24,
                     tooltip="Keep the model's own attention for calls with fewer query or key tokens than this.",
                 ),
+                # Appended after the inputs saved workflows already hold (widgets are saved by position).
+                io.Boolean.Input(
+                    "balance_qk", default=_DEFAULTS.balance_qk, optional=True,
+                    tooltip=("Balance Q and K per channel before FP4 quantisation (exact in the attention scores). "
+                             "Fixes noise from heads whose Q and K put their energy in different channels; "
+                             "costs one more read of Q per call. Leave it on unless you measure otherwise."),
+                ),
             ],
             outputs=[io.Model.Output()],
         )
 
     @classmethod
     def execute(cls, model, enabled, backend, cross_attention_dense, dense_first_steps, dense_last_steps,
-                min_seq_len) -> io.NodeOutput:
+                min_seq_len, balance_qk=_DEFAULTS.balance_qk) -> io.NodeOutput:
         if not enabled:
             return io.NodeOutput(model)
         policy = AttentionPolicy(
             backend=backend, cross_attention=not cross_attention_dense,
             dense_steps=(int(dense_first_steps), int(dense_last_steps)), min_seq_len=int(min_seq_len),
+            balance_qk=bool(balance_qk),
         )
         return io.NodeOutput(patch_model(model, policy))
 

@@ -29,6 +29,7 @@ def apply(
     layers: Optional[Iterable[LayerSpec]] = None,
     timesteps=None,
     observe_only: bool = False,
+    balance_qk: bool = format.BALANCE_QK_DEFAULT,
 ):
     """Swap NVFP4 attention into a diffusers pipeline or model (:func:`nvfp4_dit.processors.apply`).
 
@@ -41,7 +42,7 @@ def apply(
 
     return _apply(pipe_or_model, backend=backend, self_attention=self_attention, cross_attention=cross_attention,
                   dense_steps=dense_steps, min_seq_len=min_seq_len, layers=layers, timesteps=timesteps,
-                  observe_only=observe_only)
+                  observe_only=observe_only, balance_qk=balance_qk)
 
 
 __all__ = [

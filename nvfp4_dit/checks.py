@@ -22,7 +22,8 @@ def check_tensor(name: str, t) -> None:
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
 
 
-def validate_attention_args(q, k, v, layout, causal, scale, attn_mask, kv_lens, return_lse, backend):
+def validate_attention_args(q, k, v, layout, causal, scale, attn_mask, kv_lens, return_lse, backend,
+                            balance_qk=False):
     """The checks of :func:`nvfp4_dit.attention`; raises TypeError / ValueError naming the argument."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, t)
@@ -34,6 +35,8 @@ def validate_attention_args(q, k, v, layout, causal, scale, attn_mask, kv_lens, 
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    if not isinstance(balance_qk, bool):
+        raise TypeError(f"balance_qk must be a bool, got {type(balance_qk).__name__}")
     dims = "[B, S, H, D]" if layout == "NHD" else "[B, H, S, D]"
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:

@@ -91,6 +91,8 @@ def add_generation_args(ap: argparse.ArgumentParser) -> None:
                    help=f"calls with fewer query or key tokens stay dense (default {DEFAULT_MIN_SEQ_LEN}; the "
                         f"built-in tiny model, whose sequences are 320 tokens: {TINY_MIN_SEQ_LEN})")
     a.add_argument("--layers", default=None, help="comma-separated allow-list of module patterns, e.g. 'blocks.*.attn1'")
+    a.add_argument("--balance-qk", action=argparse.BooleanOptionalAction, default=AttentionPolicy().balance_qk,
+                   help="balance Q and K per channel before FP4 quantisation (default: on)")
 
 
 def resolve_device(args) -> torch.device:
@@ -339,7 +341,7 @@ def policy_kwargs(args, backend: str, defaults: dict) -> dict:
     """Keyword arguments for nvfp4_dit.apply from the policy arguments."""
     layers = [s.strip() for s in args.layers.split(",")] if args.layers else None
     return dict(backend=backend, dense_steps=tuple(args.dense_steps), cross_attention=args.cross_attention,
-                min_seq_len=min_seq_len(args, defaults), layers=layers)
+                min_seq_len=min_seq_len(args, defaults), layers=layers, balance_qk=args.balance_qk)
 
 
 def run_once(pipe, args, defaults: dict, mode: str, backend: str, device: torch.device) -> tuple[object, dict, Optional[torch.Tensor]]:

@@ -90,9 +90,9 @@ def _exact_lse(qh, kh, scale, mask, chunk_rows: int = 1024):
     return torch.cat(lses, 2) if lses else qh.new_zeros(*qh.shape[:3], dtype=torch.float32)
 
 
-def _attention_fp4_reference(q, k, v, layout, causal, scale, key_bias, kv_lens, return_lse):
+def _attention_fp4_reference(q, k, v, layout, causal, scale, key_bias, kv_lens, return_lse, balance_qk):
     res = attention_reference(q, k, v, layout=layout, causal=causal, scale=scale, key_bias=key_bias,
-                              kv_lens=kv_lens, return_lse=return_lse)
+                              kv_lens=kv_lens, return_lse=return_lse, balance_qk=balance_qk)
     return res if return_lse else (res, None)
 
 
@@ -127,7 +127,7 @@ def _cuda_unsupported_reason(q, k, v, layout, require_native) -> Optional[str]:
     return attention_cuda.unsupported_reason(q, k, v, layout=layout, require_native=require_native)
 
 
-def _run(q, k, v, layout, causal, scale, attn_mask, kv_lens, return_lse, backend):
+def _run(q, k, v, layout, causal, scale, attn_mask, kv_lens, return_lse, backend, balance_qk):
     qh = fmt.to_hnd(q, layout)
     b, h, sq, d = qh.shape
     sk = fmt.to_hnd(k, layout).shape[2]
@@ -162,7 +162,8 @@ def _run(q, k, v, layout, causal, scale, attn_mask, kv_lens, return_lse, backend
     if backend == "reference":
         if reason is not None:
             raise BackendUnavailableError(f"backend='reference' cannot run this call: {reason}")
-        out, lse = _attention_fp4_reference(q, k, v, layout, causal, scale, key_bias, fp4_lens, return_lse)
+        out, lse = _attention_fp4_reference(q, k, v, layout, causal, scale, key_bias, fp4_lens, return_lse,
+                                            balance_qk)
         nonfinite = fmt.nonfinite_blocks(q, k, v, fp4_lens, layout)
     else:  # cuda / auto
         if reason is None and key_bias is not None:
@@ -177,7 +178,8 @@ def _run(q, k, v, layout, causal, scale, attn_mask, kv_lens, return_lse, backend
         from . import attention_cuda
 
         out, lse, nonfinite = attention_cuda.attention(q, k, v, layout=layout, causal=causal, scale=scale,
-                                                       kv_lens=fp4_lens, return_lse=return_lse)
+                                                       kv_lens=fp4_lens, return_lse=return_lse,
+                                                       balance_qk=balance_qk)
     if lse is not None and shift is not None:
         lse = lse + shift.to(lse.device)[:, None, None]
     return _poison_non_finite(out, lse, layout, *nonfinite)
@@ -207,6 +209,7 @@ def _attention_op(
     scale: Optional[float],
     return_lse: bool,
     backend: str,
+    balance_qk: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     out_shape, lse_shape = _out_shapes(q, v, layout)
     if q.numel() == 0 or fmt.to_hnd(k, layout).shape[2] == 0:
@@ -214,14 +217,14 @@ def _attention_op(
         out = q.new_zeros(out_shape)
         lse = q.new_full(lse_shape, -math.inf, dtype=torch.float32)
         return out, (lse if return_lse else q.new_empty(0, dtype=torch.float32))
-    out, lse = _run(q, k, v, layout, causal, scale, attn_mask, kv_lens, return_lse, backend)
+    out, lse = _run(q, k, v, layout, causal, scale, attn_mask, kv_lens, return_lse, backend, balance_qk)
     if not return_lse:
         return out, q.new_empty(0, dtype=torch.float32)
     return out, lse.float().contiguous()
 
 
 @_attention_op.register_fake
-def _attention_fake(q, k, v, attn_mask, kv_lens, layout, causal, scale, return_lse, backend):
+def _attention_fake(q, k, v, attn_mask, kv_lens, layout, causal, scale, return_lse, backend, balance_qk):
     out_shape, lse_shape = _out_shapes(q, v, layout)
     out = q.new_empty(out_shape)
     lse = q.new_empty(lse_shape if return_lse else (0,), dtype=torch.float32)
@@ -240,6 +243,7 @@ def attention(
     kv_lens: Optional[torch.Tensor] = None,
     return_lse: bool = False,
     backend: str = "auto",
+    balance_qk: bool = fmt.BALANCE_QK_DEFAULT,
 ):
     """Scaled dot-product attention with NVFP4 (FP4 microscaling) Q, K, P and V.
 
@@ -259,6 +263,9 @@ def attention(
             otherwise exact SDPA with one warning per reason), ``"cuda"`` (the kernel; emulated
             FP4 MMA on sm_80/sm_90), ``"reference"`` (pure-torch FP4 numerics, any device) or
             ``"sdpa"`` (exact).
+        balance_qk: balance Q and K per channel before quantising them (Q times a power of two
+            per channel, K divided by it: the logits are unchanged exactly). Helps when Q and K put
+            their energy in different channels; costs the quantiser one more read of Q and K.
 
     Returns:
         ``out`` in q's layout and dtype, or ``(out, lse)`` with ``return_lse=True``.
@@ -268,10 +275,10 @@ def attention(
         TypeError / ValueError naming the bad argument; :class:`BackendUnavailableError` when
         an explicitly requested back-end cannot run the call.
     """
-    validate_attention_args(q, k, v, layout, causal, scale, attn_mask, kv_lens, return_lse, backend)
+    validate_attention_args(q, k, v, layout, causal, scale, attn_mask, kv_lens, return_lse, backend, balance_qk)
     scale = None if scale is None else float(scale)
     out, lse = torch.ops.nvfp4_dit.attention(q, k, v, attn_mask, kv_lens, layout, causal, scale,
-                                              return_lse, backend)
+                                              return_lse, backend, balance_qk)
     return (out, lse) if return_lse else out
 
 

@@ -25,6 +25,7 @@ import re
 from typing import Optional, Union
 
 from .checks import BACKENDS
+from .format import BALANCE_QK_DEFAULT
 
 DEFAULT_DENSE_STEPS = (1, 1)
 DEFAULT_MIN_SEQ_LEN = 1024
@@ -75,6 +76,7 @@ class AttentionPolicy:
         min_seq_len: calls whose query or key sequence is shorter stay exact.
         layers: allow-list of module-name patterns (fnmatch, e.g. ``"blocks.*.attn1"``) or block
             indices (``3`` matches ``blocks.3.attn1``); None allows every layer.
+        balance_qk: balance Q and K per channel before quantising them (:func:`nvfp4_dit.attention`).
     """
 
     backend: str = "auto"
@@ -83,12 +85,14 @@ class AttentionPolicy:
     dense_steps: tuple[int, int] = DEFAULT_DENSE_STEPS
     min_seq_len: int = DEFAULT_MIN_SEQ_LEN
     layers: Optional[tuple[LayerSpec, ...]] = None
+    balance_qk: bool = BALANCE_QK_DEFAULT
 
     def __post_init__(self):
         if not isinstance(self.backend, str) or self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         _check_bool("self_attention", self.self_attention)
         _check_bool("cross_attention", self.cross_attention)
+        _check_bool("balance_qk", self.balance_qk)
         object.__setattr__(self, "dense_steps", _check_dense_steps(self.dense_steps))
         if isinstance(self.min_seq_len, bool) or not isinstance(self.min_seq_len, int) or self.min_seq_len < 0:
             raise ValueError(f"min_seq_len must be a non-negative int, got {self.min_seq_len!r}")
@@ -146,5 +150,6 @@ class AttentionPolicy:
         first, last = self.dense_steps
         return (f"backend {self.backend}, self-attention {'NVFP4' if self.self_attention else 'exact'}, "
                 f"cross-attention {'NVFP4' if self.cross_attention else 'exact'}, dense steps {first},{last}, "
-                f"min_seq_len {self.min_seq_len}" + ("" if self.layers is None else f", layers {list(self.layers)}"))
+                f"min_seq_len {self.min_seq_len}, balance_qk {self.balance_qk}"
+                + ("" if self.layers is None else f", layers {list(self.layers)}"))
 

@@ -22,6 +22,7 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 
+from nvfp4_dit.format import BALANCE_QK_DEFAULT
 from nvfp4_dit.policy import DEFAULT_DENSE_STEPS, DEFAULT_MIN_SEQ_LEN, AttentionPolicy, LayerSpec
 
 from .steps import StepTracker
@@ -124,6 +125,7 @@ def apply(
     layers: Optional[Iterable[LayerSpec]] = None,
     timesteps=None,
     observe_only: bool = False,
+    balance_qk: bool = BALANCE_QK_DEFAULT,
 ) -> NVFP4Handle:
     """Swap NVFP4 attention into a diffusers pipeline or model.
 
@@ -141,6 +143,7 @@ def apply(
         min_seq_len: calls whose query or key sequence is shorter run exact (default 1024).
         layers: allow-list of module-name patterns (fnmatch) or block indices; None = all.
         timesteps: the sampling schedule, for ``dense_steps`` with a bare model.
+        balance_qk: balance Q and K per channel before quantising (:func:`nvfp4_dit.attention`).
         observe_only: compute every selected call exactly as the unmodified model but route it
             through the processors, so :func:`~nvfp4_dit.processors.routing.add_observer`
             observers see it (dense baselines for timing and attention capture).
@@ -158,7 +161,7 @@ def apply(
         raise ImportError("nvfp4_dit.apply needs diffusers (pip install diffusers==0.42.1)") from e
 
     policy = AttentionPolicy(backend=backend, self_attention=self_attention, cross_attention=cross_attention,
-                             dense_steps=dense_steps, min_seq_len=min_seq_len, layers=layers)
+                             dense_steps=dense_steps, min_seq_len=min_seq_len, layers=layers, balance_qk=balance_qk)
     if not isinstance(observe_only, bool):
         raise TypeError(f"observe_only must be a bool, got {type(observe_only).__name__}")
     if isinstance(pipe_or_model, torch.nn.Module):

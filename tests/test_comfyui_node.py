@@ -601,6 +601,9 @@ def test_node_schema_and_disabled_passthrough(comfyui, tiny_cases):
     inputs = node.INPUT_TYPES()["required"]
     assert list(inputs) == ["model", "enabled", "backend", "cross_attention_dense", "dense_first_steps",
                             "dense_last_steps", "min_seq_len"]
+    # Inputs added later are optional and come last, so saved workflows (widget values by position,
+    # API graphs by name) keep loading.
+    assert list(node.INPUT_TYPES().get("optional", {})) == ["balance_qk"]
     assert inputs["backend"][0] == list(nvfp4_dit.BACKENDS) or inputs["backend"][1]["options"] == list(nvfp4_dit.BACKENDS)
     assert all(spec[1].get("tooltip") for name, spec in inputs.items() if name != "model")
     patcher = tiny_cases["wan"].patcher
@@ -761,6 +764,8 @@ def ui_to_api(ui: dict, object_info: dict) -> dict:
                     inputs[input_name] = [str(link[1]), link[2]]
                     continue
                 if isinstance(spec[0], list) or spec[0] in ("INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"):
+                    if not widgets and section == "optional":
+                        continue  # an input added after the workflow was saved: it keeps its default
                     assert widgets, f"{node['type']} has no widget value for {input_name}"
                     inputs[input_name] = widgets.pop(0)
                     if options.get("control_after_generate") or options.get("image_upload"):

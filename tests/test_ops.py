@@ -191,7 +191,7 @@ def test_opcheck(gen):
     lens = torch.tensor([100])
     for backend in ("sdpa", "reference"):
         torch.library.opcheck(torch.ops.nvfp4_dit.attention.default,
-                              (q, k, v, None, lens, "NHD", False, None, True, backend))
+                              (q, k, v, None, lens, "NHD", False, None, True, backend, True))
 
 
 def test_torch_compile_fullgraph(gen):
