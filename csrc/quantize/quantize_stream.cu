@@ -667,7 +667,7 @@ __device__ __forceinline__ void consume_stat_tile(const QuantizeQkvParams& p, St
 
 // Adds rows [0, n) of a [n, kStatVectors, DP] array in row order into this lane's columns
 // [lane * kCols, lane * kCols + kCols): sums added, minima and maxima taken. Loads go out
-// kChunkTiles rows at a time.
+// kChunkTiles rows of one statistic at a time (all three at once would spill the kernel).
 template <int DP>
 __device__ __forceinline__ void reduce_stat_rows(const float* rows, int64_t n, float (&sum)[DP / 32],
                                                  float (&lo)[DP / 32], float (&hi)[DP / 32]) {
@@ -675,22 +675,23 @@ __device__ __forceinline__ void reduce_stat_rows(const float* rows, int64_t n, f
   using Vec = typename std::conditional<kCols == 4, float4, float2>::type;
   const int lane = threadIdx.x & 31;
   for (int64_t r0 = 0; r0 < n; r0 += kChunkTiles) {
-    Vec part[kChunkTiles][kStatVectors];
 #pragma unroll
-    for (int u = 0; u < kChunkTiles; ++u)
-      if (r0 + u < n)
+    for (int v = 0; v < kStatVectors; ++v) {
+      Vec part[kChunkTiles];
 #pragma unroll
-        for (int v = 0; v < kStatVectors; ++v)
-          part[u][v] = __ldcg(reinterpret_cast<const Vec*>(rows + ((r0 + u) * kStatVectors + v) * DP) + lane);
+      for (int u = 0; u < kChunkTiles; ++u)
+        if (r0 + u < n) part[u] = __ldcg(reinterpret_cast<const Vec*>(rows + ((r0 + u) * kStatVectors + v) * DP) + lane);
 #pragma unroll
-    for (int u = 0; u < kChunkTiles; ++u)
-      if (r0 + u < n)
+      for (int u = 0; u < kChunkTiles; ++u)
+        if (r0 + u < n)
 #pragma unroll
-        for (int c = 0; c < kCols; ++c) {
-          sum[c] += reinterpret_cast<const float*>(&part[u][0])[c];
-          lo[c] = min_nan(lo[c], reinterpret_cast<const float*>(&part[u][1])[c]);
-          hi[c] = max_nan(hi[c], reinterpret_cast<const float*>(&part[u][2])[c]);
-        }
+          for (int c = 0; c < kCols; ++c) {
+            const float x = reinterpret_cast<const float*>(&part[u])[c];
+            if (v == 0) sum[c] += x;
+            else if (v == 1) lo[c] = min_nan(lo[c], x);
+            else hi[c] = max_nan(hi[c], x);
+          }
+    }
   }
 }
 

@@ -42,6 +42,9 @@ constexpr int kThreads = 256;
 // D = 128), and the extra warps hide more memory latency than the spill costs (faster than 3 or 2
 // on the H200).
 constexpr int kMinCtasPerSm = 4;
+// The statistics chunks keep a sum, a minimum and a maximum of 16 columns per thread (48
+// registers) next to their loads in flight: two CTAs per SM (128 registers) hold them unspilled.
+constexpr int kKeyStatsMinCtasPerSm = 2;
 constexpr int kWarps = kThreads / 32;
 // How far ahead (in waves of resident CTAs) a CTA prefetches a tile into L2.
 constexpr int kPrefetchWaves = 1;
@@ -154,6 +157,7 @@ struct SharedStorage {
   float offset[DP + DP / 4];  // mean * factor
   float factor[DP + DP / 4];  // a power of two: the balance over the tensor scale
   float km[DP + DP / 4];      // Q tiles: km of the tile's kv head (q . km)
+  float mean[DP + DP / 4];    // Q tiles: the tile's column means qm
   float warp_max[kWarps];
   ScaleTables tables;
   uint32_t last_arrival;  // this CTA added a head's last statistics chunk
@@ -173,64 +177,56 @@ __device__ __forceinline__ float cta_max(float x, SharedStorage<DP>& sm) {
   return r;
 }
 
-// Per-thread statistics of 16 columns (sum, min, max over this thread's rows) into the CTA's
-// per-warp partials, the lanes that hold the same columns (lane % kColBlocks) combined first. The
-// caller synchronises before reading them with cta_column_stats.
-template <int kColBlocks, int DP>
-__device__ __forceinline__ void stage_column_stats(SharedStorage<DP>& sm, float (&sum)[16], float (&lo)[16],
-                                                   float (&hi)[16]) {
+// Column statistics: per column, a sum, a minimum or a maximum over rows (NaN-propagating).
+enum ColumnStat { kColumnSum, kColumnMin, kColumnMax };
+
+__device__ __forceinline__ float combine_stat(ColumnStat kind, float a, float b) {
+  return kind == kColumnSum ? a + b : kind == kColumnMin ? min_nan(a, b) : max_nan(a, b);
+}
+
+__device__ __forceinline__ float stat_identity(ColumnStat kind) {
+  return kind == kColumnSum ? 0.0f : kind == kColumnMin ? INFINITY : -INFINITY;
+}
+
+template <int kStats>
+__device__ __forceinline__ void init_column_stats(const ColumnStat (&kinds)[kStats], float (&st)[kStats][16]) {
+#pragma unroll
+  for (int i = 0; i < kStats; ++i)
+#pragma unroll
+    for (int e = 0; e < 16; ++e) st[i][e] = stat_identity(kinds[i]);
+}
+
+// Per-thread statistics of 16 columns (over this thread's rows) into the CTA's per-warp partials
+// sm.red[i], the lanes that hold the same columns (lane % kColBlocks) combined first. The caller
+// synchronises before reading them with cta_column_stats.
+template <int kColBlocks, int DP, int kStats>
+__device__ __forceinline__ void stage_column_stats(SharedStorage<DP>& sm, const ColumnStat (&kinds)[kStats],
+                                                   float (&st)[kStats][16]) {
+  static_assert(kStats <= kStatVectors, "one shared partial per statistic");
 #pragma unroll
   for (int off = kColBlocks; off < 32; off <<= 1)
 #pragma unroll
-    for (int e = 0; e < 16; ++e) {
-      sum[e] += __shfl_xor_sync(0xFFFFFFFFu, sum[e], off);
-      lo[e] = min_nan(lo[e], __shfl_xor_sync(0xFFFFFFFFu, lo[e], off));
-      hi[e] = max_nan(hi[e], __shfl_xor_sync(0xFFFFFFFFu, hi[e], off));
-    }
+    for (int i = 0; i < kStats; ++i)
+#pragma unroll
+      for (int e = 0; e < 16; ++e) st[i][e] = combine_stat(kinds[i], st[i][e], __shfl_xor_sync(0xFFFFFFFFu, st[i][e], off));
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   if (lane < kColBlocks)
 #pragma unroll
-    for (int e = 0; e < 16; ++e) {
-      sm.red[0][warp][lane * 16 + e] = sum[e];
-      sm.red[1][warp][lane * 16 + e] = lo[e];
-      sm.red[2][warp][lane * 16 + e] = hi[e];
-    }
+    for (int i = 0; i < kStats; ++i)
+#pragma unroll
+      for (int e = 0; e < 16; ++e) sm.red[i][warp][lane * 16 + e] = st[i][e];
 }
 
 // The CTA's statistics of column c (after the barrier that follows stage_column_stats), the warps
 // in a fixed order (deterministic sums).
-template <int DP>
-__device__ __forceinline__ void cta_column_stats(const SharedStorage<DP>& sm, int c, float& sum, float& lo, float& hi) {
-  sum = 0.0f;
-  lo = INFINITY;
-  hi = -INFINITY;
+template <int DP, int kStats>
+__device__ __forceinline__ void cta_column_stats(const SharedStorage<DP>& sm, const ColumnStat (&kinds)[kStats], int c,
+                                                 float (&out)[kStats]) {
 #pragma unroll
-  for (int w = 0; w < kWarps; ++w) {
-    sum += sm.red[0][w][c];
-    lo = min_nan(lo, sm.red[1][w][c]);
-    hi = max_nan(hi, sm.red[2][w][c]);
-  }
-}
-
-__device__ __forceinline__ void init_column_stats(float (&sum)[16], float (&lo)[16], float (&hi)[16]) {
+  for (int i = 0; i < kStats; ++i) {
+    out[i] = stat_identity(kinds[i]);
 #pragma unroll
-  for (int e = 0; e < 16; ++e) {
-    sum[e] = 0.0f;
-    lo[e] = INFINITY;
-    hi[e] = -INFINITY;
-  }
-}
-
-// Adds one block of 16 elements of a valid row to this thread's column statistics.
-template <InputDtype DT>
-__device__ __forceinline__ void add_column_stats(const Block16<DT>& x, float (&sum)[16], float (&lo)[16],
-                                                 float (&hi)[16]) {
-#pragma unroll
-  for (int e = 0; e < 16; ++e) {
-    const float xe = x.get(e);
-    sum[e] += xe;
-    lo[e] = min_nan(lo[e], xe);
-    hi[e] = max_nan(hi[e], xe);
+    for (int w = 0; w < kWarps; ++w) out[i] = combine_stat(kinds[i], out[i], sm.red[i][w][c]);
   }
 }
 
@@ -260,8 +256,9 @@ __device__ __forceinline__ void key_stats_item(const QuantizeQkvParams& p, Share
     prefetch_rows_l2<Raw, DP>(in, b, h, first, rows_below(n_valid, first, kKeyMeanChunk));
   }
 
-  float sum[16], lo[16], hi[16];
-  init_column_stats(sum, lo, hi);
+  constexpr ColumnStat kKinds[kStatVectors] = {kColumnSum, kColumnMin, kColumnMax};
+  float st[kStatVectors][16];
+  init_column_stats(kKinds, st);
   const int64_t key0 = chunk * kKeyMeanChunk;
   constexpr int kUnroll = 4;  // loads in flight per thread
   for (int pass = 0; pass < kKeyMeanChunk / kRowsPerPass; pass += kUnroll) {
@@ -275,15 +272,25 @@ __device__ __forceinline__ void key_stats_item(const QuantizeQkvParams& p, Share
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u)
-      if (key0 + (pass + u) * kRowsPerPass + r0 < n_valid) add_column_stats(blk[u], sum, lo, hi);
+      if (key0 + (pass + u) * kRowsPerPass + r0 < n_valid)
+#pragma unroll
+        for (int e = 0; e < 16; ++e) {
+          const float xe = blk[u].get(e);
+          st[0][e] += xe;
+          st[1][e] = min_nan(st[1][e], xe);
+          st[2][e] = max_nan(st[2][e], xe);
+        }
   }
-  stage_column_stats<kColGroups>(sm, sum, lo, hi);
+  stage_column_stats<kColGroups>(sm, kKinds, st);
   __syncthreads();
 
   const int64_t n_stats = kStatTensors * n_chunks;  // items per head
   if (threadIdx.x < DP) {
     float* out = key_chunk_stats(p, bh, tensor, chunk, n_chunks, DP);
-    cta_column_stats(sm, threadIdx.x, out[threadIdx.x], out[DP + threadIdx.x], out[2 * DP + threadIdx.x]);
+    float stats[kStatVectors];
+    cta_column_stats(sm, kKinds, threadIdx.x, stats);
+#pragma unroll
+    for (int i = 0; i < kStatVectors; ++i) out[i * DP + threadIdx.x] = stats[i];
   }
   // Publish the chunk's statistics, then count arrivals; the last CTA of this head finishes it.
   if (!cta_arrived_last(arrivals(p) + bh, n_stats, sm.last_arrival)) return;
@@ -316,12 +323,13 @@ struct RowTileMap {
   static constexpr int kPasses = kTileRows / kRowsPerPass;
 };
 
-// Loads 128-row Q tile `tile` (of [B, H, Sqp/128] tiles) into registers and reduces its column
-// statistics over the valid rows: after it, thread c < DP holds qm_c and dev_c = max |q - qm_c| of
-// column c (channel_deviation). Shared by the Q tiles and the balance statistics.
+// Loads 128-row Q tile `tile` (of [B, H, Sqp/128] tiles) into registers and its column means over
+// the valid rows into sm.mean; thread c < DP also returns qm_c. Ends with a barrier. Shared by the
+// Q tiles and the balance statistics, which then take max |fl(q - qm)| from the registers: two
+// passes over registers rather than a min and a max per column, which would not fit in 64 of them.
 template <InputDtype DT, int DP, bool VEC>
-__device__ __forceinline__ void q_tile_stats(const QuantizeQkvParams& p, SharedStorage<DP>& sm, int64_t tile,
-                                             Block16<DT> (&x)[RowTileMap<DP>::kPasses], float& qm, float& dev) {
+__device__ __forceinline__ float q_tile_load(const QuantizeQkvParams& p, SharedStorage<DP>& sm, int64_t tile,
+                                             Block16<DT> (&x)[RowTileMap<DP>::kPasses]) {
   using Raw = typename InputTraits<DT>::Raw;
   using Map = RowTileMap<DP>;
   const int64_t n_blocks = p.seq_q_padded / kTileRows;
@@ -339,20 +347,51 @@ __device__ __forceinline__ void q_tile_stats(const QuantizeQkvParams& p, SharedS
     x[ps].zero();
     if (r < valid_rows) load_block16<DT, VEC>(x[ps], base + r * p.q.stride_s, p.q.stride_d, cb * 16, int(p.head_dim));
   }
-  float sum[16], lo[16], hi[16];
-  init_column_stats(sum, lo, hi);
+  constexpr ColumnStat kKinds[1] = {kColumnSum};
+  float st[1][16];
+  init_column_stats(kKinds, st);
+#pragma unroll
+  for (int ps = 0; ps < Map::kPasses; ++ps)  // rows past valid_rows hold zeros
+#pragma unroll
+    for (int e = 0; e < 16; ++e) st[0][e] += x[ps].get(e);
+  stage_column_stats<Map::kColBlocks>(sm, kKinds, st);
+  __syncthreads();
+  float qm = 0.0f;
+  if (threadIdx.x < DP) {
+    float sum[1];
+    cta_column_stats(sm, kKinds, threadIdx.x, sum);
+    qm = __fdiv_rn(sum[0], float(valid_rows > 0 ? valid_rows : 1));
+    sm.mean[padded_column(threadIdx.x)] = qm;
+  }
+  __syncthreads();
+  return qm;
+}
+
+// max over this thread's valid rows of |fl(q - qm)| * scale per column (scale a power of two per
+// column, or 1), into dev[e] (kPerColumn) or one value: exactly the magnitudes format.quantize_qkv
+// takes its maxima of. NaN-propagating; 0 without valid rows.
+template <bool kPerColumn, InputDtype DT, int DP>
+__device__ __forceinline__ void q_tile_deviation(const QuantizeQkvParams& p, const SharedStorage<DP>& sm, int64_t tile,
+                                                 const Block16<DT> (&x)[RowTileMap<DP>::kPasses], const float* scale,
+                                                 float (&dev)[kPerColumn ? 16 : 1]) {
+  using Map = RowTileMap<DP>;
+  const int64_t row0 = tile % (p.seq_q_padded / kTileRows) * kTileRows;
+  const int valid_rows = int(rows_below(p.seq_q, row0, kTileRows));
+  const int cb = threadIdx.x % Map::kColBlocks, r0 = threadIdx.x / Map::kColBlocks;
+  float m[16], f[16];
+  load_column_block(sm.mean, cb, m);
+  if (scale != nullptr) load_column_block(scale, cb, f);
+#pragma unroll
+  for (int e = 0; e < (kPerColumn ? 16 : 1); ++e) dev[e] = 0.0f;
 #pragma unroll
   for (int ps = 0; ps < Map::kPasses; ++ps)
-    if (r0 + ps * Map::kRowsPerPass < valid_rows) add_column_stats(x[ps], sum, lo, hi);
-  stage_column_stats<Map::kColBlocks>(sm, sum, lo, hi);
-  __syncthreads();
-  qm = dev = 0.0f;
-  if (threadIdx.x < DP) {
-    float s, l, u;
-    cta_column_stats(sm, threadIdx.x, s, l, u);
-    qm = __fdiv_rn(s, float(valid_rows > 0 ? valid_rows : 1));
-    dev = channel_deviation(qm, l, u);
-  }
+    if (r0 + ps * Map::kRowsPerPass < valid_rows)
+#pragma unroll
+      for (int e = 0; e < 16; ++e) {
+        const float d = fabsf(__fsub_rn(x[ps].get(e), m[e])) * (scale != nullptr ? f[e] : 1.0f);
+        float& slot = dev[kPerColumn ? e : 0];
+        slot = max_nan(slot, d);
+      }
 }
 
 template <InputDtype DT, int DP, bool VEC>
@@ -369,12 +408,15 @@ __device__ __forceinline__ void q_tile(const QuantizeQkvParams& p, SharedStorage
   const int valid_rows = int(rows_below(p.seq_q, row0, kTileRows));
 
   Block16<DT> x[Map::kPasses];
-  float qm, dev;
-  q_tile_stats<DT, DP, VEC>(p, sm, tile, x, qm, dev);
-  // The block's tensor scale t(max_c max|q - qm_c| * s_c); then quantise (q - qm) * s_c / t.
+  const float qm = q_tile_load<DT, DP, VEC>(p, sm, tile, x);
+  // The block's tensor scale t(max |fl(q - qm_c)| * s_c); then quantise (q - qm) * s_c / t.
   const int c = int(threadIdx.x);
   const float s = c < DP ? p.balance[bhk * DP + c] : 1.0f;
-  const float q_scale = tensor_scale(cta_max(dev * s, sm));  // powers of two: exact
+  if (c < DP) sm.factor[padded_column(c)] = s;
+  __syncthreads();
+  float dev[1];
+  q_tile_deviation<false>(p, sm, tile, x, sm.factor, dev);
+  const float q_scale = tensor_scale(cta_max(dev[0], sm));  // powers of two: exact
   if (c < DP) {
     const float f = __fdiv_rn(s, q_scale);
     sm.factor[padded_column(c)] = f;
@@ -587,7 +629,7 @@ __device__ __forceinline__ void v_tile(const QuantizeQkvParams& p, SharedStorage
 
 // Launch 1: the K and V statistics items (key_stats_item; each prefetches its own chunk).
 template <InputDtype DT, int DP, bool VEC>
-__global__ void __launch_bounds__(kThreads, kMinCtasPerSm) key_stats_kernel(const QuantizeQkvParams p) {
+__global__ void __launch_bounds__(kThreads, kKeyStatsMinCtasPerSm) key_stats_kernel(const QuantizeQkvParams p) {
   __shared__ __align__(16) SharedStorage<DP> sm;
   key_stats_item<DT, DP, VEC>(p, sm, blockIdx.x);
 }
@@ -628,13 +670,20 @@ template <InputDtype DT, int DP, bool VEC>
 __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) balance_statistics_kernel(const QuantizeQkvParams p) {
   __shared__ __align__(16) SharedStorage<DP> sm;
   const int64_t tile = blockIdx.x;
-  Block16<DT> x[RowTileMap<DP>::kPasses];
-  float qm, dev;
-  q_tile_stats<DT, DP, VEC>(p, sm, tile, x, qm, dev);
+  using Map = RowTileMap<DP>;
+  Block16<DT> x[Map::kPasses];
+  q_tile_load<DT, DP, VEC>(p, sm, tile, x);
+  constexpr ColumnStat kKinds[1] = {kColumnMax};
+  float dev[1][16];
+  q_tile_deviation<true>(p, sm, tile, x, nullptr, dev[0]);
+  stage_column_stats<Map::kColBlocks>(sm, kKinds, dev);
+  __syncthreads();
   if (threadIdx.x < DP) {
+    float amax[1];
+    cta_column_stats(sm, kKinds, threadIdx.x, amax);
     const int64_t bh = tile / (p.seq_q_padded / kTileRows);
     const int64_t bhk = (bh / p.heads_q) * p.heads_kv + (bh % p.heads_q) / (p.heads_q / p.heads_kv);
-    atomicMax(const_cast<uint32_t*>(p.q_channel_amax) + bhk * DP + threadIdx.x, __float_as_uint(dev));
+    atomicMax(const_cast<uint32_t*>(p.q_channel_amax) + bhk * DP + threadIdx.x, __float_as_uint(amax[0]));
   }
 }
 
