@@ -13,6 +13,7 @@ compiled kernel the same way.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -37,8 +38,13 @@ def rope(x: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
     return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
 
 
+def _channels(d: int, gen: torch.Generator, n: int = 4) -> torch.Tensor:
+    return torch.randperm(d, generator=gen)[:n]
+
+
 def make_inputs(kind: str, b: int, s: int, h: int, d: int, gen: torch.Generator):
-    """Q, K, V [B, S, H, D] fp32 shaped like one family of DiT attention inputs."""
+    """Q, K, V [B, S, H, D] fp32 shaped like one family of DiT attention inputs, or built to show
+    one lever of the numerics (per-head magnitude, channel outliers, a V mean, sharp logits)."""
     q = torch.randn(b, s, h, d, generator=gen)
     k = torch.randn(b, s, h, d, generator=gen)
     v = torch.randn(b, s, h, d, generator=gen)
@@ -48,7 +54,7 @@ def make_inputs(kind: str, b: int, s: int, h: int, d: int, gen: torch.Generator)
         # Spatial regions of the latent share a large query offset (what per-block means absorb).
         nblk = (s + 127) // 128
         q = q + 3.0 * torch.randn(b, nblk, h, d, generator=gen).repeat_interleave(128, 1)[:, :s]
-    elif kind == "K channel outliers":
+    elif kind == "K channel outliers + bias":
         # A few channels of K carry a large common bias (what the K mean absorbs) and heavy tails.
         scale = torch.ones(d)
         scale[torch.randperm(d, generator=gen)[: d // 16]] = 8.0
@@ -57,12 +63,36 @@ def make_inputs(kind: str, b: int, s: int, h: int, d: int, gen: torch.Generator)
         # Sharper attention through position: correlated Q/K rotated by RoPE.
         base = torch.randn(b, s, h, d, generator=gen)
         q, k = rope(base + 0.5 * q), rope(base + 0.5 * k)
+    elif kind.startswith("V absmax "):  # the whole head scaled: V's absmax lands at the value
+        v = v * (float(kind.split()[-1]) / v.abs().amax())
+    elif kind.startswith("Q absmax "):  # Q by c, K by 1/c: the same logits
+        c = float(kind.split()[-1]) / q.abs().amax()
+        q, k = q * c, k / c
+    elif kind.startswith("K outliers x"):  # 4 channels of K larger, Q untouched: sharper logits
+        k[..., _channels(d, gen)] *= float(kind.split("x")[-1])
+    elif kind.startswith("K up, Q down x"):  # the same logits, energy in different channels
+        f, ch = float(kind.split("x")[-1]), _channels(d, gen)
+        k[..., ch] *= f
+        q[..., ch] /= f
+    elif kind.startswith("Q up, K down x"):
+        f, ch = float(kind.split("x")[-1]), _channels(d, gen)
+        q[..., ch] *= f
+        k[..., ch] /= f
+    elif kind == "V large mean":
+        v = v + 20.0 * torch.randn(1, 1, h, d, generator=gen)
+    elif kind.startswith("sharp logits x"):  # Q and K scaled: logits of growing spread
+        f = float(kind.split("x")[-1])
+        q, k = q * f, k * f
     else:
         raise ValueError(kind)
     return q, k, v
 
 
-KINDS = ("iid", "block-structured Q", "K channel outliers", "RoPE Q/K")
+KINDS = ("iid", "block-structured Q", "K channel outliers + bias", "RoPE Q/K",
+         "V absmax 1e-4", "V absmax 1e-2", "V absmax 1e2", "V absmax 1e4",
+         "Q absmax 1e-4", "Q absmax 1e-2", "Q absmax 1e2", "Q absmax 1e4",
+         "K outliers x8", "K outliers x30", "K up, Q down x30", "K up, Q down x100", "Q up, K down x30",
+         "Q up, K down x100", "V large mean", "sharp logits x1", "sharp logits x2", "sharp logits x3")
 
 
 def metrics(out: torch.Tensor, exact: torch.Tensor, lse: torch.Tensor, lse_exact: torch.Tensor):
@@ -84,27 +114,42 @@ def main(argv=None) -> int:
     ap.add_argument("--backend", default="reference", choices=("reference", "cuda"))
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--kinds", default=None, help="comma-separated input classes (default: all)")
+    ap.add_argument("--json", default=None, help="also write the rows as JSON")
     ap.add_argument("--png", default="out/accuracy_report.png", help="where to save the plot ('' for none)")
     args = ap.parse_args(argv)
 
-    gen = torch.Generator().manual_seed(args.seed)
     dtype = torch.bfloat16 if args.backend == "cuda" else torch.float32
+    kinds = args.kinds.split(",") if args.kinds else KINDS
     rows = []
     t0 = time.time()
-    for kind in KINDS:
+    for i, kind in enumerate(kinds):
+        gen = torch.Generator().manual_seed(args.seed * 1000 + i)  # each class its own draw
         q, k, v = make_inputs(kind, args.batch, args.seq, args.heads, args.head_dim, gen)
         q, k, v = (t.to(args.device, dtype) for t in (q, k, v))
-        out, lse = nvfp4_dit.attention(q, k, v, backend=args.backend, return_lse=True)
         exact, lse_exact = attention_exact(q, k, v)
-        rows.append((kind, *metrics(out.cpu(), exact.cpu(), lse.cpu(), lse_exact.cpu())))
+        row = [kind]
+        for balance in (False, True):
+            out, lse = nvfp4_dit.attention(q, k, v, backend=args.backend, return_lse=True, balance_qk=balance)
+            row.append(metrics(out.cpu(), exact.cpu(), lse.cpu(), lse_exact.cpu()))
+        rows.append(row)
 
-    print(f"NVFP4 attention ({args.backend}) vs exact fp64 attention: B={args.batch} S={args.seq} "
-          f"H={args.heads} D={args.head_dim}, seed {args.seed}\n")
-    print("| input | cos | rel-L2 | alpha | mean abs LSE error |")
-    print("|---|---|---|---|---|")
-    for kind, cos, rel, alpha, lse_err in rows:
-        print(f"| {kind} | {cos:.5f} | {rel:.4f} | {alpha:.4f} | {lse_err:.4f} |")
+    print(f"NVFP4 attention ({args.backend}, {str(dtype).replace('torch.', '')} inputs) vs exact fp64 attention: "
+          f"B={args.batch} S={args.seq} H={args.heads} D={args.head_dim}, seed {args.seed}\n")
+    print("| input | cos | rel-L2 | alpha | mean abs LSE error | cos, balance_qk | rel-L2, balance_qk "
+          "| mean abs LSE error, balance_qk |")
+    print("|---|---|---|---|---|---|---|---|")
+    for kind, (cos, rel, alpha, lse_err), (cos_b, rel_b, _, lse_b) in rows:
+        print(f"| {kind} | {cos:.5f} | {rel:.4f} | {alpha:.4f} | {lse_err:.4f} | {cos_b:.5f} | {rel_b:.4f} "
+              f"| {lse_b:.4f} |")
     print(f"\n({time.time() - t0:.1f} s)")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(
+            {"backend": args.backend, "seq": args.seq, "heads": args.heads, "head_dim": args.head_dim,
+             "rows": [{"input": kind, **{f"{name}{suffix}": value for suffix, m in (("", a), ("_balance_qk", b))
+                                        for name, value in zip(("cos", "rel_l2", "alpha", "lse_err"), m)}}
+                      for kind, a, b in rows]}, indent=1))
 
     if args.png:
         import matplotlib
@@ -114,14 +159,18 @@ def main(argv=None) -> int:
 
         path = Path(args.png)
         path.parent.mkdir(parents=True, exist_ok=True)
-        fig, axes = plt.subplots(1, 3, figsize=(12, 3.6))
+        fig, axes = plt.subplots(2, 1, figsize=(13, 7), sharex=True)
         names = [r[0] for r in rows]
-        for ax, col, title in zip(axes, (1, 2, 4), ("cosine similarity", "relative L2 error", "mean |LSE error|")):
-            ax.bar(range(len(rows)), [r[col] for r in rows], color="#4c72b0")
-            ax.set_xticks(range(len(rows)), names, rotation=20, ha="right", fontsize=8)
+        x = torch.arange(len(rows)).tolist()
+        for ax, col, title in zip(axes, (0, 3), ("cosine similarity to exact", "mean |LSE error|")):
+            for j, (label, color) in enumerate((("balance_qk off", "#4c72b0"), ("balance_qk on", "#dd8452"))):
+                ax.bar([i + 0.4 * j for i in x], [r[1 + j][col] for r in rows], 0.4, label=label, color=color)
             ax.set_title(title, fontsize=10)
-            if col == 1:
-                ax.set_ylim(min(r[1] for r in rows) - 0.01, 1.0)
+            if col == 0:
+                ax.set_ylim(max(0.0, min(min(r[1][0], r[2][0]) for r in rows) - 0.01), 1.0)
+                ax.axhline(0.975, ls="--", c="gray", lw=0.8)
+                ax.legend(fontsize=8)
+        axes[1].set_xticks([i + 0.2 for i in x], names, rotation=35, ha="right", fontsize=8)
         fig.suptitle(f"NVFP4 ({args.backend}) vs exact, S={args.seq} H={args.heads} D={args.head_dim}", fontsize=10)
         fig.tight_layout()
         fig.savefig(path, dpi=110)

@@ -152,12 +152,11 @@ def main() -> int:
             big = f > 2e13
             reps = args.reps or (2 if (big and not native) else 5)
             out = torch.empty(b, h, s, d, dtype=torch.bfloat16, device=dev)
-            op = build.load_extension().attention_fwd
             scale = 1.0 / math.sqrt(d)
 
             def kernel_only():
-                op(qq.q_data, qq.q_sf, qq.k_data, qq.k_sf, qq.vt_data, qq.vt_sf, delta, qq.q_dot_km, None, out,
-                   None, s, s, 0, qq.num_q_blocks, scale, causal, native)
+                attention_cuda.run_kernel(qq, [(0, qq.num_q_blocks, delta)], out, None, scale=scale, causal=causal,
+                                          kv_lens=None, native=native)
 
             def preprocess():
                 for _ in quantize.iter_corrections(quantize.quantize_qkv(q, k, v, layout="HND")):

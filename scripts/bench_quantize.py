@@ -3,14 +3,15 @@
 For B=1, H=40, D=128, bf16 NHD inputs at S = 8k, 32k, 77k and 118.8k tokens:
 
 * default: ``nvfp4_dit.quantize.quantize_qkv`` with the default kernel choice (the streaming
-  kernel, one launch after a memset, where it applies), and each kernel forced
-  (``NVFP4_DIT_QUANTIZE_KERNEL=tiles``: two launches; ``=stream``: "-" where it does not apply);
+  kernel where it applies) and the default per-channel Q/K balance, and each kernel forced
+  (``NVFP4_DIT_QUANTIZE_KERNEL=tiles``; ``=stream``: "-" where it does not apply);
+* no balance: the default kernel with ``balance_qk=False`` (no statistics pass over Q);
 * copy: a device-to-device copy moving the same number of bytes (the bandwidth ceiling);
 * torch-ops: ``nvfp4_dit.format.quantize_qkv`` on the GPU (the plain-PyTorch preprocessing);
 * correction: every chunk of ``qm . (k - km)^T`` under the default 1 GiB budget, as a fraction of
   the time of exact attention (``F.scaled_dot_product_attention``, the stand-in for the kernel).
 
-Default, tile, streaming and copy are timed in interleaved rounds (``--rounds``), each peer's
+Default, no balance, tile, streaming and copy are timed in interleaved rounds (``--rounds``), each peer's
 best round kept. "Bytes" = the inputs read once plus every output written (the minimum traffic);
 the copy moves half that many bytes (read + write = the same traffic). Peak memory is the
 allocator's peak above what was allocated before the call. Prints a markdown table, writes JSON
@@ -74,8 +75,9 @@ def peak_bytes(fn) -> int:
 
 
 def output_bytes(qq) -> int:
-    return sum(getattr(qq, f).nbytes for f in ("q_data", "q_sf", "k_data", "k_sf", "vt_data", "vt_sf", "q_mean",
-                                                "k_mean", "q_dot_km"))
+    fields = ("q_data", "q_sf", "k_data", "k_sf", "vt_data", "vt_sf", "q_mean", "k_mean", "v_mean", "q_scale",
+              "k_scale", "v_scale", "balance", "q_dot_km")
+    return sum(getattr(qq, f).nbytes for f in fields if getattr(qq, f) is not None)
 
 
 @contextlib.contextmanager
@@ -139,10 +141,13 @@ def bench_one(seq: int, heads: int, dim: int, iters: int, rounds: int) -> dict:
     dst = torch.empty_like(src)
     best = best_of_rounds(dict(
         default=lambda: cuda_time(default, iters, warmup=2),
+        no_balance=lambda: cuda_time(lambda: cq.quantize_qkv(q, k, v, layout="NHD", balance_qk=False), iters,
+                                     warmup=2),
         tiles=lambda: time_forced_kernel("tiles", default, iters),
         stream=lambda: time_forced_kernel("stream", default, iters),
         copy=lambda: cuda_time(lambda: dst.copy_(src), iters, warmup=2)), rounds)
     t_default, t_tiles, t_stream, t_copy = best["default"], best["tiles"], best["stream"], best["copy"]
+    t_no_balance = best["no_balance"]
     del src, dst
 
     def torch_ops():
@@ -160,7 +165,7 @@ def bench_one(seq: int, heads: int, dim: int, iters: int, rounds: int) -> dict:
     t_sdpa = cuda_time(lambda: F.scaled_dot_product_attention(qh, kh, vh), 2, warmup=1)
     del qq
     torch.cuda.empty_cache()
-    return dict(seq=seq, heads=heads, dim=dim, traffic_bytes=traffic, t_default=t_default, t_tiles=t_tiles,
+    return dict(seq=seq, heads=heads, dim=dim, traffic_bytes=traffic, t_default=t_default, t_no_balance=t_no_balance, t_tiles=t_tiles,
                 t_stream=t_stream, t_copy=t_copy, t_torch=t_torch, t_corr=t_corr, t_sdpa=t_sdpa,
                 mem_default=mem_default, mem_torch=mem_torch,
                 mem_corr=mem_corr, corr_chunks=n_chunks)
@@ -178,7 +183,8 @@ def smoke() -> int:
                 lens = torch.tensor([300, 170], device="cuda", dtype=torch.int32)
                 for choice in ("auto", "tiles"):  # the default takes the streaming kernel where it applies
                     with kernel_choice(choice):
-                        qq = cq.quantize_qkv(q, k, v, layout=layout, kv_lens=lens)
+                        for balance_qk in (True, False):
+                            qq = cq.quantize_qkv(q, k, v, layout=layout, kv_lens=lens, balance_qk=balance_qk)
                     for _ in cq.iter_corrections(qq, budget=2 * 2 * 384 * 4):
                         pass
     torch.cuda.synchronize()
@@ -187,7 +193,7 @@ def smoke() -> int:
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| S | bytes (GB) | default GB/s | copy GB/s | default / copy | tile kernel / copy | streaming kernel / copy "
+    head = ("| S | bytes (GB) | default GB/s | copy GB/s | default / copy | no balance / copy | tile kernel / copy | streaming kernel / copy "
             "| torch-ops GB/s "
             "| default speed-up vs torch-ops "
             "| peak mem default (GiB) | peak mem torch-ops (GiB) | correction ms (chunks) | SDPA ms | correction / SDPA "
@@ -195,10 +201,11 @@ def table(rows: list[dict]) -> str:
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         gb = r["traffic_bytes"] / 1e9
-        tiles, stream = (f"{r['t_copy'] / r[key]:.0%}" if r.get(key) else "-" for key in ("t_tiles", "t_stream"))
+        no_balance, tiles, stream = (f"{r['t_copy'] / r[key]:.0%}" if r.get(key) else "-"
+                                     for key in ("t_no_balance", "t_tiles", "t_stream"))
         lines.append(
             f"| {r['seq']:,} | {gb:.2f} | {gb / r['t_default']:.0f} | {gb / r['t_copy']:.0f} | "
-            f"{r['t_copy'] / r['t_default']:.0%} | {tiles} | {stream} | {gb / r['t_torch']:.0f} | "
+            f"{r['t_copy'] / r['t_default']:.0%} | {no_balance} | {tiles} | {stream} | {gb / r['t_torch']:.0f} | "
             f"{r['t_torch'] / r['t_default']:.1f}x | {r['mem_default'] / GiB:.2f} | {r['mem_torch'] / GiB:.2f} | {r['t_corr'] * 1e3:.1f} ({r['corr_chunks']}) | "
             f"{r['t_sdpa'] * 1e3:.0f} | {r['t_corr'] / r['t_sdpa']:.1%} | {r['mem_corr'] / GiB:.2f} |")
     return "\n".join(lines)
@@ -216,6 +223,7 @@ def plot(rows: list[dict], path: Path) -> bool:
     seqs = [r["seq"] / 1000 for r in rows]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     for key, label in (("t_copy", "device copy (ceiling)"), ("t_default", "CUDA, default kernel choice"),
+                       ("t_no_balance", "default, balance_qk=False"),
                        ("t_tiles", "tile kernel"), ("t_stream", "streaming kernel"), ("t_torch", "torch ops")):
         if not all(r.get(key) for r in rows):
             continue
@@ -245,7 +253,7 @@ def main() -> int:
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=3,
-                        help="interleaved rounds of the default, tile, streaming and copy timings (best kept)")
+                        help="interleaved rounds of the default, no-balance, tile, streaming and copy timings (best kept)")
     parser.add_argument("--out", type=Path, default=Path("bench_out"))
     parser.add_argument("--plot-only", type=Path, help="redraw the table and PNG from a JSON of an earlier run")
     parser.add_argument("--smoke", action="store_true",
