@@ -14,6 +14,11 @@ import torch
 from nvfp4_dit import build
 from nvfp4_dit import format as fmt
 
+try:
+    from host_program import compile_host_program
+except ImportError:  # tests/ imported as a package
+    from tests.host_program import compile_host_program
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -59,14 +64,8 @@ int main() {
 
 def test_config_header_agrees_with_python(tmp_path):
     """csrc/common/config.h and the Python modules state the same head dims and architectures."""
-    nvcc = shutil.which("nvcc")
-    if nvcc is None:
-        pytest.skip("nvcc not found")
-    src = tmp_path / "config.cu"
-    src.write_text(CONFIG_PROGRAM)
-    subprocess.run([nvcc, "-std=c++17", f"-I{build.csrc_dir()}", str(src), "-o", str(tmp_path / "config")],
-                   check=True, capture_output=True)
-    lines = [line.split() for line in subprocess.run([str(tmp_path / "config")], capture_output=True, text=True,
+    exe = compile_host_program(tmp_path, "config", CONFIG_PROGRAM)
+    lines = [line.split() for line in subprocess.run([str(exe)], capture_output=True, text=True,
                                                       check=True).stdout.splitlines()]
     assert tuple(int(x[1]) for x in lines if x[0] == "head_dim") == fmt.SUPPORTED_HEAD_DIMS
     for _, d, dp in (x for x in lines if x[0] == "padded"):

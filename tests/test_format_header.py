@@ -5,9 +5,7 @@ code on the device.  nvcc compiles a tiny host program that converts a dense set
 and the bytes must equal format.py's.  Skipped where nvcc is missing.
 """
 
-import shutil
 import subprocess
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,7 +13,10 @@ import torch
 
 from nvfp4_dit import format as fmt
 
-CSRC = Path(__file__).resolve().parents[1] / "csrc"
+try:
+    from host_program import compile_host_program
+except ImportError:  # tests/ imported as a package
+    from tests.host_program import compile_host_program
 
 PROGRAM = r"""
 #include "common/format.cuh"
@@ -49,16 +50,7 @@ int main(int argc, char** argv) {
 
 @pytest.fixture(scope="module")
 def host_program(tmp_path_factory):
-    nvcc = shutil.which("nvcc")
-    if nvcc is None:
-        pytest.skip("nvcc not found")
-    d = tmp_path_factory.mktemp("fmt")
-    src = d / "fmt_host.cu"
-    src.write_text(PROGRAM)
-    exe = d / "fmt_host"
-    subprocess.run([nvcc, "-std=c++17", "-O2", f"-I{CSRC}", str(src), "-o", str(exe)], check=True,
-                   capture_output=True)
-    return exe
+    return compile_host_program(tmp_path_factory.mktemp("fmt"), "fmt_host", PROGRAM)
 
 
 def _inputs():
@@ -120,13 +112,7 @@ int main(int argc, char** argv) {
 
 
 def test_tensor_scale_and_balance_match_format_module(tmp_path):
-    nvcc = shutil.which("nvcc")
-    if nvcc is None:
-        pytest.skip("nvcc not found")
-    src = tmp_path / "scales.cu"
-    src.write_text(SCALES_PROGRAM)
-    exe = tmp_path / "scales"
-    subprocess.run([nvcc, "-std=c++17", "-O2", f"-I{CSRC}", str(src), "-o", str(exe)], check=True, capture_output=True)
+    exe = compile_host_program(tmp_path, "scales", SCALES_PROGRAM)
     g = torch.Generator().manual_seed(3)
     n = 200_000
     mags = lambda: torch.exp2(torch.randint(-140, 128, (n,), generator=g).float()) * torch.rand(n, generator=g)  # noqa: E731

@@ -9,9 +9,7 @@ formulation exhaustively on the host; the streaming kernel's ticket order (csrc/
 holds every work item once and after what it waits for; the correction chunking obeys its budget.
 """
 
-import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,20 +17,11 @@ import torch
 from nvfp4_dit import quantize as cq
 from nvfp4_dit import format as fmt
 
-CSRC = Path(__file__).resolve().parents[1] / "csrc"
+try:
+    from host_program import compile_host_program
+except ImportError:  # tests/ imported as a package
+    from tests.host_program import compile_host_program
 BYTE_FIELDS = ("q_data", "q_sf", "k_data", "k_sf", "vt_data", "vt_sf")
-
-
-def _compile_host_program(tmp_path, name: str, source: str) -> Path:
-    nvcc = shutil.which("nvcc")
-    if nvcc is None:
-        pytest.skip("nvcc not found")
-    src = tmp_path / f"{name}.cu"
-    src.write_text(source)
-    exe = tmp_path / name
-    subprocess.run([nvcc, "-std=c++17", "-O2", f"-I{CSRC}", str(src), "-o", str(exe)], check=True,
-                   capture_output=True)
-    return exe
 
 
 # ---------------------------------------------------------------------------------------------
@@ -134,7 +123,7 @@ int main() {
 
 
 def test_fast_element_math_equals_reference_on_host(tmp_path):
-    exe = _compile_host_program(tmp_path, "qmath", HOST_PROGRAM)
+    exe = compile_host_program(tmp_path, "qmath", HOST_PROGRAM)
     bad_raw16, n_raw16, bad_bound, coarse_over7, bad_enc, bad_div, n_div = map(int, subprocess.run(
         [str(exe)], capture_output=True, text=True, check=True).stdout.split())
     assert n_raw16 > 4_000_000
@@ -224,7 +213,7 @@ int main(int argc, char** argv) {
     (2, 24, 24, 75600, 70000, 1000),   # Sq != Sk
 ])
 def test_streaming_schedule_on_host(tmp_path, args):
-    exe = _compile_host_program(tmp_path, "schedule", SCHEDULE_PROGRAM)
+    exe = compile_host_program(tmp_path, "schedule", SCHEDULE_PROGRAM)
     out = subprocess.run([str(exe), *map(str, args)], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "ok", out
 
