@@ -22,8 +22,7 @@ def check_tensor(name: str, t) -> None:
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
 
 
-def validate_attention_args(q, k, v, layout, causal, scale, attn_mask, kv_lens, return_lse, backend,
-                            balance_qk=False):
+def validate_attention_args(q, k, v, layout, causal, scale, attn_mask, kv_lens, return_lse, backend, balance_qk):
     """The checks of :func:`nvfp4_dit.attention`; raises TypeError / ValueError naming the argument."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, t)

@@ -265,7 +265,7 @@ def attention(
             ``"sdpa"`` (exact).
         balance_qk: balance Q and K per channel before quantising them (Q times a power of two
             per channel, K divided by it: the logits are unchanged exactly). Helps when Q and K put
-            their energy in different channels; costs the quantiser one more read of Q and K.
+            their energy in different channels; costs the quantiser one more read of Q.
 
     Returns:
         ``out`` in q's layout and dtype, or ``(out, lse)`` with ``return_lse=True``.

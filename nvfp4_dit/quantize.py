@@ -7,8 +7,10 @@ from the strides of NHD or HND inputs. Two kernels implement it (``csrc/quantize
 * the streaming kernel (``quantize_stream.cu``): persistent CTAs whose producer warp feeds TMA
   copies of 128-row tiles to consumer warps; one launch. It runs where it applies (bf16/fp16
   rows contiguous with D of 64 or 128, sm_90+, enough shared memory for two CTAs per SM);
-* the tile kernel (``quantize_tiles.cu``): any input, two launches (the K-mean chunks and the
-  V^T tiles, then the K and Q tiles, which need the whole-sequence K mean).
+* the tile kernel (``quantize_tiles.cu``): any input, two launches (the K and V statistics
+  chunks, then the K, Q and V^T tiles, which need their head's statistics).
+
+With ``balance_qk`` one more launch reads Q first for the balance statistics.
 
 ``NVFP4_DIT_QUANTIZE_KERNEL=tiles|stream`` forces one (``auto``, the default, as above). Both
 raise NaN/inf flags while they quantise (:attr:`KernelQuantizedQKV.nonfinite`).

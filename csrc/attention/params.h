@@ -7,7 +7,7 @@
 namespace nvfp4_dit {
 
 struct AttentionFwdParams {
-  // Quantized operands (format: DEVELOPERS.md). Each [S, X] plane per (batch, head) is
+  // Quantized operands (format: CONTRIBUTING.md). Each [S, X] plane per (batch, head) is
   // contiguous; the batch/head strides are in bytes.
   const uint8_t* q_data;   // [B, H, Sqp, Dp/2]
   const uint8_t* q_sf;     // [B, H, Sqp, Dp/16]

@@ -1,5 +1,5 @@
 // Online softmax pieces of the attention kernel: quad-wide row reductions and the two-level P
-// quantisation (DEVELOPERS.md "Softmax / P").
+// quantisation (CONTRIBUTING.md, the NVFP4 contract, "Softmax / P").
 //
 // A row of the m16n8 accumulator is spread over the 4 lanes of a quad (lanes 4g..4g+3), so row
 // reductions use shfl-xor 1 and 2 only; xor 4 would mix rows g and g+1 (FlashInfer #3838).

@@ -192,7 +192,6 @@ __host__ __device__ __forceinline__ float block_scale_value(float amax, uint32_t
 // Tensor scales and the channel balance (format.tensor_scale, format.channel_balance)
 // ---------------------------------------------------------------------------------------------
 
-constexpr float kTensorScaleRange = 2688.0f;  // 448 * 6: a tensor scale puts |x| / t in (1344, 2688]
 constexpr int kBalanceMaxExponent = 64;
 
 // The smallest power of two t with absmax / t <= 2688, in [2^-126, 2^127]; 1 for 0 or non-finite.

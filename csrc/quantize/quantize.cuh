@@ -5,7 +5,7 @@
 // quantize_tiles.cu and correction.cu; this header only declares the host entry points, so
 // the torch binding (csrc/quantize_binding.cpp, a host C++ TU) can include it.
 //
-// The byte format is the one of nvfp4_dit/format.py (see DEVELOPERS.md): blocks of 16,
+// The byte format is the one of nvfp4_dit/format.py (the contract: CONTRIBUTING.md): blocks of 16,
 // sf = e4m3_satfinite(amax16 / 6), data = e2m1(x / float(sf)), zero padding to 128 rows.
 #pragma once
 
@@ -70,7 +70,7 @@ struct QuantizeQkvParams {
 
   // Channel balance (format.channel_balance): on, Q is multiplied by s and K divided by it.
   // q_channel_amax holds max |q - qm| per (b, kv head, channel) over the group's rows as fp32
-  // bits, written before launch_quantize_qkv by launch_balance_statistics.
+  // bits (zero on entry), written by launch_quantize_qkv's first launch.
   bool balance_qk;
   const uint32_t* q_channel_amax;  // [B, Hkv, Dp], or nullptr when balance_qk is off
 
@@ -121,14 +121,10 @@ __host__ __device__ inline int64_t quantize_qkv_workspace_counters(int64_t batch
   return 1 + 2 * batch * heads_kv + batch * heads_kv * kStatTensors * quantize_qkv_k_chunks(seq_k);
 }
 
-// With balance_qk: max |q - qm| per (b, kv head, channel) over every row of the query heads of the
-// kv head (qm the mean of the row's 128-row block), atomically into p.q_channel_amax (zero on entry).
-// Reads Q once. Launch it before launch_quantize_qkv on the same stream.
-cudaError_t launch_balance_statistics(const QuantizeQkvParams& params, cudaStream_t stream);
-
 // Kernel launches on `stream` that reduce the K and V statistics (means, tensor scales, the
 // balance) and quantize every Q, K and V^T tile (and write the Q block means and scales and q . km):
-// two for the tile kernel (the statistics, then the tiles), one for the streaming kernel. Returns
+// two for the tile kernel (the statistics, then the tiles), one for the streaming kernel; with
+// balance_qk, first one more that reads Q for the balance statistics (q_channel_amax). Returns
 // the launch error.
 cudaError_t launch_quantize_qkv(const QuantizeQkvParams& params, cudaStream_t stream);
 

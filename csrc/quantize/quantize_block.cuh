@@ -105,9 +105,6 @@ __device__ __noinline__ Block16Bytes quantize_block16_ieee(float4 v0, float4 v1,
 // The caller has synchronised the CTA since fill_scale_tables. Returns whether the block holds a
 // NaN or an inf (then amax does: max.NaN keeps NaN): the scale saturates and hides them, so the
 // caller raises a flag instead (quantize.cuh, nonfinite_*), at no cost on the finite path.
-// kRaw16BitInputs: the values are bf16/fp16 inputs as read, with no mean subtracted (V), which
-// lets the fast path divide in two instructions instead of three (divide_raw16_by_scale).
-template <bool kRaw16BitInputs = false>
 __device__ __forceinline__ bool quantize_block16(const float (&v)[16], const ScaleTables& tables, uint32_t& lo,
                                                  uint32_t& hi, uint32_t& sf_bits) {
   const float amax = abs_max16(v);
@@ -131,14 +128,11 @@ __device__ __forceinline__ bool quantize_block16(const float (&v)[16], const Sca
     return nonfinite;
   }
   const float sf = tables.value[sf_bits], rcp = tables.rcp[sf_bits];
-  const float rcp_lo = kRaw16BitInputs ? reciprocal_low_part(sf, rcp) : 0.0f;
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     float quot[8];  // below 7
 #pragma unroll
-    for (int e = 0; e < 8; ++e)
-      quot[e] = kRaw16BitInputs ? divide_raw16_by_scale(fabsf(v[8 * half + e]), rcp, rcp_lo)
-                                : divide_by_scale(fabsf(v[8 * half + e]), sf, rcp);
+    for (int e = 0; e < 8; ++e) quot[e] = divide_by_scale(fabsf(v[8 * half + e]), sf, rcp);
     (half ? hi : lo) = encode8(quot, v + 8 * half);
   }
   return false;

@@ -1,6 +1,6 @@
 // Per-element arithmetic of the quantize kernel that is faster than, and provably equal to, the
 // reference formulation in common/format.cuh. __host__ __device__ so that
-// tests/test_quantize_kernel.py can check the equalities exhaustively on the host.
+// tests/test_quantize.py can check the equalities exhaustively on the host.
 //
 // 1. Division by a block scale. format.py divides every element by the rounded scale in IEEE
 //    fp32. With r = RN(1/sf) computed once per block, q0 = RN(a*r), rem = a - q0*sf (exact with
@@ -8,8 +8,6 @@
 //    underflow of the result (Markstein's theorem; the host test checks every e4m3 scale around
 //    every e2m1 decision threshold). Underflowing quotients are far below the first e2m1
 //    threshold (0.25) and encode as 0 either way; inf is handled by the caller.
-//    For values that are 16-bit inputs as read (V: no mean subtracted), two instructions give the
-//    same e2m1 code (divide_raw16_by_scale) instead of three.
 // 2. e2m1 encoding of the quotient by three fp32 roundings and a 3-way min instead of seven
 //    comparisons (e2m1_code_biased); the host test checks every fp32 value in [0, 7).
 // Torch-free and self-contained apart from common/format.cuh.
@@ -68,17 +66,6 @@ NVFP4_DIT_HD float divide_by_scale(float a, float sf, float rcp) {
   const float rem = rn_fma(-q0, sf, a);
   return rn_fma(rem, rcp, q0);
 }
-
-// A quotient with the same e2m1 code as RN(a / sf), for a = |x| of a bf16 or fp16 input x itself
-// (8 or 11 significant bits) and a fast-path scale sf (4 bits). The code depends only on where the
-// quotient lies against seven decision points t (0.25 ... 5), ties included. A short a is either
-// exactly t * sf or at least 2^-12 (relative) away from it, so any quotient within 2^-40 of a / sf
-// that returns t exactly at a = t * sf has the right code. a * rcp alone is 2^-24 off, which fails
-// exact ties for scales whose mantissa is 1.875; a * (rcp + rcp_lo) in one fma (rcp_lo =
-// RN((1 - sf * rcp) * rcp), per block) is 2^-46 off and exact at ties. The host test checks every
-// bf16 and fp16 value against every fast-path scale.
-NVFP4_DIT_HD float reciprocal_low_part(float sf, float rcp) { return rn_mul(rn_fma(-sf, rcp, 1.0f), rcp); }
-NVFP4_DIT_HD float divide_raw16_by_scale(float a, float rcp, float rcp_lo) { return rn_fma(a, rcp, rn_mul(a, rcp_lo)); }
 
 // e2m1 magnitude code of a quotient 0 <= q < 7 (not NaN), nearest with ties to the even code
 // (saturation at 6 is the caller's clamp), as a float bit pattern 0x4B000000 + code.

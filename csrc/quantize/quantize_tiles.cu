@@ -323,30 +323,55 @@ struct RowTileMap {
   static constexpr int kPasses = kTileRows / kRowsPerPass;
 };
 
+// Where 128-row tile `tile` of a Q or K input lies (head bh = b * heads + h, block blk from row
+// row0, valid_rows rows of data before the padding) and this thread's place in it (RowTileMap).
+template <int DP>
+struct RowTile {
+  int64_t bh, blk, b, h, row0;
+  int valid_rows, cb, r0;
+
+  __device__ __forceinline__ RowTile(int64_t tile, int64_t n_blocks, int64_t heads, int64_t seq_valid)
+      : bh(tile / n_blocks), blk(tile % n_blocks), b(bh / heads), h(bh % heads), row0(blk * kTileRows),
+        valid_rows(int(rows_below(seq_valid, row0, kTileRows))),
+        cb(int(threadIdx.x) % RowTileMap<DP>::kColBlocks), r0(int(threadIdx.x) / RowTileMap<DP>::kColBlocks) {}
+
+  __device__ __forceinline__ static RowTile queries(const QuantizeQkvParams& p, int64_t tile) {
+    return RowTile(tile, p.seq_q_padded / kTileRows, p.heads_q, p.seq_q);
+  }
+  // Keys past kv_lens[b] are padding like the keys past seq_k (format.quantize_qkv).
+  __device__ __forceinline__ static RowTile keys(const QuantizeQkvParams& p, int64_t tile) {
+    const int64_t n_blocks = p.seq_k_padded / kTileRows;
+    return RowTile(tile, n_blocks, p.heads_kv, valid_key_count(p, tile / n_blocks / p.heads_kv));
+  }
+  // The kv head a Q tile reads (b * Hkv + kvh).
+  __device__ __forceinline__ int64_t kv_head(const QuantizeQkvParams& p) const {
+    return b * p.heads_kv + h / (p.heads_q / p.heads_kv);
+  }
+
+  // Loads this thread's kPasses blocks of 16 columns of input t into x (zeros past valid_rows).
+  template <InputDtype DT, bool VEC>
+  __device__ __forceinline__ void load(const QuantizeQkvParams& p, const StridedInput& t,
+                                       Block16<DT> (&x)[RowTileMap<DP>::kPasses]) const {
+    using Raw = typename InputTraits<DT>::Raw;
+    const Raw* base = static_cast<const Raw*>(t.ptr) + row_offset(t, b, h, row0);
+#pragma unroll
+    for (int ps = 0; ps < RowTileMap<DP>::kPasses; ++ps) {
+      const int r = r0 + ps * RowTileMap<DP>::kRowsPerPass;
+      x[ps].zero();
+      if (r < valid_rows) load_block16<DT, VEC>(x[ps], base + r * t.stride_s, t.stride_d, cb * 16, int(p.head_dim));
+    }
+  }
+};
+
 // Loads 128-row Q tile `tile` (of [B, H, Sqp/128] tiles) into registers and its column means over
 // the valid rows into sm.mean; thread c < DP also returns qm_c. Ends with a barrier. Shared by the
 // Q tiles and the balance statistics, which then take max |fl(q - qm)| from the registers: two
 // passes over registers rather than a min and a max per column, which would not fit in 64 of them.
 template <InputDtype DT, int DP, bool VEC>
-__device__ __forceinline__ float q_tile_load(const QuantizeQkvParams& p, SharedStorage<DP>& sm, int64_t tile,
-                                             Block16<DT> (&x)[RowTileMap<DP>::kPasses]) {
-  using Raw = typename InputTraits<DT>::Raw;
+__device__ __forceinline__ float q_tile_load(const QuantizeQkvParams& p, SharedStorage<DP>& sm,
+                                             const RowTile<DP>& t, Block16<DT> (&x)[RowTileMap<DP>::kPasses]) {
   using Map = RowTileMap<DP>;
-  const int64_t n_blocks = p.seq_q_padded / kTileRows;
-  const int64_t blk = tile % n_blocks;
-  const int64_t bh = tile / n_blocks;  // b * H + h
-  const int64_t b = bh / p.heads_q, h = bh % p.heads_q;
-  const int cb = threadIdx.x % Map::kColBlocks;
-  const int r0 = threadIdx.x / Map::kColBlocks;
-  const int64_t row0 = blk * kTileRows;
-  const int valid_rows = int(rows_below(p.seq_q, row0, kTileRows));
-  const Raw* base = static_cast<const Raw*>(p.q.ptr) + row_offset(p.q, b, h, row0);
-#pragma unroll
-  for (int ps = 0; ps < Map::kPasses; ++ps) {
-    const int r = r0 + ps * Map::kRowsPerPass;
-    x[ps].zero();
-    if (r < valid_rows) load_block16<DT, VEC>(x[ps], base + r * p.q.stride_s, p.q.stride_d, cb * 16, int(p.head_dim));
-  }
+  t.template load<DT, VEC>(p, p.q, x);
   constexpr ColumnStat kKinds[1] = {kColumnSum};
   float st[1][16];
   init_column_stats(kKinds, st);
@@ -360,7 +385,7 @@ __device__ __forceinline__ float q_tile_load(const QuantizeQkvParams& p, SharedS
   if (threadIdx.x < DP) {
     float sum[1];
     cta_column_stats(sm, kKinds, threadIdx.x, sum);
-    qm = __fdiv_rn(sum[0], float(valid_rows > 0 ? valid_rows : 1));
+    qm = __fdiv_rn(sum[0], float(t.valid_rows > 0 ? t.valid_rows : 1));
     sm.mean[padded_column(threadIdx.x)] = qm;
   }
   __syncthreads();
@@ -371,21 +396,18 @@ __device__ __forceinline__ float q_tile_load(const QuantizeQkvParams& p, SharedS
 // column, or 1), into dev[e] (kPerColumn) or one value: exactly the magnitudes format.quantize_qkv
 // takes its maxima of. NaN-propagating; 0 without valid rows.
 template <bool kPerColumn, InputDtype DT, int DP>
-__device__ __forceinline__ void q_tile_deviation(const QuantizeQkvParams& p, const SharedStorage<DP>& sm, int64_t tile,
+__device__ __forceinline__ void q_tile_deviation(const SharedStorage<DP>& sm, const RowTile<DP>& t,
                                                  const Block16<DT> (&x)[RowTileMap<DP>::kPasses], const float* scale,
                                                  float (&dev)[kPerColumn ? 16 : 1]) {
   using Map = RowTileMap<DP>;
-  const int64_t row0 = tile % (p.seq_q_padded / kTileRows) * kTileRows;
-  const int valid_rows = int(rows_below(p.seq_q, row0, kTileRows));
-  const int cb = threadIdx.x % Map::kColBlocks, r0 = threadIdx.x / Map::kColBlocks;
   float m[16], f[16];
-  load_column_block(sm.mean, cb, m);
-  if (scale != nullptr) load_column_block(scale, cb, f);
+  load_column_block(sm.mean, t.cb, m);
+  if (scale != nullptr) load_column_block(scale, t.cb, f);
 #pragma unroll
   for (int e = 0; e < (kPerColumn ? 16 : 1); ++e) dev[e] = 0.0f;
 #pragma unroll
   for (int ps = 0; ps < Map::kPasses; ++ps)
-    if (r0 + ps * Map::kRowsPerPass < valid_rows)
+    if (t.r0 + ps * Map::kRowsPerPass < t.valid_rows)
 #pragma unroll
       for (int e = 0; e < 16; ++e) {
         const float d = fabsf(__fsub_rn(x[ps].get(e), m[e])) * (scale != nullptr ? f[e] : 1.0f);
@@ -397,40 +419,34 @@ __device__ __forceinline__ void q_tile_deviation(const QuantizeQkvParams& p, con
 template <InputDtype DT, int DP, bool VEC>
 __device__ __forceinline__ void q_tile(const QuantizeQkvParams& p, SharedStorage<DP>& sm, int64_t tile) {
   using Map = RowTileMap<DP>;
-  const int64_t n_blocks = p.seq_q_padded / kTileRows;
-  const int64_t blk = tile % n_blocks;
-  const int64_t bh = tile / n_blocks;  // b * H + h
-  const int64_t b = bh / p.heads_q, h = bh % p.heads_q;
-  const int64_t bhk = b * p.heads_kv + h / (p.heads_q / p.heads_kv);
-  const int cb = threadIdx.x % Map::kColBlocks;
-  const int r0 = threadIdx.x / Map::kColBlocks;
-  const int64_t row0 = blk * kTileRows;
-  const int valid_rows = int(rows_below(p.seq_q, row0, kTileRows));
+  const RowTile<DP> t = RowTile<DP>::queries(p, tile);  // tile = bh * n_blocks + blk
+  const int64_t bhk = t.kv_head(p);
+  const int cb = t.cb, r0 = t.r0, valid_rows = t.valid_rows;
 
   Block16<DT> x[Map::kPasses];
-  const float qm = q_tile_load<DT, DP, VEC>(p, sm, tile, x);
+  const float qm = q_tile_load<DT, DP, VEC>(p, sm, t, x);
   // The block's tensor scale t(max |fl(q - qm_c)| * s_c); then quantise (q - qm) * s_c / t.
   const int c = int(threadIdx.x);
   const float s = c < DP ? p.balance[bhk * DP + c] : 1.0f;
   if (c < DP) sm.factor[padded_column(c)] = s;
   __syncthreads();
   float dev[1];
-  q_tile_deviation<false>(p, sm, tile, x, sm.factor, dev);
+  q_tile_deviation<false>(sm, t, x, sm.factor, dev);
   const float q_scale = tensor_scale(cta_max(dev[0], sm));  // powers of two: exact
   if (c < DP) {
     const float f = __fdiv_rn(s, q_scale);
     sm.factor[padded_column(c)] = f;
     sm.offset[padded_column(c)] = qm * f;
     sm.km[padded_column(c)] = __ldcg(p.k_mean + bhk * DP + c);
-    p.q_mean[(bh * n_blocks + blk) * DP + c] = qm;
-    if (c == 0) p.q_scale[bh * n_blocks + blk] = q_scale;
+    p.q_mean[tile * DP + c] = qm;
+    if (c == 0) p.q_scale[tile] = q_scale;
   }
   fill_scale_tables(sm.tables);
   __syncthreads();
 
   // This thread's outputs of pass 0; pass ps writes kRowsPerPass * ps rows further.
-  uint8_t* data = p.q_data + (bh * p.seq_q_padded + row0 + r0) * (DP / 2) + cb * 8;
-  uint8_t* sf = p.q_sf + (bh * p.seq_q_padded + row0 + r0) * (DP / 16) + cb;
+  uint8_t* data = p.q_data + (tile * kTileRows + r0) * (DP / 2) + cb * 8;
+  uint8_t* sf = p.q_sf + (tile * kTileRows + r0) * (DP / 16) + cb;
   bool nonfinite = false;
 #pragma unroll
   for (int ps = 0; ps < Map::kPasses; ++ps) {
@@ -455,9 +471,9 @@ __device__ __forceinline__ void q_tile(const QuantizeQkvParams& p, SharedStorage
     // q . km: the kColBlocks threads of a row are consecutive lanes.
 #pragma unroll
     for (int off = 1; off < Map::kColBlocks; off <<= 1) dot += __shfl_xor_sync(0xFFFFFFFFu, dot, off);
-    if (cb == 0 && r < valid_rows) p.q_dot_km[bh * p.seq_q + row0 + r] = dot;
+    if (cb == 0 && r < valid_rows) p.q_dot_km[t.bh * p.seq_q + t.row0 + r] = dot;
   }
-  raise_flag(p.nonfinite_q_blocks + bh * n_blocks + blk, nonfinite);
+  raise_flag(p.nonfinite_q_blocks + tile, nonfinite);
 }
 
 // The per-column factor and offset of a K or V^T tile of kv head bh: K quantises
@@ -476,26 +492,12 @@ __device__ __forceinline__ void key_tile_columns(const QuantizeQkvParams& p, Sha
 
 template <InputDtype DT, int DP, bool VEC>
 __device__ __forceinline__ void k_tile(const QuantizeQkvParams& p, SharedStorage<DP>& sm, int64_t tile) {
-  using Raw = typename InputTraits<DT>::Raw;
   using Map = RowTileMap<DP>;
-  const int64_t n_blocks = p.seq_k_padded / kTileRows;
-  const int64_t blk = tile % n_blocks;
-  const int64_t bh = tile / n_blocks;  // b * Hkv + kvh
-  const int64_t b = bh / p.heads_kv, h = bh % p.heads_kv;
-  const int cb = threadIdx.x % Map::kColBlocks;
-  const int r0 = threadIdx.x / Map::kColBlocks;
-  const int64_t row0 = blk * kTileRows;
-  // Keys past kv_lens[b] are padding like the keys past seq_k (format.quantize_qkv).
-  const int valid_rows = int(rows_below(valid_key_count(p, b), row0, kTileRows));
-
-  const Raw* base = static_cast<const Raw*>(p.k.ptr) + row_offset(p.k, b, h, row0);
+  const RowTile<DP> t = RowTile<DP>::keys(p, tile);  // tile = bh * n_blocks + blk
+  const int64_t bh = t.bh;
+  const int cb = t.cb, r0 = t.r0, valid_rows = t.valid_rows;
   Block16<DT> x[Map::kPasses];
-#pragma unroll
-  for (int ps = 0; ps < Map::kPasses; ++ps) {
-    const int r = r0 + ps * Map::kRowsPerPass;
-    x[ps].zero();
-    if (r < valid_rows) load_block16<DT, VEC>(x[ps], base + r * p.k.stride_s, p.k.stride_d, cb * 16, int(p.head_dim));
-  }
+  t.template load<DT, VEC>(p, p.k, x);
   // While the loads are in flight: km and the scales (written by the previous launch), the tables.
   key_tile_columns(p, sm, bh, false);
   fill_scale_tables(sm.tables);
@@ -504,8 +506,8 @@ __device__ __forceinline__ void k_tile(const QuantizeQkvParams& p, SharedStorage
   // This thread's outputs of pass 0, rows permuted; pass ps writes kRowsPerPass * ps rows further
   // (the permutation stays inside 32-row groups).
   static_assert(Map::kRowsPerPass % 32 == 0, "passes move whole 32-key groups");
-  uint8_t* data = p.k_data + (bh * p.seq_k_padded + row0 + k_row_perm(r0)) * (DP / 2) + cb * 8;
-  uint8_t* sf = p.k_sf + (bh * p.seq_k_padded + row0 + k_row_perm(r0)) * (DP / 16) + cb;
+  uint8_t* data = p.k_data + (tile * kTileRows + k_row_perm(r0)) * (DP / 2) + cb * 8;
+  uint8_t* sf = p.k_sf + (tile * kTileRows + k_row_perm(r0)) * (DP / 16) + cb;
   bool nonfinite = false;
 #pragma unroll
   for (int ps = 0; ps < Map::kPasses; ++ps) {
@@ -671,19 +673,18 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) balance_statistics_ke
   __shared__ __align__(16) SharedStorage<DP> sm;
   const int64_t tile = blockIdx.x;
   using Map = RowTileMap<DP>;
+  const RowTile<DP> t = RowTile<DP>::queries(p, tile);
   Block16<DT> x[Map::kPasses];
-  q_tile_load<DT, DP, VEC>(p, sm, tile, x);
+  q_tile_load<DT, DP, VEC>(p, sm, t, x);
   constexpr ColumnStat kKinds[1] = {kColumnMax};
   float dev[1][16];
-  q_tile_deviation<true>(p, sm, tile, x, nullptr, dev[0]);
+  q_tile_deviation<true>(sm, t, x, nullptr, dev[0]);
   stage_column_stats<Map::kColBlocks>(sm, kKinds, dev);
   __syncthreads();
   if (threadIdx.x < DP) {
     float amax[1];
     cta_column_stats(sm, kKinds, threadIdx.x, amax);
-    const int64_t bh = tile / (p.seq_q_padded / kTileRows);
-    const int64_t bhk = (bh / p.heads_q) * p.heads_kv + (bh % p.heads_q) / (p.heads_q / p.heads_kv);
-    atomicMax(const_cast<uint32_t*>(p.q_channel_amax) + bhk * DP + threadIdx.x, __float_as_uint(amax[0]));
+    atomicMax(const_cast<uint32_t*>(p.q_channel_amax) + t.kv_head(p) * DP + threadIdx.x, __float_as_uint(amax[0]));
   }
 }
 
@@ -751,15 +752,10 @@ bool params_ok(const QuantizeQkvParams& p) {
 
 }  // namespace
 
-cudaError_t launch_balance_statistics(const QuantizeQkvParams& p, cudaStream_t stream) {
-  if (!params_ok(p) || !p.balance_qk) return cudaErrorInvalidValue;
-  return by_dtype(p, [&](auto dt) { return launch_balance_dtype<decltype(dt)::value>(p, stream); });
-}
-
 cudaError_t launch_quantize_qkv(const QuantizeQkvParams& p, cudaStream_t stream) {
   if (!params_ok(p)) return cudaErrorInvalidValue;
-  if (p.balance_qk) {
-    const cudaError_t err = launch_balance_statistics(p, stream);
+  if (p.balance_qk) {  // the balance needs every row of Q before any K or Q tile
+    const cudaError_t err = by_dtype(p, [&](auto dt) { return launch_balance_dtype<decltype(dt)::value>(p, stream); });
     if (err != cudaSuccess) return err;
   }
   if (p.kernel != QuantizeKernel::kTiles) {

@@ -1,6 +1,6 @@
 """Seeded CPU fuzz of the NVFP4 format module and the reference attention against exact math.
 
-Two independent oracles, written from the contract in DEVELOPERS.md without calling
+Two independent oracles, written from the contract in CONTRIBUTING.md without calling
 ``nvfp4_dit.format`` (except the layout helpers ``to_hnd``):
 
 * codecs by brute force: the nearest e2m1 / e4m3 value by distance over the whole code table,
