@@ -18,6 +18,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "attention/fragments.cuh"
 #include "attention/mask.cuh"
 #include "attention/params.h"
 #include "attention/softmax.cuh"
@@ -47,26 +48,27 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t smem_addr
                : "r"(smem_addr));
 }
 
-// One ldmatrix.x4 = the B fragments of two n8 tiles (kPair 0: tiles 0,1; 1: tiles 2,3 of a
-// 32-column group, thread-id-b = tile index), then their two MMAs into acc[2kPair], acc[2kPair+1].
-template <class Mma, int kPair>
+// One ldmatrix.x4 = the B fragments of the n8 tiles 2kPair and 2kPair + 1 of a 32-row group
+// (Fragments: ldsm_result, tid_b, pair_tile), then their two MMAs; acc points at the group's tile 0.
+template <class Mma, class Frag, int kPair>
 __device__ __forceinline__ void ldsm_mma_pair(float (*acc)[4], const uint32_t (&a)[4], uint32_t sfa, uint32_t sfb,
                                               uint32_t smem_addr) {
   uint32_t r[4];
   ldmatrix_x4(r, smem_addr);
-  const uint32_t b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]};
-  Mma::template mma<0, 2 * kPair>(acc[2 * kPair], a, b0, sfa, sfb);
-  Mma::template mma<0, 2 * kPair + 1>(acc[2 * kPair + 1], a, b1, sfa, sfb);
+  const uint32_t b0[2] = {r[Frag::ldsm_result(0, 0)], r[Frag::ldsm_result(0, 1)]};
+  const uint32_t b1[2] = {r[Frag::ldsm_result(1, 0)], r[Frag::ldsm_result(1, 1)]};
+  Mma::template mma<Frag::kTidA, Frag::tid_b(kPair, 0)>(acc[Frag::pair_tile(0, kPair, 0)], a, b0, sfa, sfb);
+  Mma::template mma<Frag::kTidA, Frag::tid_b(kPair, 1)>(acc[Frag::pair_tile(0, kPair, 1)], a, b1, sfa, sfb);
 }
 
 // The same with the pair chosen at run time (the scale selector is a template argument).
-template <class Mma>
+template <class Mma, class Frag>
 __device__ __forceinline__ void ldsm_mma_pair(int pair, float (*acc)[4], const uint32_t (&a)[4], uint32_t sfa,
                                               uint32_t sfb, uint32_t smem_addr) {
   if (pair == 0) {
-    ldsm_mma_pair<Mma, 0>(acc, a, sfa, sfb, smem_addr);
+    ldsm_mma_pair<Mma, Frag, 0>(acc, a, sfa, sfb, smem_addr);
   } else {
-    ldsm_mma_pair<Mma, 1>(acc, a, sfa, sfb, smem_addr);
+    ldsm_mma_pair<Mma, Frag, 1>(acc, a, sfa, sfb, smem_addr);
   }
 }
 
@@ -94,15 +96,15 @@ __device__ __forceinline__ void store_one(void* out, int64_t offset, float x, bo
 template <int kHeadDim, bool kWithLse, class Mma>
 __device__ __forceinline__ void attention_fwd_body(const AttentionFwdParams& p) {
   using T = AttentionTraits<kHeadDim>;
+  using F = Fragments<kHeadDim>;
   constexpr int kStages = T::kStages;
   constexpr int kKC = T::kKChunks;
-  constexpr int kQRowBytes = kHeadDim / 2;
-  constexpr int kSfRow = kHeadDim / 16;
+  constexpr int kSfRow = F::kSfRowBytes;
   // Tiles loaded ahead. The PV of tile n runs in iteration n+1, so a stage is busy for two
   // iterations after it is consumed: prefetch distance = stages - 2.
   constexpr int kPrefetch = kStages - 2;
   static_assert(kPrefetch >= 1, "the software-pipelined PV needs at least 3 stages");
-  constexpr int kPVSteps = 2 * kHeadDim / 16;   // (64-key chunks) x (pairs of n8 tiles of D)
+  constexpr int kPVSteps = F::kPvSteps;   // (64-key chunks) x (pairs of n8 tiles of D)
   static_assert(kPVSteps % 8 == 0, "PV steps are spread over the 8 P blocks of a tile");
 
   extern __shared__ __align__(128) uint8_t smem[];
@@ -143,20 +145,19 @@ __device__ __forceinline__ void attention_fwd_body(const AttentionFwdParams& p) 
 #pragma unroll
       for (int i = tid; i < T::kBlockN * kKChunksRow; i += T::kThreads) {
         const int r = i / kKChunksRow, ch = i % kKChunksRow;
-        detail::cp_async16(sbase + T::kOffK + T::template swizzle<T::kKRowBytes>(r, ch), k_tile + r * T::kKRowBytes + ch * 16);
+        detail::cp_async16(sbase + F::k_smem(r, ch), k_tile + r * T::kKRowBytes + ch * 16);
       }
 #pragma unroll
       for (int i = tid; i < kHeadDim * 4; i += T::kThreads) {
         const int d = i >> 2, ch = i & 3;
-        detail::cp_async16(sbase + T::kOffV + T::template swizzle<T::kVRowBytes>(d, ch),
-                           vt_base + d * vt_row + int64_t(n) * T::kVRowBytes + ch * 16);
+        detail::cp_async16(sbase + F::v_smem(d, ch), vt_base + d * vt_row + int64_t(n) * T::kVRowBytes + ch * 16);
       }
       const uint8_t* ksf_tile = ksf_base + int64_t(n) * T::kBlockN * kSfRow;
       for (int i = tid; i < T::kKSfBytes / 16; i += T::kThreads) {
         detail::cp_async16(sbase + T::kOffKSf + i * 16, ksf_tile + i * 16);
       }
       for (int i = tid; i < kHeadDim; i += T::kThreads) {
-        detail::cp_async8(sbase + T::kOffVSf + i * 8, vtsf_base + i * vtsf_row + int64_t(n) * T::kVSfRowBytes);
+        detail::cp_async8(sbase + F::v_scale_row(i), vtsf_base + i * vtsf_row + int64_t(n) * T::kVSfRowBytes);
       }
       if (tid < T::kBlockN / 4) {
         detail::cp_async16(sbase + T::kOffDelta + tid * 16, delta_row + int64_t(n) * T::kBlockN + tid * 4);
@@ -174,16 +175,13 @@ __device__ __forceinline__ void attention_fwd_body(const AttentionFwdParams& p) 
     uint32_t qa[kKC][4];
     uint32_t qsf[kKC];
     {
-      const uint8_t* q_rows = p.q_data + b * p.q_stride_b + h * p.q_stride_h + int64_t(row_warp) * kQRowBytes;
+      const uint8_t* q_rows = p.q_data + b * p.q_stride_b + h * p.q_stride_h + int64_t(row_warp) * F::kQRowBytes;
       const uint8_t* qsf_rows = p.q_sf + b * p.qsf_stride_b + h * p.qsf_stride_h + int64_t(row_warp) * kSfRow;
 #pragma unroll
       for (int kc = 0; kc < kKC; ++kc) {
-        qa[kc][0] = detail::ld_global_u32(q_rows + g * kQRowBytes + 32 * kc + 4 * t);
-        qa[kc][1] = detail::ld_global_u32(q_rows + (g + 8) * kQRowBytes + 32 * kc + 4 * t);
-        qa[kc][2] = detail::ld_global_u32(q_rows + g * kQRowBytes + 32 * kc + 16 + 4 * t);
-        qa[kc][3] = detail::ld_global_u32(q_rows + (g + 8) * kQRowBytes + 32 * kc + 16 + 4 * t);
-        // thread-id-a = 0: lane 4g gives row g, lane 4g+1 row g+8 (lanes 4g+2/3 are ignored).
-        qsf[kc] = detail::ld_global_u32(qsf_rows + (g + 8 * (t & 1)) * kSfRow + 4 * kc);
+#pragma unroll
+        for (int reg = 0; reg < 4; ++reg) qa[kc][reg] = detail::ld_global_u32(q_rows + F::q_data(kc, reg, g, t));
+        qsf[kc] = detail::ld_global_u32(qsf_rows + F::q_scale(kc, g, t));
       }
     }
     const int row_g = row_warp + g, row_g8 = row_g + 8;
@@ -202,14 +200,10 @@ __device__ __forceinline__ void attention_fwd_body(const AttentionFwdParams& p) 
 
     // One PV step: ldmatrix.x4 of V^T (two n8 tiles of D) and two MMAs; kPVSteps per tile.
     auto pv_step = [&](int step, uint32_t sb_v, const uint8_t* sp_v) {
-      const int kc = step / (kHeadDim / 16);          // 64-key chunk
-      const int rest = step % (kHeadDim / 16);
-      const int qd = rest >> 1, jj = rest & 1;         // 32-row group of D, pair of n8 tiles
-      const uint32_t sfb = *reinterpret_cast<const uint32_t*>(sp_v + T::kOffVSf + (32 * qd + 8 * t + g) * T::kVSfRowBytes + 4 * kc);
-      const int mat = lane >> 3;
-      const int row = (4 * qd + 2 * jj + (mat >> 1)) * 8 + (lane & 7);
-      const uint32_t addr = sb_v + T::kOffV + T::template swizzle<T::kVRowBytes>(row, 2 * kc + (mat & 1));
-      detail::ldsm_mma_pair<Mma>(jj, &o[4 * qd], pa_prev[kc], sfp_prev[kc], sfb, addr);
+      const int kc = F::pv_chunk(step);
+      const uint32_t sfb = *reinterpret_cast<const uint32_t*>(sp_v + F::v_scale(step, g, t));
+      detail::ldsm_mma_pair<Mma, F>(F::pv_pair(step), &o[4 * F::pv_group(step)], pa_prev[kc],
+                                    sfp_prev[kc], sfb, sb_v + F::v_ldsm(step, lane));
     };
 
     for (int n = 0; n < n_end; ++n) {
@@ -233,10 +227,13 @@ __device__ __forceinline__ void attention_fwd_body(const AttentionFwdParams& p) 
 
       // ---- S = delta + FP4(Q) FP4(K)^T -------------------------------------------------------
       float s[T::kNTilesS][4];
+      // The delta row is in natural key order; a lane's keys of group q are score_key(4q, t, 0)
+      // + 2a + e for tile 4q + a, element e: two float4 loads.
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
-        const float4 d0 = *reinterpret_cast<const float4*>(sp + T::kOffDelta + (32 * q + 8 * t) * 4);
-        const float4 d1 = *reinterpret_cast<const float4*>(sp + T::kOffDelta + (32 * q + 8 * t + 4) * 4);
+        const float* delta_keys = reinterpret_cast<const float*>(sp + T::kOffDelta) + score_key(4 * q, t, 0);
+        const float4 d0 = *reinterpret_cast<const float4*>(delta_keys);
+        const float4 d1 = *reinterpret_cast<const float4*>(delta_keys + 4);
         const float dv[8] = {d0.x, d0.y, d0.z, d0.w, d1.x, d1.y, d1.z, d1.w};
 #pragma unroll
         for (int a = 0; a < 4; ++a) {
@@ -246,17 +243,12 @@ __device__ __forceinline__ void attention_fwd_body(const AttentionFwdParams& p) 
       }
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
-        // Lane 4g+t holds the scale row of key column g of n8 tile 4q+t (thread-id-b = t).
-        const uint8_t* ksf_row = sp + T::kOffKSf + (32 * q + 8 * t + g) * kSfRow;
 #pragma unroll
         for (int kc = 0; kc < kKC; ++kc) {
-          const uint32_t sfb = *reinterpret_cast<const uint32_t*>(ksf_row + 4 * kc);
+          const uint32_t sfb = *reinterpret_cast<const uint32_t*>(sp + F::k_scale(q, kc, g, t));
 #pragma unroll
           for (int jj = 0; jj < 2; ++jj) {
-            const int mat = lane >> 3;
-            const int row = (4 * q + 2 * jj + (mat >> 1)) * 8 + (lane & 7);
-            const uint32_t addr = sb + T::kOffK + T::template swizzle<T::kKRowBytes>(row, 2 * kc + (mat & 1));
-            detail::ldsm_mma_pair<Mma>(jj, &s[4 * q], qa[kc], qsf[kc], sfb, addr);
+            detail::ldsm_mma_pair<Mma, F>(jj, &s[4 * q], qa[kc], qsf[kc], sfb, sb + F::k_ldsm(q, kc, jj, lane));
           }
         }
       }
@@ -276,7 +268,7 @@ __device__ __forceinline__ void attention_fwd_body(const AttentionFwdParams& p) 
           float x = fmaxf(s[4 * q][2 * r], s[4 * q][2 * r + 1]);
 #pragma unroll
           for (int a = 1; a < 4; ++a) x = fmaxf(x, fmaxf(s[4 * q + a][2 * r], s[4 * q + a][2 * r + 1]));
-          bmax[q][r] = fmaxf(x, __shfl_xor_sync(0xFFFFFFFFu, x, 1));
+          bmax[q][r] = fmaxf(x, __shfl_xor_sync(0xFFFFFFFFu, x, F::kPBlockPartnerXor));
         }
       }
       float bias[2], alpha[2];   // P' = exp2(s * c + bias), bias = log2(2688) - m * c
@@ -331,17 +323,10 @@ __device__ __forceinline__ void attention_fwd_body(const AttentionFwdParams& p) 
       }
 #pragma unroll
       for (int kc = 0; kc < 2; ++kc) {
-        pa_prev[kc][0] = preg[2 * kc][0];
-        pa_prev[kc][1] = preg[2 * kc][1];
-        pa_prev[kc][2] = preg[2 * kc + 1][0];
-        pa_prev[kc][3] = preg[2 * kc + 1][1];
-        // SF_A with thread-id-a = 0: lane 4g+0 needs row g's 4 block scales, lane 4g+1 row g+8's.
-        // This lane holds blocks kb = t>>1 (group 2kc) and 2 + (t>>1) (group 2kc+1); lane t^2
-        // holds the other two.
-        const int rsel = t & 1;
-        const uint32_t mine = (rsel ? psf[2 * kc][1] : psf[2 * kc][0]) | ((rsel ? psf[2 * kc + 1][1] : psf[2 * kc + 1][0]) << 16);
-        const uint32_t peer = __shfl_xor_sync(0xFFFFFFFFu, mine, 2);
-        sfp_prev[kc] = mine | (peer << 8);
+#pragma unroll
+        for (int reg = 0; reg < 4; ++reg) pa_prev[kc][reg] = preg[F::p_group(kc, reg)][F::p_row(reg)];
+        const uint32_t own = F::p_scale_own(t, psf[2 * kc][0], psf[2 * kc][1], psf[2 * kc + 1][0], psf[2 * kc + 1][1]);
+        sfp_prev[kc] = F::p_scale_word(own, __shfl_xor_sync(0xFFFFFFFFu, own, F::kPScaleShuffleXor));
       }
     }
     // The last tile's PV (its stage is still resident: no load was issued past n_end).
@@ -372,7 +357,7 @@ __device__ __forceinline__ void attention_fwd_body(const AttentionFwdParams& p) 
       const bool has_keys = l[r] > 0.0f;
 #pragma unroll
       for (int j = 0; j < T::kNTilesO; ++j) {
-        const int col = 8 * j + 2 * t;
+        const int col = F::out_col(j, t, 0);
         const float2 vm = has_keys ? *reinterpret_cast<const float2*>(v_mean + col) : make_float2(0.0f, 0.0f);
         const float x0 = fmaf(o[j][2 * r], out_scale[r], vm.x), x1 = fmaf(o[j][2 * r + 1], out_scale[r], vm.y);
         if (p.out_vec2 && col + 1 < p.head_dim_out) {

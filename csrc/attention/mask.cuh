@@ -1,14 +1,12 @@
 // Masks of the attention kernel, always on the true token index (never the stored column: K
-// rows are permuted inside 32-key groups, stored row 8a + 2b + c holding token 8b + 2a + c).
-//
-// In the m16n8 score accumulator, n8 tile j of a 128-key tile and column 2t + e (lane 4g + t)
-// hold stored row 8j + 2t + e, i.e. token 32*(j/4) + 8t + 2*(j%4) + e of the tile.
+// rows are permuted inside 32-key groups; score_key in fragments.cuh maps a score to its key).
 #pragma once
+#include "attention/fragments.cuh"
 
 namespace nvfp4_dit {
 
 __device__ __forceinline__ int score_token(int tile_start, int j, int t, int e) {
-  return tile_start + 32 * (j >> 2) + 8 * t + 2 * (j & 3) + e;
+  return tile_start + score_key(j, t, e);
 }
 
 // Keys j < limit are visible to a row: limit = kv_len, or min(kv_len, row + 1) when causal
