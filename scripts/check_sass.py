@@ -9,6 +9,11 @@ Checks, per kernel instantiation:
     at D=64 (512 / 256 per CTA). The key-tile loop body is emitted once, and the PV of a tile runs
     one iteration late (overlapping the next tile's softmax), so the last tile's PV MMAs follow
     the loop once more: 64 + 32 = 96 in the SASS at D=128, 32 + 16 = 48 at D=64;
+  * the scale selectors of every OMMA: thread-id-a 0 and thread-id-b 0..3, each thread-id-b on a
+    quarter of the MMAs (the B fragments of each pair of n8 tiles use 2jj and 2jj + 1). In SASS
+    the selectors are one uniform-register operand; its encoding is read off the single-MMA probe
+    kernels (csrc/attention/attention_fwd_dispatch.cu), which instantiate every legal
+    (thread-id-a, thread-id-b) pair, and each kernel's operand value off the UMOV that sets it;
   * ptxas: 0 bytes of spill stores/loads and no stack frame; SASS: no local loads/stores.
 Prints a markdown table; exit status 1 if a check fails.
 
@@ -105,8 +110,7 @@ def parse_ptxas(log: str) -> dict[str, dict[str, int]]:
     return info
 
 
-def sass_counts(cubin: Path) -> dict[str, dict[str, int]]:
-    """{mangled kernel: {omma, local}} from ``cuobjdump -sass``."""
+def disassemble(cubin: Path) -> str:
     cuobjdump, nvdisasm = find_tool("cuobjdump"), find_tool("nvdisasm")
     if cuobjdump is None or nvdisasm is None:
         raise FileNotFoundError("cuobjdump/nvdisasm not found: pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm")
@@ -114,21 +118,72 @@ def sass_counts(cubin: Path) -> dict[str, dict[str, int]]:
     res = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, env=env)
     if res.returncode:
         raise RuntimeError(f"cuobjdump failed: {res.stderr}")
-    counts: dict[str, dict[str, int]] = {}
-    current = None
-    for line in res.stdout.splitlines():
+    return res.stdout
+
+
+_INSTRUCTION = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)\s*([^;]*);")
+
+
+def sass_counts(sass: str) -> dict[str, dict]:
+    """{mangled kernel: {omma, local, selectors}} from ``cuobjdump -sass`` text. ``selectors`` lists
+    the value of each OMMA's selector operand (a uniform register, URZ = 0), found by following
+    the writes to uniform registers in program order: a constant UMOV gives a value, any other
+    write makes it unknown (None)."""
+    counts: dict[str, dict] = {}
+    current, uniform = None, {}
+    for line in sass.splitlines():
         m = re.search(r"Function : (\S+)", line)
         if m:
-            current = m.group(1)
-            counts[current] = {"omma": 0, "local": 0}
+            current, uniform = m.group(1), {}
+            counts[current] = {"omma": 0, "local": 0, "selectors": []}
             continue
-        if current is None:
+        m = _INSTRUCTION.search(line)
+        if current is None or m is None:
             continue
-        if OMMA in line:
+        opcode, operands = m.group(1), [o.strip() for o in m.group(2).split(",")]
+        if opcode == OMMA:
             counts[current]["omma"] += 1
-        if re.search(r"\b(LDL|STL)\b", line):
+            sel = operands[-1].split(".")[0]
+            counts[current]["selectors"].append(0 if sel == "URZ" else uniform.get(sel))
+        elif operands and re.fullmatch(r"UR\d+", operands[0]):
+            value = None
+            if opcode == "UMOV" and len(operands) == 2:
+                value = 0 if operands[1] == "URZ" else (int(operands[1], 16) if operands[1].startswith("0x") else None)
+            uniform[operands[0]] = value
+        if re.fullmatch(r"(LDL|STL)(\..*)?", opcode):
             counts[current]["local"] += 1
     return counts
+
+
+PROBE_UNIT = "attention/attention_fwd_dispatch.cu"
+
+
+def selector_encoding(arch: str, out_dir: Path) -> dict[int, tuple[int, int]]:
+    """{selector operand value: (thread-id-a, thread-id-b)} read off the probe kernels, which
+    instantiate every legal pair as template arguments (..._probe_kernel<MmaNative, a, b>)."""
+    cubin, _ = compile_cubin(PROBE_UNIT, arch, out_dir)
+    encoding: dict[int, tuple[int, int]] = {}
+    for kernel, c in sass_counts(disassemble(cubin)).items():
+        m = re.search(r"mma_fp4_probe_kernelINS_9MmaNativeELi(\d)ELi(\d)E", kernel)
+        if m is None:
+            continue
+        if c["omma"] != 1 or c["selectors"][0] is None:
+            raise RuntimeError(f"probe {kernel}: expected one OMMA with a constant selector, got {c}")
+        encoding[c["selectors"][0]] = (int(m.group(1)), int(m.group(2)))
+    if sorted(encoding.values()) != [(a, b) for a in range(2) for b in range(4)]:
+        raise RuntimeError(f"the probe kernels do not give all 8 selector pairs distinctly: {encoding}")
+    return encoding
+
+
+def selector_failures(name: str, selectors: list, encoding: dict[int, tuple[int, int]], omma: int) -> list[str]:
+    """thread-id-a 0 everywhere, thread-id-b 0..3 on a quarter of the MMAs each."""
+    decoded = [encoding.get(v) if v is not None else None for v in selectors]
+    if None in decoded:
+        unknown = sorted({hex(v) if v is not None else "not a constant" for v, d in zip(selectors, decoded) if d is None})
+        return [f"{name}: OMMA selector operands not decodable: {unknown}"]
+    found = {pair: decoded.count(pair) for pair in sorted(set(decoded))}
+    want = {(0, b): omma // 4 for b in range(4)}
+    return [] if found == want else [f"{name}: scale selectors (thread-id-a, thread-id-b): count {found}, expected {want}"]
 
 
 def dynamic_smem_bytes(head_dim: int, out_dir: Path) -> int:
@@ -148,18 +203,22 @@ def check(archs=ARCHS, head_dims=fmt.SUPPORTED_HEAD_DIMS) -> tuple[list[dict], l
         tmp = Path(tmp)
         smem = {d: dynamic_smem_bytes(d, tmp) for d in head_dims}
         for arch in archs:
+            encoding = selector_encoding(arch, tmp)
             for d in head_dims:
                 cubin, log = compile_cubin(UNITS[d], arch, tmp)
                 ptx = parse_ptxas(log)
-                sass = sass_counts(cubin)
+                sass = sass_counts(disassemble(cubin))
                 want = expected_mma_in_sass(d)
                 for kernel in sorted(k for k in sass if "attention_fwd_kernel" in k):
                     p, s = ptx.get(kernel, {}), sass[kernel]
                     row = dict(arch=f"sm_{arch}", head_dim=d, lse="Lb1" in kernel, omma=s["omma"], expected=want,
                                registers=p.get("registers"), spill=p.get("spill_stores", -1) + p.get("spill_loads", -1),
-                               stack=p.get("stack"), local=s["local"], smem=smem[d])
+                               stack=p.get("stack"), local=s["local"], smem=smem[d],
+                               selectors=", ".join(f"{s['selectors'].count(v)}x{encoding.get(v, '?')}"
+                                                   for v in sorted(set(s["selectors"]), key=str)))
                     rows.append(row)
                     name = f"sm_{arch} D={d} lse={row['lse']}"
+                    failures += selector_failures(name, s["selectors"], encoding, want)
                     if s["omma"] != want:
                         failures.append(f"{name}: {s['omma']} {OMMA} in SASS, expected {want}")
                     if row["spill"] != 0 or row["stack"] != 0 or s["local"] != 0:
@@ -177,11 +236,12 @@ def main() -> int:
     ap.add_argument("--arch", action="append", help="e.g. 120a (default: 120a and 121a)")
     args = ap.parse_args()
     rows, failures = check(tuple(args.arch) if args.arch else ARCHS)
-    print("| arch | D | LSE | OMMA in SASS (expected: loop + drained PV) | registers | spill B | stack B | local ops | dyn smem B |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| arch | D | LSE | OMMA in SASS (expected: loop + drained PV) | selectors: count x (tid-a, tid-b) "
+          "| registers | spill B | stack B | local ops | dyn smem B |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['arch']} | {r['head_dim']} | {r['lse']} | {r['omma']} ({r['expected']}) | {r['registers']} | "
-              f"{r['spill']} | {r['stack']} | {r['local']} | {r['smem']} |")
+        print(f"| {r['arch']} | {r['head_dim']} | {r['lse']} | {r['omma']} ({r['expected']}) | {r['selectors']} | "
+              f"{r['registers']} | {r['spill']} | {r['stack']} | {r['local']} | {r['smem']} |")
     for f in failures:
         print("FAIL:", f)
     return 1 if failures else 0

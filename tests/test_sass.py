@@ -1,5 +1,6 @@
 """Native-build check without a GPU (CI): the sm_120a/sm_121a cubins carry the block-scaled FP4
-MMA as often as the warp layout implies, with no spills and no local memory. See
+MMA as often as the warp layout implies, with the expected scale selectors, no spills and no
+local memory. See
 scripts/check_sass.py (needs nvcc and PyPI nvidia-cuda-cuobjdump + nvidia-cuda-nvdisasm)."""
 
 import importlib.util
@@ -25,6 +26,41 @@ def test_native_sass_has_fp4_mma_and_no_spills():
     rows, failures = check_sass.check()
     assert len(rows) == 2 * 2 * 2   # archs x head dims x (with / without LSE)
     assert not failures, "\n".join(failures)
+
+
+_OMMA_LINE = "        /*{:04x}*/                   {} R4, R8, R12, R4, R16, R17, {} ;  /* 0x0 */"
+
+
+def _sass(*lines):
+    body = "\n".join(_OMMA_LINE.format(16 * i, *line.split("|")) if "|" in line else
+                     f"        /*{16 * i:04x}*/                   {line} ;  /* 0x0 */" for i, line in enumerate(lines))
+    return "\t\tFunction : kernel\n" + body
+
+
+def test_selector_operands_follow_uniform_register_writes():
+    omma = check_sass.OMMA
+    counts = check_sass.sass_counts(_sass(
+        f"{omma}|URZ", "UMOV UR5, 0x20", f"{omma}|UR5", "UMOV UR5, 0x40", f"{omma}|UR5",
+        "LDCU UR5, c[0x0][0x10]", f"{omma}|UR5", f"{omma}|UR9"))["kernel"]
+    assert counts["omma"] == 5
+    assert counts["selectors"] == [0, 0x20, 0x40, None, None]
+
+
+def test_selector_check_flags_wrong_or_unknown_selectors():
+    encoding = {0x0: (0, 0), 0x20: (0, 1), 0x40: (0, 2), 0x60: (0, 3), 0x4: (1, 0)}
+    good = [0x0, 0x20, 0x40, 0x60] * 2
+    assert check_sass.selector_failures("k", good, encoding, 8) == []
+    assert check_sass.selector_failures("k", [0x4] + good[1:], encoding, 8)        # thread-id-a 1
+    assert check_sass.selector_failures("k", [0x0] * 8, encoding, 8)                # thread-id-b stuck at 0
+    assert check_sass.selector_failures("k", [None] + good[1:], encoding, 8)        # not a constant
+    assert check_sass.selector_failures("k", [0x80] + good[1:], encoding, 8)        # not in the encoding
+
+
+@pytest.mark.skipif(check_sass.find_tool("nvcc") is None, reason="needs nvcc")
+def test_selector_encoding_is_read_off_the_probe_kernels(tmp_path):
+    encoding = check_sass.selector_encoding("120a", tmp_path)
+    assert sorted(encoding.values()) == [(a, b) for a in range(2) for b in range(4)]
+    assert encoding[0] == (0, 0)
 
 
 @pytest.mark.skipif(check_sass.find_tool("nvcc") is None, reason="needs nvcc")
