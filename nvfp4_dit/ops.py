@@ -175,7 +175,14 @@ def _run(q, k, v, layout, causal, scale, attn_mask, kv_lens, return_lse, backend
                 raise BackendUnavailableError(f"backend='cuda' cannot run this call: {reason}")
             _warn_fallback(reason)
             return _attention_sdpa(q, k, v, layout, causal, scale, attn_mask, kv_lens, return_lse)
-        from . import attention_cuda
+        from . import attention_cuda, selftest
+
+        # A kernel that failed its first-use self-test (or whose test cannot run yet, during graph
+        # capture) never answers, whichever back-end was asked for.
+        untrusted = selftest.fallback_reason(q.device, d)
+        if untrusted is not None:
+            _warn_fallback(untrusted)
+            return _attention_sdpa(q, k, v, layout, causal, scale, attn_mask, kv_lens, return_lse)
 
         out, lse, nonfinite = attention_cuda.attention(q, k, v, layout=layout, causal=causal, scale=scale,
                                                        kv_lens=fp4_lens, return_lse=return_lse,
@@ -262,7 +269,9 @@ def attention(
         backend: ``"auto"`` (the CUDA kernel where the native FP4 MMA exists, sm_120/sm_121;
             otherwise exact SDPA with one warning per reason), ``"cuda"`` (the kernel; emulated
             FP4 MMA on sm_80/sm_90), ``"reference"`` (pure-torch FP4 numerics, any device) or
-            ``"sdpa"`` (exact).
+            ``"sdpa"`` (exact). The kernel's first call per GPU and head dim in a process runs
+            a known-answer self-test (:mod:`nvfp4_dit.selftest`, a few ms); if it fails, ``auto``
+            and ``cuda`` run exact SDPA for the rest of the process, with one warning.
         balance_qk: balance Q and K per channel before quantising them (Q times a power of two
             per channel, K divided by it: the logits are unchanged exactly). Helps when Q and K put
             their energy in different channels; costs the quantiser one more read of Q.

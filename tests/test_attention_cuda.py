@@ -68,68 +68,27 @@ def _run(q, k, v, **kw):
 # the MMA back-end alone
 # ---------------------------------------------------------------------------------------------
 
-def _pack8(codes):
-    """[..., 8] nibble codes -> int64 words, element i in bits [4i+3:4i]."""
-    shifts = torch.arange(8, device=codes.device) * 4
-    return (codes.long() << shifts).sum(-1)
-
-
-def _word(bytes4):
-    shifts = torch.arange(4, device=bytes4.device) * 8
-    return (bytes4.long() << shifts).sum(-1)
-
-
-def _i32(x):
-    return torch.where(x >= 2**31, x - 2**32, x).to(torch.int32)
-
-
 @pytest.mark.cuda
 @pytest.mark.parametrize("tid_a", [0, 1])
 @pytest.mark.parametrize("tid_b", [0, 1, 2, 3])
 def test_mma_backend_matches_dense_product(kernel, tid_a, tid_b):
+    # The registers of the self-test's instruction case (laid out by the PTX tables, subnormal
+    # scales included; tests/test_selftest.py checks the layout against the CPU model).
+    from nvfp4_dit import selftest
+
     dev = _device()
     g = torch.Generator(device="cuda").manual_seed(100 + 4 * tid_a + tid_b)
-    for trial in range(4):
-        a_codes = torch.randint(0, 16, (16, 64), generator=g, device=dev)
-        b_codes = torch.randint(0, 16, (8, 64), generator=g, device=dev)   # [n, k]
-        # Scale bytes over most of the ue4m3 range (subnormals included), no NaN (0x7F).
-        lo, hi = (0x01, 0x7E) if trial % 2 else (0x28, 0x48)
-        sfa = torch.randint(lo, hi + 1, (16, 4), generator=g, device=dev)
-        sfb = torch.randint(lo, hi + 1, (8, 4), generator=g, device=dev)
-        c = torch.randn(16, 8, generator=g, device=dev)
-
-        lanes = torch.arange(32, device=dev)
-        gg, tt = lanes // 4, lanes % 4
-        ks = 8 * tt[:, None] + torch.arange(8, device=dev)                  # [32, 8]
-        a_reg = torch.stack([
-            _pack8(a_codes[gg[:, None], ks]), _pack8(a_codes[gg[:, None] + 8, ks]),
-            _pack8(a_codes[gg[:, None], 32 + ks]), _pack8(a_codes[gg[:, None] + 8, 32 + ks]),
-        ], 1)
-        b_reg = torch.stack([_pack8(b_codes[gg[:, None], ks]), _pack8(b_codes[gg[:, None], 32 + ks])], 1)
-        # Lanes the selectors do not name hold garbage: the MMA must ignore them.
-        sfa_reg = torch.randint(0, 2**32, (32,), generator=g, device=dev)
-        sfb_reg = torch.randint(0, 2**32, (32,), generator=g, device=dev)
-        rows = torch.arange(8, device=dev)
-        sfa_reg[4 * rows + 2 * tid_a] = _word(sfa[rows])
-        sfa_reg[4 * rows + 2 * tid_a + 1] = _word(sfa[rows + 8])
-        sfb_reg[4 * rows + tid_b] = _word(sfb[rows])
-        c_reg = torch.stack([c[gg, 2 * tt], c[gg, 2 * tt + 1], c[gg + 8, 2 * tt], c[gg + 8, 2 * tt + 1]], 1)
-
-        d_reg = kernel.mma_fp4_probe(_i32(a_reg).contiguous(), _i32(b_reg).contiguous(), _i32(sfa_reg),
-                                     _i32(sfb_reg), c_reg.contiguous(), tid_a, tid_b, _native())
-        a_val = fmt.e2m1_decode(a_codes.to(torch.uint8)).double() * \
-            fmt.e4m3_decode(sfa.to(torch.uint8)).double().repeat_interleave(16, 1)
-        b_val = fmt.e2m1_decode(b_codes.to(torch.uint8)).double() * \
-            fmt.e4m3_decode(sfb.to(torch.uint8)).double().repeat_interleave(16, 1)
-        dense = a_val @ b_val.T + c.double()
-        got = torch.empty(16, 8, dtype=torch.float64, device=dev)
-        got[gg, 2 * tt], got[gg, 2 * tt + 1] = d_reg[:, 0].double(), d_reg[:, 1].double()
-        got[gg + 8, 2 * tt], got[gg + 8, 2 * tt + 1] = d_reg[:, 2].double(), d_reg[:, 3].double()
+    for _ in range(4):
+        (a, b, sfa, sfb, c), (a_val, b_val, c_val) = selftest.mma_probe_registers(g, tid_a, tid_b, dev)
+        d_reg = kernel.mma_fp4_probe(selftest._as_int32(a), selftest._as_int32(b), selftest._as_int32(sfa),
+                                     selftest._as_int32(sfb), c.contiguous(), tid_a, tid_b, _native())
+        got = selftest._unpack_d(d_reg)
+        dense = a_val @ b_val.T + c_val
         # Products are exact; only the accumulation rounds: fp32 in the emulation. How the native
         # FP4 MMA accumulates is not documented (FP8 MMAs on sm_89/90 keep ~22 bits), so it gets
         # 2^-12 of the magnitude sum; a wrong fragment or scale lane is off by O(1) either way.
-        rel = 2.0**-12 if _native() else 1e-5
-        bound = (a_val.abs() @ b_val.abs().T + c.double().abs()) * rel + 1e-30
+        rel = selftest.MMA_ACCUMULATION_BOUND if _native() else 1e-5
+        bound = (a_val.abs() @ b_val.abs().T + c_val.abs()) * rel + 1e-30
         assert ((got - dense).abs() <= bound).all(), (got - dense).abs().max().item()
 
 

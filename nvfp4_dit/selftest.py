@@ -1,0 +1,613 @@
+"""The CUDA kernel's self-test: a known-answer check before its first use on a GPU, and
+``python -m nvfp4_dit.selftest``, a report to attach to a bug report.
+
+**First use.** The first FP4 call per (GPU, arch, head dim, Q·Kᵀ format, MMA kind) in a process
+runs three known-answer checks on the kernel it is about to use, against the reference numerics
+(:mod:`nvfp4_dit.format`, :mod:`nvfp4_dit.reference`):
+
+* *instruction*: one block-scaled MMA per legal scale-selector pair, on random registers with
+  subnormal ue4m3 scales, against a dense fp64 product (products are exact; the bound leaves
+  2^-12 of the magnitude sum for the accumulation, which the PTX ISA does not specify);
+* *quantiser*: the CUDA quantiser on 256 tokens built so that every mean and sum is exact, with
+  e2m1 rounding ties in every block and subnormal block scales, byte for byte against
+  :func:`nvfp4_dit.format.quantize_qkv`;
+* *attention*: the kernel on those inputs against :func:`nvfp4_dit.reference.attention_reference`
+  (cosine >= 0.9995, LSE within 5e-3).
+
+If any differs, every later FP4 call of that kind in the process runs exact attention, with one
+warning naming the GPU, the driver and what differed. The verdict is the only state the FP4 path
+keeps between calls. The check needs a synchronising compare, so it never runs during CUDA-graph
+capture: there the call runs exact attention until an eager call (or :func:`verify`) has run it.
+``NVFP4_DIT_SKIP_SELFTEST=1`` skips it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from . import format as fmt
+
+SKIP_ENV = "NVFP4_DIT_SKIP_SELFTEST"
+QK_FORMATS = ("nvfp4",)
+REPORT_FILES = ("nvfp4_dit_selftest.json", "nvfp4_dit_selftest.md")
+HOW_TO_REPORT = (f"please run `python -m nvfp4_dit.selftest` and attach the two files it writes "
+                 f"({REPORT_FILES[0]}, {REPORT_FILES[1]}) to a bug report")
+
+# Known-answer sizes: a few hundred tokens, GQA (2 query heads on 1 KV head).
+KNOWN_ANSWER_TOKENS = 256
+KNOWN_ANSWER_HEADS = (2, 1)
+ATTENTION_MIN_COS = 0.9995
+ATTENTION_MAX_LSE_ERROR = 5e-3
+MMA_ACCUMULATION_BOUND = 2.0**-12
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelKey:
+    """What one verdict covers."""
+
+    device_index: int
+    arch: str             # the build target, e.g. "sm_120a"
+    head_dim: int         # the kernel's (padded) head dim
+    qk_format: str
+    mma: str              # "native" or "emulated"
+
+
+@dataclasses.dataclass(frozen=True)
+class Check:
+    name: str
+    ok: bool
+    detail: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    key: KernelKey
+    checks: tuple[Check, ...]
+    seconds: float
+
+    @property
+    def ok(self) -> bool:
+        return all(c.ok for c in self.checks)
+
+    def failure_message(self, device: torch.device) -> str:
+        env = environment(device)
+        differed = "; ".join(f"{c.name}: {c.detail}" for c in self.checks if not c.ok)
+        return (f"the FP4 kernel failed its first-use self-test on {env['gpu']} ({self.key.arch}, "
+                f"{self.key.mma} MMA, driver {env['driver']}, CUDA {env['torch_cuda']}), head dim "
+                f"{self.key.head_dim}, Q·Kᵀ {self.key.qk_format}: {differed}. Exact attention runs instead "
+                f"for the rest of this process; {HOW_TO_REPORT}")
+
+
+# The one piece of per-process state of the FP4 path.
+_verdicts: dict[KernelKey, Verdict] = {}
+_lock = threading.Lock()
+
+
+def reset() -> None:
+    """Forget every verdict: the next FP4 call checks again (tests, long-lived servers after a
+    driver update)."""
+    with _lock:
+        _verdicts.clear()
+
+
+def verdicts() -> dict[KernelKey, Verdict]:
+    """The verdicts reached so far in this process."""
+    with _lock:
+        return dict(_verdicts)
+
+
+def kernel_key(device: torch.device, head_dim: int, qk_format: str = "nvfp4") -> KernelKey:
+    from . import build
+
+    device = torch.device(device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    cc = torch.cuda.get_device_capability(index)
+    padded = fmt.padded_head_dim(head_dim)
+    if padded is None:
+        raise ValueError(f"head_dim {head_dim} is not supported (at most {fmt.SUPPORTED_HEAD_DIMS[-1]})")
+    if qk_format not in QK_FORMATS:
+        raise ValueError(f"qk_format must be one of {QK_FORMATS}, got {qk_format!r}")
+    return KernelKey(index, build.arch_for_capability(*cc), padded, qk_format, build.mma_kind(cc) or "none")
+
+
+def skipped() -> bool:
+    return os.environ.get(SKIP_ENV, "").strip() not in ("", "0")
+
+
+def fallback_reason(device: torch.device, head_dim: int, qk_format: str = "nvfp4") -> Optional[str]:
+    """None when the kernel may run this call; else why exact attention must run instead (the
+    self-test failed, or it is pending and cannot run now). Runs the self-test on first use."""
+    if skipped():
+        return None
+    key = kernel_key(device, head_dim, qk_format)
+    with _lock:
+        verdict = _verdicts.get(key)
+    if verdict is None:
+        if torch.cuda.is_current_stream_capturing():
+            return ("the FP4 kernel's first-use self-test has not run in this process and cannot run during "
+                    "CUDA graph capture; run one eager call (or nvfp4_dit.selftest.verify()) before capturing")
+        verdict = _verify_key(key)
+    return None if verdict.ok else verdict.failure_message(torch.device("cuda", key.device_index))
+
+
+def verify(device=None, head_dims: Sequence[int] = fmt.SUPPORTED_HEAD_DIMS, qk_format: str = "nvfp4") -> list[Verdict]:
+    """Run the first-use self-test now for ``head_dims`` on ``device`` (default: the current GPU),
+    e.g. before capturing a CUDA graph; a verdict already reached in this process is returned as
+    it is."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("the self-test needs a CUDA GPU")
+    device = torch.device("cuda") if device is None else torch.device(device)
+    return [_verify_key(kernel_key(device, d, qk_format)) for d in head_dims]
+
+
+def _verify_key(key: KernelKey) -> Verdict:
+    with _lock:
+        if key in _verdicts:
+            return _verdicts[key]
+        device = torch.device("cuda", key.device_index)
+        start = time.perf_counter()
+        checks = run_checks(device, key.head_dim, key.qk_format)
+        verdict = Verdict(key, checks, time.perf_counter() - start)
+        _verdicts[key] = verdict
+        return verdict
+
+
+# ---------------------------------------------------------------------------------------------
+# The known-answer checks
+# ---------------------------------------------------------------------------------------------
+
+def run_checks(device: torch.device, head_dim: int, qk_format: str = "nvfp4") -> tuple[Check, ...]:
+    """The three known-answer checks of the kernel for ``device`` and ``head_dim``. A check that
+    raises counts as failed (its exception is the detail)."""
+    from . import build
+
+    if qk_format not in QK_FORMATS:
+        raise ValueError(f"qk_format must be one of {QK_FORMATS}, got {qk_format!r}")
+    native = build.is_native(torch.cuda.get_device_capability(device))
+    checks = []
+    with torch.no_grad(), torch.cuda.device(device):
+        q, k, v = known_answer_inputs(head_dim, device)
+        for name, fn in (("instruction", lambda: check_instruction(device, native)),
+                         ("quantiser", lambda: check_quantiser(q, k, v)),
+                         ("attention", lambda: check_attention(q, k, v))):
+            try:
+                ok, detail = fn()
+            except Exception as exc:  # noqa: BLE001 - a crash is a failed check, never a crash of the caller
+                ok, detail = False, f"raised {type(exc).__name__}: {exc}"
+            checks.append(Check(name, ok, detail))
+    return tuple(checks)
+
+
+def _pack8(codes: torch.Tensor) -> torch.Tensor:
+    """[..., 8] nibble codes -> int64 words, element i in bits [4i+3:4i]."""
+    return (codes.long() << (torch.arange(8, device=codes.device) * 4)).sum(-1)
+
+
+def _word(bytes4: torch.Tensor) -> torch.Tensor:
+    return (bytes4.long() << (torch.arange(4, device=bytes4.device) * 8)).sum(-1)
+
+
+def _as_int32(x: torch.Tensor) -> torch.Tensor:
+    return torch.where(x >= 2**31, x - 2**32, x).to(torch.int32).contiguous()
+
+
+def mma_probe_registers(gen: torch.Generator, tid_a: int, tid_b: int, device):
+    """Registers of one m16n8k64 block-scaled MMA laid out by the PTX fragment tables, and the
+    dense fp64 operands they encode. Returns (a, b, sfa, sfb, c registers; a_val [16, 64],
+    b_val [8, 64], c [16, 8])."""
+    a_codes = torch.randint(0, 16, (16, 64), generator=gen, device=device)
+    b_codes = torch.randint(0, 16, (8, 64), generator=gen, device=device)
+    # Scale bytes across the ue4m3 range, subnormals (0x01..0x07) included, never NaN (0x7F).
+    sfa = torch.randint(0x01, 0x7F, (16, 4), generator=gen, device=device)
+    sfb = torch.randint(0x01, 0x7F, (8, 4), generator=gen, device=device)
+    sfa[::3, 1] = torch.randint(0x01, 0x08, sfa[::3, 1].shape, generator=gen, device=device)
+    sfb[::2, 2] = torch.randint(0x01, 0x08, sfb[::2, 2].shape, generator=gen, device=device)
+    c = torch.randn(16, 8, generator=gen, device=device)
+    lanes = torch.arange(32, device=device)
+    g, t = lanes // 4, lanes % 4
+    ks = 8 * t[:, None] + torch.arange(8, device=device)
+    a_reg = torch.stack([_pack8(a_codes[g[:, None], ks]), _pack8(a_codes[g[:, None] + 8, ks]),
+                         _pack8(a_codes[g[:, None], 32 + ks]), _pack8(a_codes[g[:, None] + 8, 32 + ks])], 1)
+    b_reg = torch.stack([_pack8(b_codes[g[:, None], ks]), _pack8(b_codes[g[:, None], 32 + ks])], 1)
+    # Lanes the selectors do not name hold garbage: the MMA must ignore them.
+    sfa_reg = torch.randint(0, 2**32, (32,), generator=gen, device=device)
+    sfb_reg = torch.randint(0, 2**32, (32,), generator=gen, device=device)
+    rows = torch.arange(8, device=device)
+    sfa_reg[4 * rows + 2 * tid_a] = _word(sfa[rows])
+    sfa_reg[4 * rows + 2 * tid_a + 1] = _word(sfa[rows + 8])
+    sfb_reg[4 * rows + tid_b] = _word(sfb[rows])
+    c_reg = torch.stack([c[g, 2 * t], c[g, 2 * t + 1], c[g + 8, 2 * t], c[g + 8, 2 * t + 1]], 1)
+    a_val = fmt.e2m1_decode(a_codes.to(torch.uint8)).double() * \
+        fmt.e4m3_decode(sfa.to(torch.uint8)).double().repeat_interleave(16, 1)
+    b_val = fmt.e2m1_decode(b_codes.to(torch.uint8)).double() * \
+        fmt.e4m3_decode(sfb.to(torch.uint8)).double().repeat_interleave(16, 1)
+    return (a_reg, b_reg, sfa_reg, sfb_reg, c_reg), (a_val, b_val, c.double())
+
+
+def _unpack_d(d_reg: torch.Tensor) -> torch.Tensor:
+    lanes = torch.arange(32, device=d_reg.device)
+    g, t = lanes // 4, lanes % 4
+    d = torch.empty(16, 8, dtype=torch.float64, device=d_reg.device)
+    d[g, 2 * t], d[g, 2 * t + 1] = d_reg[:, 0].double(), d_reg[:, 1].double()
+    d[g + 8, 2 * t], d[g + 8, 2 * t + 1] = d_reg[:, 2].double(), d_reg[:, 3].double()
+    return d
+
+
+def check_instruction(device, native: bool) -> tuple[bool, str]:
+    """One MMA per legal selector pair against a dense product."""
+    from . import build
+
+    op = build.load_extension().mma_fp4_probe
+    gen = torch.Generator(device=device).manual_seed(2024)
+    worst, where = 0.0, ""
+    for tid_a in range(2):
+        for tid_b in range(4):
+            (a, b, sfa, sfb, c), (a_val, b_val, c_val) = mma_probe_registers(gen, tid_a, tid_b, device)
+            d = _unpack_d(op(_as_int32(a), _as_int32(b), _as_int32(sfa), _as_int32(sfb), c.contiguous(),
+                             tid_a, tid_b, native))
+            dense = a_val @ b_val.T + c_val
+            magnitude = a_val.abs() @ b_val.abs().T + c_val.abs()
+            excess = ((d - dense).abs() / (magnitude * MMA_ACCUMULATION_BOUND + 1e-30)).max().item()
+            if not math.isfinite(excess) or excess > worst:
+                worst = excess if math.isfinite(excess) else math.inf
+                rel = ((d - dense).norm() / dense.norm()).item()
+                where = f"thread-id-a {tid_a}, thread-id-b {tid_b}: relative error {rel:.3g}"
+    ok = worst <= 1.0
+    return ok, ("8 selector pairs within the accumulation bound" if ok else
+                f"MMA result off by {worst:.3g}x the accumulation bound ({where})")
+
+
+def known_answer_inputs(head_dim: int, device, seed: int = 0):
+    """q [1, S, 2, D], k, v [1, S, 1, D] bf16 (NHD) whose FP4 quantisation is a known answer.
+
+    Every channel holds multiples of 2^(e-2) up to 6 * 2^e, with e per 16-channel group (0 for
+    most, down to -17 for some), and the tokens come in +- pairs (per 128-row Q block for Q), so
+    every mean is exactly 0 and every sum exact in any order: the quantised bytes do not depend on
+    reduction order. Every 16-element block holds a +-6 * 2^e, so its scale is an exact power of
+    two and the codes of the other values land on e2m1 rounding ties (0.25, 0.75, ..., 5) or
+    exact values; the tiny groups give subnormal ue4m3 block scales."""
+    d = head_dim
+    gen = torch.Generator(device="cpu").manual_seed(1000 + seed + d)
+    exps = torch.tensor([0, -15, -3, -16, 0, -17, -1, -14])[: d // fmt.BLOCK]
+    channel_exp = exps.repeat_interleave(fmt.BLOCK)[:d]
+    s, (h, hkv) = KNOWN_ANSWER_TOKENS, KNOWN_ANSWER_HEADS
+    half = s // 2
+
+    def tensor(heads: int, along_tokens: bool, pair_block: int):
+        # m in [-24, 24]; one +-24 per block of 16 (along D for Q/K, along tokens for V).
+        m = torch.randint(-23, 24, (half, heads, d), generator=gen)
+        sign = torch.where(torch.rand(half, heads, d // fmt.BLOCK if not along_tokens else d,
+                                      generator=gen) < 0.5, -24, 24)
+        if along_tokens:
+            pos = torch.randint(0, fmt.BLOCK, (half // fmt.BLOCK, heads, d), generator=gen)
+            rows = torch.arange(half // fmt.BLOCK)[:, None, None] * fmt.BLOCK + pos
+            m.scatter_(0, rows, sign[: half // fmt.BLOCK])
+        else:
+            pos = torch.randint(0, fmt.BLOCK, (half, heads, d // fmt.BLOCK), generator=gen)
+            cols = torch.arange(d // fmt.BLOCK) * fmt.BLOCK + pos
+            m.scatter_(2, cols, sign)
+        # Tokens in +- pairs inside each block of pair_block rows: every mean is exactly 0.
+        m = m.view(-1, pair_block // 2, heads, d)
+        m = torch.cat([m, -m], 1).view(s, heads, d)
+        x = m.double() * torch.exp2(channel_exp.double() - 2)
+        return x.to(torch.bfloat16)[None].to(device)
+
+    q = tensor(h, False, fmt.SEQ_TILE)
+    k = tensor(hkv, False, s)
+    v = tensor(hkv, True, s)
+    return q, k, v
+
+
+QUANTISED_FIELDS = ("q_data", "q_sf", "k_data", "k_sf", "vt_data", "vt_sf", "q_scale", "k_scale", "v_scale",
+                    "q_mean", "k_mean", "v_mean", "balance")
+
+
+def check_quantiser(q, k, v) -> tuple[bool, str]:
+    """The CUDA quantiser's bytes against format.quantize_qkv, exactly."""
+    from . import quantize
+
+    got = quantize.launch_quantize_qkv(q, k, v, layout="NHD", kv_lens=None, balance_qk=True)
+    want = fmt.quantize_qkv(q, k, v, layout="NHD", balance_qk=True)
+    differ = []
+    for name in QUANTISED_FIELDS:
+        a, b = getattr(got, name), getattr(want, name)
+        if a.shape != b.shape:
+            differ.append(f"{name} shape {tuple(a.shape)} != {tuple(b.shape)}")
+            continue
+        n = int((a != b).sum())
+        if n:
+            differ.append(f"{name} differs in {n} of {a.numel()} elements")
+    return not differ, ("bytes equal (e2m1 ties and subnormal scales included)" if not differ else "; ".join(differ))
+
+
+def check_attention(q, k, v) -> tuple[bool, str]:
+    """The kernel against the reference numerics."""
+    from . import attention_cuda
+    from .reference import attention_reference
+
+    out, lse, _ = attention_cuda.attention(q, k, v, layout="NHD", causal=False, scale=None, kv_lens=None,
+                                           return_lse=True, balance_qk=True)
+    ref, ref_lse = attention_reference(q, k, v, layout="NHD", return_lse=True)
+    a, b = out.double().flatten(), ref.double().flatten()
+    cos = (a @ b / (a.norm() * b.norm()).clamp_min(1e-300)).item()
+    lse_err = (lse - ref_lse).abs().max().item()
+    finite = bool(torch.isfinite(out).all()) and bool(torch.isfinite(lse).all())
+    ok = finite and cos >= ATTENTION_MIN_COS and lse_err <= ATTENTION_MAX_LSE_ERROR
+    detail = f"cos {cos:.6f} (>= {ATTENTION_MIN_COS}), LSE error {lse_err:.2e} (<= {ATTENTION_MAX_LSE_ERROR})"
+    return ok, detail if finite else detail + ", non-finite output"
+
+
+# ---------------------------------------------------------------------------------------------
+# Environment
+# ---------------------------------------------------------------------------------------------
+
+def _display_driver() -> str:
+    try:
+        import pynvml  # nvidia-ml-py, when installed
+
+        pynvml.nvmlInit()
+        version = pynvml.nvmlSystemGetDriverVersion()
+        return version.decode() if isinstance(version, bytes) else str(version)
+    except Exception:  # noqa: BLE001 - optional
+        pass
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        try:
+            res = subprocess.run([smi, "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True,
+                                 text=True, timeout=10)
+            if res.returncode == 0 and res.stdout.strip():
+                return res.stdout.strip().splitlines()[0]
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return "unknown"
+
+
+def environment(device=None) -> dict:
+    """GPU, driver, torch, CUDA and build facts for reports and warnings."""
+    from . import __version__, build
+
+    info = {"nvfp4_dit": __version__, "torch": torch.__version__, "torch_cuda": torch.version.cuda or "none",
+            "python": platform.python_version(), "platform": platform.platform()}
+    if not torch.cuda.is_available():
+        return {**info, "gpu": "none", "driver": "none"}
+    device = torch.device("cuda") if device is None else torch.device(device)
+    props = torch.cuda.get_device_properties(device)
+    cc = (props.major, props.minor)
+    try:
+        driver_api = torch._C._cuda_getDriverVersion()
+        driver_api = f"{driver_api // 1000}.{driver_api % 1000 // 10}"
+    except Exception:  # noqa: BLE001 - private API, informational only
+        driver_api = "unknown"
+    try:
+        arch = build.arch_for_capability(*cc)
+    except build.ExtensionBuildError:
+        arch = "none"
+    return {**info, "gpu": props.name, "compute_capability": f"{cc[0]}.{cc[1]}", "sms": props.multi_processor_count,
+            "memory_gib": round(props.total_memory / 2**30, 1), "driver": _display_driver(),
+            "cuda_driver_api": driver_api, "arch": arch, "mma": build.mma_kind(cc) or "none",
+            "nvcc": build._cached_nvcc_version(), "extension": str(build._built.get(arch, "not loaded"))}
+
+
+# ---------------------------------------------------------------------------------------------
+# python -m nvfp4_dit.selftest
+# ---------------------------------------------------------------------------------------------
+
+def sampled_long_check(seq: int, device, heads: int = 2, head_dim: int = 128, rows: int = 256) -> dict:
+    """The kernel at ``seq`` tokens (B1, bf16, N(0,1)) against exact fp32 attention on ``rows``
+    sampled query rows: cosine and LSE error."""
+    import nvfp4_dit
+
+    gen = torch.Generator(device=device).manual_seed(seq)
+    q, k, v = (torch.randn(1, seq, heads, head_dim, generator=gen, device=device).to(torch.bfloat16)
+               for _ in range(3))
+    out, lse = nvfp4_dit.attention(q, k, v, backend="cuda", return_lse=True)
+    idx = torch.cat([torch.tensor([0, seq - 1]), torch.randint(0, seq, (rows - 2,), generator=torch.Generator()
+                                                               .manual_seed(seq))]).to(device)
+    scale = 1.0 / math.sqrt(head_dim)
+    cos_rows, lse_err = [], 0.0
+    for h in range(heads):
+        s = (q[0, idx, h].float() @ k[0, :, h].float().T) * scale
+        exact_lse = torch.logsumexp(s, -1)
+        exact = torch.softmax(s, -1) @ v[0, :, h].float()
+        got = out[0, idx, h].float()
+        cos_rows.append(torch.nn.functional.cosine_similarity(got, exact, dim=-1))
+        lse_err = max(lse_err, (lse[0, h, idx] - exact_lse).abs().max().item())
+    cos_rows = torch.cat(cos_rows)
+    return {"seq": seq, "heads": heads, "head_dim": head_dim, "rows": int(idx.numel()) * heads,
+            "mean_cos": round(cos_rows.mean().item(), 5), "min_cos": round(cos_rows.min().item(), 5),
+            "max_lse_error": round(lse_err, 5), "finite": bool(torch.isfinite(out).all())}
+
+
+def _time_ms(fn: Callable[[], object], reps: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def _peers(q, k, v) -> dict[str, Callable[[], object]]:
+    """Attention implementations to time on NHD q, k, v; optional ones only where installed."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import nvfp4_dit
+
+    qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
+
+    def sdpa(backend):
+        def run():
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(qh, kh, vh)
+        return run
+
+    peers = {"SDPA flash": sdpa(SDPBackend.FLASH_ATTENTION), "SDPA cuDNN": sdpa(SDPBackend.CUDNN_ATTENTION),
+             "nvfp4_dit": lambda: nvfp4_dit.attention(q, k, v, backend="cuda")}
+    try:
+        import flashinfer
+
+        peers["FlashInfer"] = lambda: flashinfer.single_prefill_with_kv_cache(q[0], k[0], v[0])
+    except Exception:  # noqa: BLE001 - optional peer
+        pass
+    try:
+        from sageattn3 import sageattn3_blackwell
+
+        peers["SageAttention3"] = lambda: sageattn3_blackwell(qh, kh, vh)
+    except Exception:  # noqa: BLE001 - optional peer
+        pass
+    return peers
+
+
+def speed_table(seqs: Sequence[int], device, heads: int = 24, head_dim: int = 128, reps: int = 5) -> list[dict]:
+    """Milliseconds per call of each peer, and its speed relative to the fastest SDPA (> 1: faster)."""
+    rows = []
+    for seq in seqs:
+        gen = torch.Generator(device=device).manual_seed(seq)
+        q, k, v = (torch.randn(1, seq, heads, head_dim, generator=gen, device=device).to(torch.bfloat16)
+                   for _ in range(3))
+        flops = 4.0 * seq * seq * head_dim * heads
+        times = {}
+        for name, fn in _peers(q, k, v).items():
+            try:
+                times[name] = _time_ms(fn, reps)
+            except Exception as exc:  # noqa: BLE001 - a peer that cannot run is reported, not fatal
+                times[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}"
+        sdpa = [t for n, t in times.items() if n.startswith("SDPA") and isinstance(t, float)]
+        best = min(sdpa) if sdpa else None
+        for name, t in times.items():
+            row = {"seq": seq, "heads": heads, "head_dim": head_dim, "impl": name}
+            if isinstance(t, float):
+                row.update(ms=round(t, 3), tflops=round(flops / t / 1e9, 1),
+                           vs_best_sdpa=round(best / t, 3) if best else None)
+            else:
+                row.update(error=t)
+            rows.append(row)
+        del q, k, v
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _markdown(report: dict) -> str:
+    env = report["environment"]
+    lines = ["# nvfp4_dit self-test", "", "| | |", "|---|---|"]
+    lines += [f"| {k} | {v} |" for k, v in env.items()]
+    if report.get("note"):
+        lines += ["", report["note"]]
+    lines += ["", "## Known-answer checks", "", "| head dim | check | result | detail | first-use seconds |",
+              "|---|---|---|---|---|"]
+    for v in report["known_answer"]:
+        for c in v["checks"]:
+            lines.append(f"| {v['head_dim']} | {c['name']} | {'ok' if c['ok'] else 'FAILED'} | {c['detail']} | "
+                         f"{v['seconds']:.4f} |")
+    if report.get("long_sequence"):
+        r = report["long_sequence"]
+        lines += ["", "## Long sequence, sampled rows against exact attention", "",
+                  "| tokens | heads | D | rows | mean cos | min cos | max LSE error | finite |", "|---|---|---|---|---|---|---|---|",
+                  f"| {r['seq']} | {r['heads']} | {r['head_dim']} | {r['rows']} | {r['mean_cos']} | {r['min_cos']} | "
+                  f"{r['max_lse_error']} | {r['finite']} |"]
+    if report.get("speed"):
+        lines += ["", "## Speed (B1, bf16, median of timed calls)", "",
+                  "| tokens | heads | D | implementation | ms | TFLOP/s | speed vs fastest SDPA |", "|---|---|---|---|---|---|---|"]
+        for r in report["speed"]:
+            if "error" in r:
+                lines.append(f"| {r['seq']} | {r['heads']} | {r['head_dim']} | {r['impl']} | - | - | {r['error']} |")
+            else:
+                lines.append(f"| {r['seq']} | {r['heads']} | {r['head_dim']} | {r['impl']} | {r['ms']} | {r['tflops']} | "
+                             f"{r['vs_best_sdpa']} |")
+    lines += ["", f"Result: **{'PASS' if report['passed'] else 'FAIL'}**", ""]
+    return "\n".join(lines)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m nvfp4_dit.selftest",
+                                     description="Check the nvfp4_dit CUDA kernel on this GPU and write a report "
+                                                 "to attach to a bug report.")
+    parser.add_argument("--out", default=".", help="folder for nvfp4_dit_selftest.json and .md (default: here)")
+    parser.add_argument("--long-seq", type=int, default=77_000, help="tokens of the sampled long-sequence check "
+                        "(0 skips it; default 77000)")
+    parser.add_argument("--speed-seqs", default="8192,32768",
+                        help="comma-separated sequence lengths of the speed table (empty skips it)")
+    parser.add_argument("--speed-heads", type=int, default=24)
+    parser.add_argument("--reps", type=int, default=5, help="timed calls per speed entry")
+    args = parser.parse_args(argv)
+    try:
+        speed_seqs = [int(s) for s in args.speed_seqs.split(",") if s.strip()]
+    except ValueError:
+        parser.error(f"--speed-seqs must be comma-separated integers, got {args.speed_seqs!r}")
+    if args.long_seq < 0 or args.reps < 1 or args.speed_heads < 1:
+        parser.error("--long-seq must be >= 0, --reps and --speed-heads >= 1")
+
+    if not torch.cuda.is_available():
+        print("nvfp4_dit self-test: no CUDA GPU is visible to torch "
+              f"(torch {torch.__version__}, CUDA build {torch.version.cuda or 'none'}). The self-test checks the "
+              "CUDA kernel and needs a GPU; on a CPU, nvfp4_dit runs backend='reference'.", file=sys.stderr)
+        return 2
+    from . import build
+
+    device = torch.device("cuda")
+    reason = build.unavailable_reason(device)
+    env = environment(device)
+    print("\n".join(f"{k:>18}: {v}" for k, v in env.items()))
+    if reason is not None:
+        print(f"\nnvfp4_dit self-test: the CUDA kernel cannot run here: {reason}", file=sys.stderr)
+        return 2
+    env = environment(device)   # now with the loaded extension
+    note = None
+    if env["mma"] == "emulated":
+        note = (f"{env['arch']}: the FP4 MMA is emulated with fp16 MMAs (same registers, same kernel). This checks "
+                "the kernel, not sm_120 hardware, and its speed is not the product's.")
+        print("\nnote:", note)
+
+    report = {"environment": env, "note": note, "known_answer": []}
+    for d in fmt.SUPPORTED_HEAD_DIMS:
+        for qk_format in QK_FORMATS:
+            verdict = _verify_key(kernel_key(device, d, qk_format))
+            report["known_answer"].append({"head_dim": d, "qk_format": qk_format, "ok": verdict.ok,
+                                           "seconds": round(verdict.seconds, 4),
+                                           "checks": [dataclasses.asdict(c) for c in verdict.checks]})
+            for c in verdict.checks:
+                print(f"known answer D={d} {qk_format} {c.name:>11}: {'ok' if c.ok else 'FAILED'}  {c.detail}")
+            print(f"known answer D={d} {qk_format}: {verdict.seconds * 1e3:.1f} ms")
+    passed = all(v["ok"] for v in report["known_answer"])
+    if passed and args.long_seq:
+        report["long_sequence"] = sampled_long_check(args.long_seq, device)
+        r = report["long_sequence"]
+        print(f"long sequence {r['seq']} tokens: mean cos {r['mean_cos']}, min cos {r['min_cos']}, "
+              f"max LSE error {r['max_lse_error']}")
+        passed = r["finite"] and r["mean_cos"] >= 0.97
+    if passed and speed_seqs:
+        report["speed"] = speed_table(speed_seqs, device, heads=args.speed_heads, reps=args.reps)
+        for r in report["speed"]:
+            print(f"speed S={r['seq']:>6} {r['impl']:>15}: " +
+                  (f"{r['ms']:9.3f} ms {r['tflops']:7.1f} TFLOP/s  x{r['vs_best_sdpa']}" if "ms" in r else r["error"]))
+    report["passed"] = passed
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / REPORT_FILES[0]).write_text(json.dumps(report, indent=2) + "\n")
+    (out / REPORT_FILES[1]).write_text(_markdown(report))
+    print(f"\n{'PASS' if passed else 'FAIL'}: wrote {out / REPORT_FILES[0]} and {out / REPORT_FILES[1]}")
+    return 0 if passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
