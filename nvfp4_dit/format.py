@@ -37,6 +37,10 @@ q_dot_km      [B, H, Sq] float32             q . km, to give back the true LSE
 Row-major scales put the four scale bytes of one row's 64-wide K chunk into one aligned 32-bit
 word, which is exactly one scale register of ``mma ... block_scale.scale_vec::4X`` (byte j scales
 k in [16j, 16j + 16)).
+
+With ``qk_format="mxfp8"`` Q and K are e4m3 bytes instead, ``q_data [B, H, Sqp, Dp]`` and
+``k_data [B, Hkv, Skp, Dp]`` (K rows permuted the same way), with one ue8m0 scale byte per 32
+elements, ``q_sf [B, H, Sqp, Dp/32]`` and ``k_sf``; everything else is as above.
 """
 
 from __future__ import annotations
@@ -77,6 +81,13 @@ BALANCE_MAX_EXPONENT = 64
 """The channel balance s_c lies in [2^-64, 2^64]."""
 
 SUPPORTED_HEAD_DIMS = (64, 128)
+
+QK_FORMATS = ("nvfp4", "mxfp8")
+"""Formats of the quantised Q and K (P and V are NVFP4 in both): ``nvfp4`` as above, or ``mxfp8``,
+e4m3 data with one ue8m0 (power-of-two) scale per 32 elements along D."""
+QK_FORMAT_DEFAULT = "nvfp4"
+MX_BLOCK = 32
+UE8M0_BIAS = 127
 
 
 def _k_row_perm() -> tuple[int, ...]:
@@ -263,6 +274,54 @@ def quantize_p_blocks(p: torch.Tensor) -> torch.Tensor:
     return (e2m1_decode(e2m1_encode(scaled)) * sf).flatten(-2)
 
 
+def ue8m0_block_scales(x: torch.Tensor) -> torch.Tensor:
+    """ue8m0 scale bytes [..., N/32] of float32 ``x`` [..., N]: 2^e with e the smallest integer
+    such that amax32 / 2^e <= 448 (the largest e4m3), so no element saturates and the largest
+    lands in (224, 448]. Byte = e + 127, e in [-127, 127]; a zero or non-finite block gives 0.
+
+    448 = 0.875 * 2^9, so with amax = m * 2^E (m in [0.5, 1)) e = E - 9 + (m > 0.875): integers
+    and one compare, no division (the CUDA code repeats it bit for bit).
+    """
+    amax = x.float().unflatten(-1, (-1, MX_BLOCK)).abs().amax(-1)
+    ok = torch.isfinite(amax) & (amax > 0)
+    m, e = _frexp(torch.where(ok, amax, 1.0))
+    exponent = (e - 9 + (m > 0.875).to(torch.int32)).clamp(-UE8M0_BIAS, UE8M0_BIAS)
+    return torch.where(ok, exponent + UE8M0_BIAS, 0).to(torch.uint8)
+
+
+def ue8m0_decode(bits: torch.Tensor) -> torch.Tensor:
+    """ue8m0 bytes -> float32 2^(b - 127) (byte 255, NaN in the MX spec, is never written)."""
+    return _power_of_two(bits.to(torch.int32) - UE8M0_BIAS)
+
+
+def quantize_mx_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """MXFP8-quantise ``x`` [..., N] (N % 32 == 0) along its last dim: ``(e4m3 codes [..., N],
+    ue8m0 scales [..., N/32])``. Dividing by a power of two is exact, so the codes are e4m3 of
+    x / 2^e rounded once (nearest, ties to even)."""
+    if x.shape[-1] % MX_BLOCK:
+        raise ValueError(f"last dim {x.shape[-1]} is not a multiple of {MX_BLOCK}")
+    x = x.float()
+    sf = ue8m0_block_scales(x)
+    scaled = x.unflatten(-1, (-1, MX_BLOCK)) / ue8m0_decode(sf).unsqueeze(-1)
+    return e4m3_encode(scaled.flatten(-2)), sf
+
+
+def dequantize_mx_blocks(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`quantize_mx_blocks` up to rounding: float32 [..., N]."""
+    vals = e4m3_decode(codes).unflatten(-1, (-1, MX_BLOCK))
+    return (vals * ue8m0_decode(scales).unsqueeze(-1)).flatten(-2)
+
+
+def quantize_qk_rows(x: torch.Tensor, qk_format: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q or K rows in ``qk_format``: ``(data, scales)`` (:func:`quantize_blocks` or
+    :func:`quantize_mx_blocks`)."""
+    return quantize_mx_blocks(x) if qk_format == "mxfp8" else quantize_blocks(x)
+
+
+def dequantize_qk_rows(data: torch.Tensor, scales: torch.Tensor, qk_format: str) -> torch.Tensor:
+    return dequantize_mx_blocks(data, scales) if qk_format == "mxfp8" else dequantize_blocks(data, scales)
+
+
 # ---------------------------------------------------------------------------------------------
 # Sequence-level layout helpers
 # ---------------------------------------------------------------------------------------------
@@ -344,6 +403,7 @@ class QuantizedQKV:
     seq_k: int
     head_dim: int
     head_dim_padded: int
+    qk_format: str = QK_FORMAT_DEFAULT
 
     @property
     def num_q_blocks(self) -> int:
@@ -439,6 +499,7 @@ def quantize_qkv(
     k_mean_override: Optional[torch.Tensor] = None,
     v_mean_override: Optional[torch.Tensor] = None,
     balance_override: Optional[torch.Tensor] = None,
+    qk_format: str = QK_FORMAT_DEFAULT,
 ) -> QuantizedQKV:
     """Balance, smooth, scale and quantise Q, K, V into the kernel's layouts (pure torch, the
     reference path; the module docstring has the steps and the layouts).
@@ -486,9 +547,11 @@ def quantize_qkv(
     q_rows = pad_dim(pad_dim(q_b, 3, dp), 2, sqp)
     q_scale = tensor_scale(absmax(q_rows.unflatten(2, (nblk, SEQ_TILE)), (3, 4)))
 
-    q_data, q_sf = quantize_blocks(q_rows / q_scale.repeat_interleave(SEQ_TILE, dim=2)[..., None])
+    if qk_format not in QK_FORMATS:
+        raise ValueError(f"qk_format must be one of {QK_FORMATS}, got {qk_format!r}")
+    q_data, q_sf = quantize_qk_rows(q_rows / q_scale.repeat_interleave(SEQ_TILE, dim=2)[..., None], qk_format)
     k_rows = pad_dim(pad_dim(k_b / k_scale[:, :, None, None], 3, dp), 2, skp)
-    k_data, k_sf = quantize_blocks(permute_k_rows(k_rows, dim=2))
+    k_data, k_sf = quantize_qk_rows(permute_k_rows(k_rows, dim=2), qk_format)
     vt = pad_dim(pad_dim(v_s / v_scale[:, :, None, None], 3, dp), 2, skp).transpose(2, 3)
     vt_data, vt_sf = quantize_blocks(vt)
     km_q = km.repeat_interleave(group, dim=1)
@@ -499,7 +562,7 @@ def quantize_qkv(
         q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
         balance=None if balance is None else pad_dim(balance, 2, dp, 1.0),
         q_dot_km=q_dot_km, k_smoothed=pad_dim(pad_dim(k_s, 3, dp), 2, skp), seq_q=sq, seq_k=sk, head_dim=d,
-        head_dim_padded=dp,
+        head_dim_padded=dp, qk_format=qk_format,
     )
 
 
@@ -524,8 +587,8 @@ def correction(qq: QuantizedQKV, block_start: int = 0, block_end: Optional[int] 
 
 def dequantize_qkv(qq: QuantizedQKV) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """fp32 (q_hat [B,H,Sqp,Dp], k_hat [B,Hkv,Skp,Dp] natural order, v_hat [B,Hkv,Skp,Dp])."""
-    q_hat = dequantize_blocks(qq.q_data, qq.q_sf)
-    k_hat = permute_k_rows(dequantize_blocks(qq.k_data, qq.k_sf), dim=2)
+    q_hat = dequantize_qk_rows(qq.q_data, qq.q_sf, qq.qk_format)
+    k_hat = permute_k_rows(dequantize_qk_rows(qq.k_data, qq.k_sf, qq.qk_format), dim=2)
     v_hat = dequantize_blocks(qq.vt_data, qq.vt_sf).transpose(2, 3)
     return q_hat, k_hat, v_hat
 

@@ -49,6 +49,7 @@ def attention_reference(
     query_blocks: Optional[tuple[int, int]] = None,
     chunk_elems: int = _DEFAULT_CHUNK_ELEMS,
     quantized: Optional[fmt.QuantizedQKV] = None,
+    qk_format: str = fmt.QK_FORMAT_DEFAULT,
 ):
     """NVFP4 attention, reference numerics.
 
@@ -76,7 +77,8 @@ def attention_reference(
     hkv, sk = fmt.to_hnd(k, layout).shape[1:3]
     scale = fmt.default_scale(d) if scale is None else float(scale)
     qq = quantized if quantized is not None else fmt.quantize_qkv(
-        q, k, v, layout=layout, kv_lens=kv_lens, balance_qk=balance_qk, per_block_mean=per_block_mean
+        q, k, v, layout=layout, kv_lens=kv_lens, balance_qk=balance_qk, per_block_mean=per_block_mean,
+        qk_format=qk_format,
     )
     q_hat, k_hat, v_hat = fmt.dequantize_qkv(qq)
     dp, skp = qq.head_dim_padded, k_hat.shape[2]

@@ -173,3 +173,49 @@ def test_quantize_p_blocks_probe():
 def test_padded_head_dim():
     assert [fmt.padded_head_dim(d) for d in (1, 40, 64, 65, 80, 128, 129, 256)] == \
         [64, 64, 64, 128, 128, 128, None, None]
+
+
+# ---------------------------------------------------------------------------------------------
+# MXFP8 Q/K
+# ---------------------------------------------------------------------------------------------
+
+def test_ue8m0_scale_puts_the_block_max_in_the_top_octave_of_e4m3():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4000, fmt.MX_BLOCK, generator=g) * torch.exp2(torch.randint(-60, 60, (4000, 1), generator=g).float())
+    sf = fmt.ue8m0_block_scales(x)
+    ratio = x.abs().amax(-1) / fmt.ue8m0_decode(sf[:, 0])
+    assert ((ratio > 224) & (ratio <= 448)).all()
+    # Exact edges: 448 * 2^e maps to e; just above it to e + 1; zero and non-finite to byte 0.
+    edge = torch.zeros(5, fmt.MX_BLOCK)
+    edge[:, 0] = torch.tensor([448.0, torch.nextafter(torch.tensor(448.0), torch.tensor(1e9)).item(), 1.0, 0.0,
+                               float("inf")])
+    assert fmt.ue8m0_block_scales(edge)[:, 0].tolist() == [127, 128, 127 - 8, 0, 0]
+    assert fmt.ue8m0_decode(torch.tensor([0, 127, 254], dtype=torch.uint8)).tolist() == [2.0 ** -127, 1.0, 2.0 ** 127]
+
+
+def test_mx_blocks_round_trip_within_half_an_e4m3_ulp():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(64, 256, generator=g) * torch.exp2(torch.randint(-20, 20, (64, 1), generator=g).float())
+    codes, sf = fmt.quantize_mx_blocks(x)
+    assert codes.shape == x.shape and sf.shape == (64, 256 // fmt.MX_BLOCK)
+    back = fmt.dequantize_mx_blocks(codes, sf)
+    scale = fmt.ue8m0_decode(sf).repeat_interleave(fmt.MX_BLOCK, -1)
+    # e4m3 normals carry 3 mantissa bits: |error| <= 2^-4 |x|, or half the subnormal step 2^-10 * scale.
+    assert ((back - x).abs() <= torch.maximum(x.abs() * 2.0**-4, scale * 2.0**-10)).all()
+    with pytest.raises(ValueError, match="multiple of 32"):
+        fmt.quantize_mx_blocks(torch.zeros(2, 48))
+
+
+def test_quantize_qkv_mxfp8_layouts(gen):
+    q, k, v = (torch.randn(2, 200, 2, 80, generator=gen) for _ in range(3))
+    qq = fmt.quantize_qkv(q, k, v, qk_format="mxfp8")
+    assert qq.qk_format == "mxfp8"
+    assert qq.q_data.shape == (2, 2, 256, 128) and qq.q_sf.shape == (2, 2, 256, 4)
+    assert qq.k_data.shape == (2, 2, 256, 128) and qq.k_sf.shape == (2, 2, 256, 4)
+    # P and V are NVFP4 whatever the Q/K format.
+    ref = fmt.quantize_qkv(q, k, v)
+    assert torch.equal(qq.vt_data, ref.vt_data) and torch.equal(qq.vt_sf, ref.vt_sf)
+    q_hat, k_hat, _ = fmt.dequantize_qkv(qq)
+    assert (q_hat[:, :, :200, 80:] == 0).all() and (k_hat[:, :, 200:] == 0).all()
+    with pytest.raises(ValueError, match="qk_format"):
+        fmt.quantize_qkv(q, k, v, qk_format="e4m3")

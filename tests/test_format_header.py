@@ -92,8 +92,9 @@ SCALES_PROGRAM = r"""
 #include "common/format.cuh"
 #include <cstdio>
 #include <vector>
-// Reads float quadruples (amax_q, amax_k, top_q, top_k); writes tensor_scale(amax_q) and
-// channel_balance(amax_q, amax_k, top_q, top_k) per quadruple.
+// Reads float quadruples (amax_q, amax_k, top_q, top_k); writes tensor_scale(amax_q),
+// channel_balance(amax_q, amax_k, top_q, top_k), the ue8m0 scale of a block with amax |amax_q|
+// as a float, and amax_k in MXFP8 under that scale (e4m3 of amax_k / scale, as a float).
 int main(int argc, char** argv) {
   FILE* f = fopen(argv[1], "rb");
   FILE* o = fopen(argv[2], "wb");
@@ -101,8 +102,12 @@ int main(int argc, char** argv) {
   while (fread(x, sizeof(float), 4, f) == 4) {
     const float t = nvfp4_dit::tensor_scale(x[0]);
     const float s = nvfp4_dit::channel_balance(x[0], x[1], x[2], x[3]);
+    const float mx = nvfp4_dit::ue8m0_to_float(nvfp4_dit::ue8m0_scale_byte(fabsf(x[0])));
+    const float code = float(nvfp4_dit::float_to_e4m3_sw(x[1] / mx));
     fwrite(&t, 4, 1, o);
     fwrite(&s, 4, 1, o);
+    fwrite(&mx, 4, 1, o);
+    fwrite(&code, 4, 1, o);
   }
   fclose(f);
   fclose(o);
@@ -118,7 +123,8 @@ def test_tensor_scale_and_balance_match_format_module(tmp_path):
     mags = lambda: torch.exp2(torch.randint(-140, 128, (n,), generator=g).float()) * torch.rand(n, generator=g)  # noqa: E731
     x = torch.stack([mags(), mags(), mags(), mags()], 1)
     # Exact boundaries: 2688 * 2^e and its neighbours, ratios on powers of two, zeros and specials.
-    edges = torch.tensor([2688.0, 1344.0, 2688.0 * 2.0 ** -130, 0.0, float("inf"), float("nan"), 3e38, 1e-45])
+    edges = torch.tensor([2688.0, 1344.0, 2688.0 * 2.0 ** -130, 0.0, float("inf"), float("nan"), 3e38, 1e-45,
+                          448.0, 448.0 * 2.0 ** -20, 224.0, 448.0 * 2.0 ** 100])
     x[: len(edges), 0] = edges
     x[len(edges): 2 * len(edges), 0] = torch.nextafter(edges.abs(), torch.full_like(edges, float("inf")))
     x[100:200, 1] = x[100:200, 0] * torch.exp2(torch.randint(-40, 40, (100,), generator=g).float())
@@ -127,8 +133,18 @@ def test_tensor_scale_and_balance_match_format_module(tmp_path):
     inp, out = tmp_path / "in.bin", tmp_path / "out.bin"
     x.numpy().tofile(inp)
     subprocess.run([str(exe), str(inp), str(out)], check=True)
-    got = torch.from_numpy(np.fromfile(out, dtype=np.float32).reshape(-1, 2))
+    got = torch.from_numpy(np.fromfile(out, dtype=np.float32).reshape(-1, 4))
     want_t = fmt.tensor_scale(x[:, 0])
+    # MXFP8: a 32-element block holding amax_q and zeros, then amax_k under that block's scale.
+    block = torch.zeros(n, fmt.MX_BLOCK)
+    block[:, 0] = x[:, 0]
+    mx_sf = fmt.ue8m0_block_scales(block)[:, 0]
+    assert torch.equal(got[:, 2], fmt.ue8m0_decode(mx_sf)), (got[:, 2] != fmt.ue8m0_decode(mx_sf)).nonzero()[:5]
+    block[:, 1] = x[:, 1].clamp(max=x[:, 0].abs())   # amax_k no larger than the block's amax
+    codes, sf = fmt.quantize_mx_blocks(block)
+    in_block = x[:, 1] <= x[:, 0].abs()
+    assert torch.equal(sf[:, 0], mx_sf)
+    assert torch.equal(got[in_block, 3], codes[in_block, 1].float())
     # channel_balance over the last dim with its maxima: one channel per "head" row, top given.
     aq, ak, top_q, top_k = (x[:, i].double() for i in range(4))
     num, den = ak * top_q, aq * top_k

@@ -179,9 +179,10 @@ def test_half_precision_inputs(gen):
 # Two-level scales, channel balance, V smoothing
 # ---------------------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("qk_format", fmt.QK_FORMATS)
 @pytest.mark.parametrize("balance_qk", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_power_of_two_scaling_is_exact(dtype, balance_qk):
+def test_power_of_two_scaling_is_exact(dtype, balance_qk, qk_format):
     """attention(c q, k / c, d v) == d attention(q, k, v) bit for bit, with the same LSE: the tensor
     scales and the balance are powers of two chosen from exponents."""
     g = torch.Generator().manual_seed(11)
@@ -194,11 +195,12 @@ def test_power_of_two_scaling_is_exact(dtype, balance_qk):
     factors = [(2.0 ** 5, 2.0 ** -7), (2.0 ** -3, 2.0 ** 4)] if dtype == torch.float16 else \
         [(2.0 ** 40, 2.0 ** -60), (2.0 ** -20, 2.0 ** 50)]
     q, k, v = (t.to(dtype) for t in (q, k, v))
-    out, lse = attention_reference(q, k, v, kv_lens=lens, causal=True, return_lse=True, balance_qk=balance_qk)
+    kw = dict(kv_lens=lens, causal=True, return_lse=True, balance_qk=balance_qk, qk_format=qk_format)
+    out, lse = attention_reference(q, k, v, **kw)
     for c, d in factors:
         qc, kc, vd = (q.float() * c).to(dtype), (k.float() / c).to(dtype), (v.float() * d).to(dtype)
         assert torch.equal(qc.float() / c, q.float()) and torch.equal(vd.float() / d, v.float())
-        out2, lse2 = attention_reference(qc, kc, vd, kv_lens=lens, causal=True, return_lse=True, balance_qk=balance_qk)
+        out2, lse2 = attention_reference(qc, kc, vd, **kw)
         # Outputs that are (or would be) subnormal in the dtype round differently: compare the rest.
         tiny = torch.finfo(dtype).tiny
         normal = (out.float().abs() >= tiny) & ((out.float() * d).abs() >= tiny) | (out == 0)
@@ -261,3 +263,35 @@ def test_v_smoothing_keeps_empty_rows_zero_and_a_constant_v_exact(gen):
     assert torch.all(out[0] == 0) and torch.isneginf(lse[0]).all()  # no key: 0, not the V mean
     const = torch.full_like(v, 3.25)
     assert torch.equal(attention_reference(q, k, const), torch.full_like(q, 3.25))
+
+
+# ---------------------------------------------------------------------------------------------
+# MXFP8 Q/K (P and V stay NVFP4)
+# ---------------------------------------------------------------------------------------------
+
+def _sharp(gen, sigma, s=2048, h=2, d=128):
+    q, k, v = (torch.randn(1, s, h, d, generator=gen) for _ in range(3))
+    return (q * sigma).to(torch.bfloat16), (k * sigma).to(torch.bfloat16), v.to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("sigma, nvfp4_below, mxfp8_min", [(1.0, 0.985, 0.988), (3.0, 0.93, 0.98), (10.0, 0.82, 0.94)])
+def test_mxfp8_qk_resolves_sharper_softmax(sigma, nvfp4_below, mxfp8_min):
+    """Q, K ~ N(0, sigma^2) at S2048 D128: 8-bit Q.K^T keeps sharp heads that FP4 Q.K^T loses."""
+    q, k, v = _sharp(torch.Generator().manual_seed(int(sigma)), sigma)
+    exact, lse_exact = attention_exact(q, k, v)
+    fp4 = attention_reference(q, k, v)
+    mx, lse = attention_reference(q, k, v, qk_format="mxfp8", return_lse=True)
+    assert _cos(fp4, exact) < nvfp4_below
+    assert _cos(mx, exact) >= mxfp8_min
+    if sigma == 1.0:
+        assert (lse - lse_exact).abs().mean().item() <= 0.01
+
+
+def test_mxfp8_qk_handles_masks_gqa_and_padding(gen):
+    q, k, v = _qkv(gen, b=2, sq=300, sk=260, h=4, hkv=2, d=80)
+    lens = torch.tensor([260, 111])
+    exact, _ = attention_exact(q, k, v, kv_lens=lens, causal=True)
+    out = attention_reference(q, k, v, kv_lens=lens, causal=True, qk_format="mxfp8")
+    assert _cos(out, exact) >= 0.985
+    with pytest.raises(ValueError, match="qk_format"):
+        attention_reference(q, k, v, qk_format="fp8")

@@ -223,6 +223,30 @@ __host__ __device__ __forceinline__ float channel_balance(float amax_q, float am
   return bits_float(uint32_t(exponent + 127) << 23);
 }
 
+// ---------------------------------------------------------------------------------------------
+// MXFP8 Q/K (format.quantize_mx_blocks): e4m3 data, one ue8m0 scale per 32 elements
+// ---------------------------------------------------------------------------------------------
+
+constexpr int kMxBlock = 32;
+constexpr int kUe8m0Bias = 127;
+
+// The ue8m0 byte of a block with largest magnitude amax: 2^e with e the smallest integer such
+// that amax / 2^e <= 448. 448 = 0.875 * 2^9, so with amax = m * 2^E (m in [0.5, 1))
+// e = E - 9 + (m > 0.875), clamped to [-127, 127]; byte e + 127; 0 for a zero or non-finite block.
+__host__ __device__ __forceinline__ uint32_t ue8m0_scale_byte(float amax) {
+  if (!(amax > 0.0f) || !(amax <= 3.4028234663852886e38f)) return 0u;
+  int e;
+  const float m = frexpf(amax, &e);
+  int exponent = e - 9 + (m > 0.875f ? 1 : 0);
+  exponent = exponent < -kUe8m0Bias ? -kUe8m0Bias : (exponent > kUe8m0Bias ? kUe8m0Bias : exponent);
+  return uint32_t(exponent + kUe8m0Bias);
+}
+
+// 2^(byte - 127) as a float (byte 0 is 2^-127, an fp32 subnormal).
+__host__ __device__ __forceinline__ float ue8m0_to_float(uint32_t byte) {
+  return byte == 0 ? bits_float(0x00400000u) : bits_float(byte << 23);
+}
+
 // x / scale for quantisation (IEEE division; a zero scale gives 0 so the block is all-zero).
 __host__ __device__ __forceinline__ float scale_for_e2m1(float x, float scale) {
 #ifdef __CUDA_ARCH__
