@@ -101,6 +101,37 @@ def resolve_device(args) -> torch.device:
     return torch.device(args.device)
 
 
+def init_context_parallel(device: torch.device) -> tuple[int, int, torch.device]:
+    """Join the process group ``torchrun`` describes: (rank, world size, this rank's device).
+
+    One rank per GPU with NCCL (``cuda`` becomes ``cuda:LOCAL_RANK``), or CPU processes with gloo.
+    """
+    import os
+
+    missing = [k for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        raise SystemExit("--context-parallel needs one process per GPU: launch with "
+                         "`torchrun --nproc-per-node N scripts/generate_video.py --context-parallel ...` "
+                         f"({', '.join(missing)} not set)")
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+    torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return torch.distributed.get_rank(), torch.distributed.get_world_size(), device
+
+
+def enable_context_parallel(pipe, mode: str) -> list[str]:
+    """Context parallelism (``mode`` "ulysses" or "ring") on every denoiser of ``pipe``; their names."""
+    from nvfp4_dit.processors import enable_context_parallel as enable
+    from nvfp4_dit.processors.apply import _denoisers
+
+    names = []
+    for name, model in _denoisers(pipe):
+        enable(model, mode)
+        names.append(name)
+    return names
+
+
 def resolve_dtype(args, device: torch.device) -> torch.dtype:
     if args.dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -330,26 +361,30 @@ def describe_paths(summary: dict) -> str:
     return text
 
 
-def min_seq_len(args, defaults: dict) -> int:
-    """--min-seq-len, else the pipeline's default (the tiny model's), else the policy's."""
+def min_seq_len(args, defaults: dict, ring_shards: int = 1) -> int:
+    """--min-seq-len, else the pipeline's default (the tiny model's, divided by the ring's shard
+    count: ring attention calls see one shard), else the policy's."""
     if args.min_seq_len is not None:
         return args.min_seq_len
-    return defaults.get("min_seq_len", DEFAULT_MIN_SEQ_LEN)
+    if "min_seq_len" in defaults:
+        return defaults["min_seq_len"] // ring_shards
+    return DEFAULT_MIN_SEQ_LEN
 
 
-def policy_kwargs(args, backend: str, defaults: dict) -> dict:
+def policy_kwargs(args, backend: str, defaults: dict, ring_shards: int = 1) -> dict:
     """Keyword arguments for nvfp4_dit.apply from the policy arguments."""
     layers = [s.strip() for s in args.layers.split(",")] if args.layers else None
     return dict(backend=backend, dense_steps=tuple(args.dense_steps), cross_attention=args.cross_attention,
-                min_seq_len=min_seq_len(args, defaults), layers=layers, balance_qk=args.balance_qk)
+                min_seq_len=min_seq_len(args, defaults, ring_shards), layers=layers, balance_qk=args.balance_qk)
 
 
-def run_once(pipe, args, defaults: dict, mode: str, backend: str, device: torch.device) -> tuple[object, dict, Optional[torch.Tensor]]:
+def run_once(pipe, args, defaults: dict, mode: str, backend: str, device: torch.device,
+             ring_shards: int = 1) -> tuple[object, dict, Optional[torch.Tensor]]:
     """One pipeline run with ``mode`` "nvfp4" or "sdpa" (dense, observed).
 
     Returns (pipeline output, recorder summary, final latents or None)."""
     if mode == "nvfp4":
-        handle = apply(pipe, **policy_kwargs(args, backend, defaults))
+        handle = apply(pipe, **policy_kwargs(args, backend, defaults, ring_shards))
     else:
         handle = apply(pipe, observe_only=True, cross_attention=True, min_seq_len=0)
     generator = torch.Generator("cpu").manual_seed(args.seed)

@@ -6,6 +6,8 @@
   diffusers is present: ``model.set_attention_backend("nvfp4")``,
   ``with diffusers.attention_backend("nvfp4"):``; :func:`use_backend` does the former with an
   undo that also resets the global backend diffusers leaks.
+* :func:`enable_context_parallel` -- diffusers' Ulysses / ring context parallelism over
+  ``torch.distributed`` ranks (GPUs with NCCL, or CPU processes with gloo).
 * Per-family processors in :mod:`nvfp4_dit.processors.diffusers_processors`.
 
 Importing this package never fails for lack of diffusers; :func:`apply` then raises ImportError.
@@ -30,6 +32,7 @@ except ImportError:
 
 if diffusers is not None:
     from .backend import register_backend, use_backend
+    from .context_parallel import enable_context_parallel
 
     try:
         register_backend()
@@ -47,6 +50,7 @@ __all__ = [
     "apply",
     "backend_registered",
     "configure_default",
+    "enable_context_parallel",
     "reset_fallback_warnings",
     "use_backend",
     "register_backend",

@@ -9,6 +9,11 @@ fresh machine:
     python scripts/generate_video.py --attention compare              # NVFP4 vs dense from the same seed
     python scripts/generate_video.py --model Wan-AI/Wan2.1-T2V-1.3B-Diffusers --height 480 --width 832 \\
         --frames 81 --steps 50 --guidance-scale 5 --dense-steps 2,2 --out out/wan.mp4
+    torchrun --nproc-per-node 2 scripts/generate_video.py --context-parallel ulysses ...   # 2 GPUs
+
+--context-parallel shards the transformer's sequence over the processes torchrun starts (one per
+GPU, NCCL; on a machine without a GPU, CPU processes with gloo) with diffusers' Ulysses or ring
+attention; every rank runs the pipeline with the same seed and rank 0 writes the outputs.
 
 Writes the MP4 (diffusers' export_to_video; needs imageio + imageio-ffmpeg) and a JSON next to it
 with per-step DiT time, the attention share of each step, peak memory and the sequence lengths of
@@ -51,9 +56,30 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None, help="metrics JSON (default: <out>.json)")
     ap.add_argument("--fps", type=int, default=None, help="frames per second of the MP4 (tiny: 8, else 16)")
     ap.add_argument("--no-video", action="store_true", help="skip writing MP4s (JSON only)")
+    ap.add_argument("--context-parallel", choices=("ulysses", "ring"), default=None,
+                    help="shard the sequence over the ranks of a torchrun launch (Ulysses: heads must divide "
+                         "by the rank count; ring: any head count, min_seq_len applies to each shard)")
     args = ap.parse_args(argv)
+    if args.context_parallel and args.cpu_offload != "none":
+        ap.error("--context-parallel and --cpu-offload cannot be combined (each rank holds its model on its GPU)")
 
     device = generation.resolve_device(args)
+    rank, world = 0, 1
+    if args.context_parallel:
+        rank, world, device = generation.init_context_parallel(device)
+    ring_shards = world if args.context_parallel == "ring" else 1
+    try:
+        return _generate(ap, args, device, rank, world, ring_shards)
+    finally:
+        if args.context_parallel:
+            torch.distributed.destroy_process_group()
+
+
+def _generate(ap, args, device, rank: int, world: int, ring_shards: int) -> int:
+    def say(text: str) -> None:
+        if rank == 0:
+            print(text, flush=True)
+
     dtype = generation.resolve_dtype(args, device)
     backend = generation.resolve_backend(args, device)
     t0 = time.perf_counter()
@@ -62,10 +88,15 @@ def main(argv=None) -> int:
         generation.check_call(pipe, generation.call_kwargs(pipe, args, defaults, None, None))
     except generation.InvalidArguments as e:
         ap.error(str(e))
-    min_seq_len = generation.min_seq_len(args, defaults)
-    print(f"model: {name} on {device} ({str(dtype).replace('torch.', '')}); attention: {args.attention}, "
-          f"FP4 back-end: {backend}, dense steps {args.dense_steps[0]},{args.dense_steps[1]}, "
-          f"min_seq_len {min_seq_len}", flush=True)
+    if args.context_parallel:
+        if rank != 0:
+            pipe.set_progress_bar_config(disable=True)
+        sharded = generation.enable_context_parallel(pipe, args.context_parallel)
+        say(f"context parallel: {args.context_parallel} over {world} ranks ({', '.join(sharded)})")
+    min_seq_len = generation.min_seq_len(args, defaults, ring_shards)
+    say(f"model: {name} on {device} ({str(dtype).replace('torch.', '')}); attention: {args.attention}, "
+        f"FP4 back-end: {backend}, dense steps {args.dense_steps[0]},{args.dense_steps[1]}, "
+        f"min_seq_len {min_seq_len}")
     out_path = Path(args.out)
     json_path = Path(args.json) if args.json else out_path.with_suffix(".json")
     fps = args.fps or defaults.get("fps", 16)
@@ -74,36 +105,38 @@ def main(argv=None) -> int:
     report = {"tool": "generate_video", "model": name, "device": str(device), "dtype": str(dtype).replace("torch.", ""),
               "attention": args.attention, "backend": backend, "dense_steps": list(args.dense_steps),
               "cross_attention": args.cross_attention, "min_seq_len": min_seq_len, "layers": args.layers,
-              "prompt": args.prompt, "seed": args.seed, "call": {}, "runs": {}}
+              "prompt": args.prompt, "seed": args.seed, "call": {}, "runs": {},
+              "context_parallel": {"mode": args.context_parallel, "world_size": world} if args.context_parallel else None}
     results = {}
     for mode in modes:
-        print(f"[{mode}] denoising ...", flush=True)
-        output, summary, latents = generation.run_once(pipe, args, defaults, mode, backend, device)
+        say(f"[{mode}] denoising ...")
+        output, summary, latents = generation.run_once(pipe, args, defaults, mode, backend, device, ring_shards)
         frames = generation.frames_of(output)
         results[mode] = (frames, latents)
         video = out_path if (mode == "nvfp4" or len(modes) == 1) else out_path.with_name(out_path.stem + "_sdpa.mp4")
-        if not args.no_video:
+        if not args.no_video and rank == 0:
             write_video(frames, video, fps)
             summary["video"] = str(video)
         summary["frames_shape"] = list(frames.shape)
         report["runs"][mode] = summary
-        print(f"[{mode}] {summary['dit_seconds']:.2f} s in the DiT over {len(summary['steps'])} steps, attention "
-              f"{100 * (summary['attention_share'] or 0):.1f}% of it; peak memory "
-              f"{summary['peak_memory']['bytes'] / 2**20:.0f} MiB ({summary['peak_memory']['kind']})"
-              + (f"; video {video}" if not args.no_video else ""), flush=True)
+        say(f"[{mode}] {summary['dit_seconds']:.2f} s in the DiT over {len(summary['steps'])} steps, attention "
+            f"{100 * (summary['attention_share'] or 0):.1f}% of it; peak memory "
+            f"{summary['peak_memory']['bytes'] / 2**20:.0f} MiB ({summary['peak_memory']['kind']})"
+            + (f"; video {video}" if not args.no_video else ""))
         if mode == "nvfp4":
-            print(f"[{mode}] {generation.describe_paths(summary)}", flush=True)
+            say(f"[{mode}] {generation.describe_paths(summary)}")
     sig = generation.call_kwargs(pipe, args, defaults, None, None)
     report["call"] = {k: v for k, v in sig.items() if isinstance(v, (int, float, str))}
     if args.attention == "compare":
         (fa, la), (fb, lb) = results["sdpa"], results["nvfp4"]
         report["compare"] = generation.compare_metrics(la, lb, fa, fb)
         c = report["compare"]
-        print("nvfp4 vs sdpa: " + ", ".join(f"{k} {v:.5g}" for k, v in c.items()))
+        say("nvfp4 vs sdpa: " + ", ".join(f"{k} {v:.5g}" for k, v in c.items()))
     report["wall_seconds"] = round(time.perf_counter() - t0, 3)
-    json_path.parent.mkdir(parents=True, exist_ok=True)
-    json_path.write_text(json.dumps(report, indent=1, default=float))
-    print(f"metrics: {json_path}")
+    if rank == 0:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(report, indent=1, default=float))
+    say(f"metrics: {json_path}")
     return 0
 
 

@@ -139,6 +139,29 @@ def test_generate_video_rejects_bad_arguments_before_running(args, message, caps
     assert message in capsys.readouterr().err
 
 
+def test_generate_video_context_parallel_under_torchrun_on_cpu(tmp_path):
+    """Two gloo ranks, Ulysses: the run is the single-process run bit for bit (per-head FP4)."""
+    import subprocess
+
+    common = ["--steps", "3", "--attention", "compare", "--no-video", "--device", "cpu"]
+    assert generate_video.main([*common, "--json", str(tmp_path / "one.json")]) == 0
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          str(SCRIPTS / "generate_video.py"), *common, "--context-parallel", "ulysses",
+                          "--json", str(tmp_path / "cp.json")], capture_output=True, text=True, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.count("metrics:") == 1  # rank 0 reports
+    one, cp = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("one", "cp"))
+    assert cp["context_parallel"] == {"mode": "ulysses", "world_size": 2} and one["context_parallel"] is None
+    calls = cp["runs"]["nvfp4"]["attention_calls"]
+    assert {(c["q_len"], c["heads"]) for c in calls if c["path"] == "fp4"} == {(320, 1)}
+    assert cp["compare"] == one["compare"]
+
+
+def test_generate_video_context_parallel_needs_torchrun():
+    with pytest.raises(SystemExit, match="torchrun --nproc-per-node"):
+        generate_video.main(["--context-parallel", "ring", "--no-video", "--device", "cpu"])
+
+
 def test_generate_video_says_when_no_call_ran_nvfp4(tmp_path, capsys):
     assert generate_video.main(["--steps", "2", "--dense-steps", "0,0", "--min-seq-len", "100000", "--no-video",
                                 "--device", "cpu", "--json", str(tmp_path / "r.json")]) == 0
