@@ -93,6 +93,8 @@ def add_generation_args(ap: argparse.ArgumentParser) -> None:
     a.add_argument("--layers", default=None, help="comma-separated allow-list of module patterns, e.g. 'blocks.*.attn1'")
     a.add_argument("--balance-qk", action=argparse.BooleanOptionalAction, default=AttentionPolicy().balance_qk,
                    help="balance Q and K per channel before FP4 quantisation (default: on)")
+    a.add_argument("--policy", default=None, metavar="FILE",
+                   help="a saved policy JSON (e.g. from --calibrate) instead of the policy arguments above")
 
 
 def resolve_device(args) -> torch.device:
@@ -371,6 +373,34 @@ def min_seq_len(args, defaults: dict, ring_shards: int = 1) -> int:
     return DEFAULT_MIN_SEQ_LEN
 
 
+def policy_from_args(ap: argparse.ArgumentParser, args, backend: str, defaults: dict,
+                     ring_shards: int = 1) -> AttentionPolicy:
+    """The policy of --policy FILE, else of the policy arguments; a usage error if both are given."""
+    if args.policy is None:
+        return AttentionPolicy(**policy_kwargs(args, backend, defaults, ring_shards))
+    given = [f"--{a.dest.replace('_', '-')}" for g in ap._action_groups if g.title == "NVFP4 attention policy"
+             for a in g._group_actions if a.dest != "policy" and getattr(args, a.dest) != a.default]
+    if given:
+        ap.error(f"--policy replaces the policy arguments; drop {', '.join(given)}")
+    try:
+        return AttentionPolicy.load(args.policy)
+    except (OSError, ValueError) as e:
+        ap.error(str(e))
+
+
+def calibrate_pipeline(pipe, args, defaults: dict, policy: AttentionPolicy, budget: float) -> AttentionPolicy:
+    """:func:`nvfp4_dit.calibrate` on one generation with the run's own arguments (latents only)."""
+    from nvfp4_dit.processors import calibrate
+
+    def run():
+        kwargs = call_kwargs(pipe, args, defaults, torch.Generator("cpu").manual_seed(args.seed), None)
+        if "output_type" in kwargs:
+            kwargs["output_type"] = "latent"
+        return pipe(**kwargs)
+
+    return calibrate(pipe, run, budget=budget, policy=policy)
+
+
 def policy_kwargs(args, backend: str, defaults: dict, ring_shards: int = 1) -> dict:
     """Keyword arguments for nvfp4_dit.apply from the policy arguments."""
     layers = [s.strip() for s in args.layers.split(",")] if args.layers else None
@@ -378,13 +408,13 @@ def policy_kwargs(args, backend: str, defaults: dict, ring_shards: int = 1) -> d
                 min_seq_len=min_seq_len(args, defaults, ring_shards), layers=layers, balance_qk=args.balance_qk)
 
 
-def run_once(pipe, args, defaults: dict, mode: str, backend: str, device: torch.device,
-             ring_shards: int = 1) -> tuple[object, dict, Optional[torch.Tensor]]:
-    """One pipeline run with ``mode`` "nvfp4" or "sdpa" (dense, observed).
+def run_once(pipe, args, defaults: dict, mode: str, policy: AttentionPolicy,
+             device: torch.device) -> tuple[object, dict, Optional[torch.Tensor]]:
+    """One pipeline run with ``mode`` "nvfp4" (under ``policy``) or "sdpa" (dense, observed).
 
     Returns (pipeline output, recorder summary, final latents or None)."""
     if mode == "nvfp4":
-        handle = apply(pipe, **policy_kwargs(args, backend, defaults, ring_shards))
+        handle = apply(pipe, policy=policy)
     else:
         handle = apply(pipe, observe_only=True, cross_attention=True, min_seq_len=0)
     generator = torch.Generator("cpu").manual_seed(args.seed)

@@ -9,7 +9,11 @@ A call runs NVFP4 only if every rule allows it:
   steps fix the layout, late ones the fine detail;
 * **length** -- calls whose query or key sequence is shorter than ``min_seq_len`` stay exact (the
   FP4 path pads to 128-token tiles and quantises; short calls gain nothing);
-* **layers** -- an optional allow-list of module-name patterns or block indices (diffusers).
+* **layers** -- an optional allow-list of module-name patterns or block indices (diffusers);
+* **per layer** -- a calibrated policy (:func:`nvfp4_dit.calibrate`) also names, for each
+  attention module and each third of the denoising schedule (first / middle / last), the
+  precision it runs in: NVFP4 with or without the Q/K channel balance, or exact.  Saved as JSON
+  with the model's class name; only integrations that know the module (``apply()``) use it.
 
 The integrations feed it what they know: the diffusers processors their role, the denoising step
 (:mod:`nvfp4_dit.processors.steps`) and their module name, the router the sequence lengths; the
@@ -21,8 +25,10 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import json
+import os
 import re
-from typing import Optional, Union
+from typing import Iterable, Optional, Union
 
 from .checks import BACKENDS
 from .format import BALANCE_QK_DEFAULT
@@ -32,6 +38,65 @@ DEFAULT_MIN_SEQ_LEN = 1024
 
 LayerSpec = Union[str, int]
 _BLOCK_INDEX = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
+
+# Per-layer precisions, cheapest first: without the channel balance the quantiser reads Q and K
+# once instead of twice (same attention kernel time); exact attention costs several times more.
+PRECISIONS = ("nvfp4-unbalanced", "nvfp4", "dense")
+PRECISION_COST = {p: i for i, p in enumerate(PRECISIONS)}
+STEP_BUCKETS = ("first", "middle", "last")
+POLICY_FILE_VERSION = 1
+
+
+def step_bucket(step: Optional[tuple[int, int]]) -> str:
+    """The third of the schedule that step ``(index, total)`` falls in; "middle" when unknown."""
+    if step is None:
+        return "middle"
+    index, total = step
+    return STEP_BUCKETS[min(2, max(0, index) * 3 // max(1, total))]
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerPrecision:
+    """The precision of one attention module in one third of the schedule, with what it measured.
+
+    Args:
+        layer: the module path as :func:`nvfp4_dit.apply` names it (``transformer.blocks.3.attn1``).
+        bucket: "first", "middle" or "last" (:func:`step_bucket`).
+        precision: one of :data:`PRECISIONS`.
+        errors: ``((precision, relative L2 error of the attention output), ...)`` measured by
+            :func:`nvfp4_dit.calibrate` (empty when written by hand).
+    """
+
+    layer: str
+    bucket: str
+    precision: str
+    errors: tuple[tuple[str, float], ...] = ()
+
+    def __post_init__(self):
+        if not isinstance(self.layer, str) or not self.layer:
+            raise ValueError(f"layer must be a module path, got {self.layer!r}")
+        if self.bucket not in STEP_BUCKETS:
+            raise ValueError(f"bucket must be one of {STEP_BUCKETS}, got {self.bucket!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
+        errors = tuple((str(p), float(e)) for p, e in self.errors)
+        if any(p not in PRECISIONS for p, _ in errors):
+            raise ValueError(f"errors name precisions outside {PRECISIONS}: {self.errors!r}")
+        object.__setattr__(self, "errors", errors)
+
+
+def _check_per_layer(entries) -> Optional[tuple[LayerPrecision, ...]]:
+    if entries is None:
+        return None
+    out = tuple(entries)
+    if not all(isinstance(e, LayerPrecision) for e in out):
+        raise TypeError("per_layer must be a sequence of LayerPrecision")
+    seen = set()
+    for e in out:
+        if (e.layer, e.bucket) in seen:
+            raise ValueError(f"per_layer names {e.layer} ({e.bucket}) twice")
+        seen.add((e.layer, e.bucket))
+    return out
 
 
 def _check_bool(name: str, value) -> None:
@@ -77,6 +142,11 @@ class AttentionPolicy:
         layers: allow-list of module-name patterns (fnmatch, e.g. ``"blocks.*.attn1"``) or block
             indices (``3`` matches ``blocks.3.attn1``); None allows every layer.
         balance_qk: balance Q and K per channel before quantising them (:func:`nvfp4_dit.attention`).
+        per_layer: calibrated precisions per (module, third of the schedule), see
+            :class:`LayerPrecision`; a module or third not listed follows the rules above.
+            Applied by :func:`nvfp4_dit.apply`, which checks they name the model's modules.
+        model_class: the class name of the model ``per_layer`` was calibrated on.
+        budget: the error budget ``per_layer`` was chosen for (informational).
     """
 
     backend: str = "auto"
@@ -86,6 +156,9 @@ class AttentionPolicy:
     min_seq_len: int = DEFAULT_MIN_SEQ_LEN
     layers: Optional[tuple[LayerSpec, ...]] = None
     balance_qk: bool = BALANCE_QK_DEFAULT
+    per_layer: Optional[tuple[LayerPrecision, ...]] = None
+    model_class: Optional[str] = None
+    budget: Optional[float] = None
 
     def __post_init__(self):
         if not isinstance(self.backend, str) or self.backend not in BACKENDS:
@@ -97,6 +170,12 @@ class AttentionPolicy:
         if isinstance(self.min_seq_len, bool) or not isinstance(self.min_seq_len, int) or self.min_seq_len < 0:
             raise ValueError(f"min_seq_len must be a non-negative int, got {self.min_seq_len!r}")
         object.__setattr__(self, "layers", _check_layers(self.layers))
+        object.__setattr__(self, "per_layer", _check_per_layer(self.per_layer))
+        if self.model_class is not None and not isinstance(self.model_class, str):
+            raise TypeError(f"model_class must be a str, got {type(self.model_class).__name__}")
+        if self.budget is not None and (isinstance(self.budget, bool) or not isinstance(self.budget, (int, float))
+                                        or not self.budget > 0):
+            raise ValueError(f"budget must be a positive number, got {self.budget!r}")
 
     def replace(self, **changes) -> "AttentionPolicy":
         """A copy with some settings changed (checked like the constructor's)."""
@@ -146,10 +225,102 @@ class AttentionPolicy:
             return "short sequence"
         return None
 
+    def precision_for(self, layer: Optional[str], step: Optional[tuple[int, int]]) -> Optional[str]:
+        """The calibrated precision of module ``layer`` at ``step``, or None where ``per_layer``
+        says nothing (the uniform rules apply)."""
+        if self.per_layer is None or layer is None:
+            return None
+        bucket = step_bucket(step)
+        for e in self.per_layer:
+            if e.layer == layer and e.bucket == bucket:
+                return e.precision
+        return None
+
+    def for_precision(self, precision: str) -> "AttentionPolicy":
+        """The uniform policy of an NVFP4 call that runs in ``precision`` (not "dense")."""
+        if precision not in PRECISIONS or precision == "dense":
+            raise ValueError(f"precision must be an NVFP4 one of {PRECISIONS}, got {precision!r}")
+        balance = precision == "nvfp4"
+        return self if (self.per_layer is None and self.balance_qk == balance) else dataclasses.replace(
+            self, balance_qk=balance, per_layer=None)
+
+    def check_layers(self, model_class: str, layers: Iterable[str]) -> None:
+        """Raise ValueError unless ``per_layer`` was calibrated on ``model_class`` and names only
+        modules in ``layers`` (a policy calibrated on another model must not be applied)."""
+        if self.per_layer is None:
+            return
+        if self.model_class is not None and self.model_class != model_class:
+            raise ValueError(f"policy was calibrated on {self.model_class}, not on {model_class}: calibrate this "
+                             "model (nvfp4_dit.calibrate) or use a uniform policy")
+        known = set(layers)
+        unknown = sorted({e.layer for e in self.per_layer} - known)
+        if unknown:
+            raise ValueError(f"policy names attention modules this model does not have: {unknown[:5]}"
+                             + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else "")
+                             + f"; this model's are {sorted(known)[:5]}"
+                             + (" ..." if len(known) > 5 else "") + " (calibrated on another model or a "
+                             "pipeline rather than a bare model?)")
+
     def describe(self) -> str:
         first, last = self.dense_steps
-        return (f"backend {self.backend}, self-attention {'NVFP4' if self.self_attention else 'exact'}, "
+        text = (f"backend {self.backend}, self-attention {'NVFP4' if self.self_attention else 'exact'}, "
                 f"cross-attention {'NVFP4' if self.cross_attention else 'exact'}, dense steps {first},{last}, "
                 f"min_seq_len {self.min_seq_len}, balance_qk {self.balance_qk}"
                 + ("" if self.layers is None else f", layers {list(self.layers)}"))
+        if self.per_layer is not None:
+            counts = {p: sum(e.precision == p for e in self.per_layer) for p in PRECISIONS}
+            text += (f", calibrated on {self.model_class} (budget {self.budget}): "
+                     + ", ".join(f"{n} {p}" for p, n in counts.items() if n))
+        return text
+
+    # -- JSON -------------------------------------------------------------------------------------
+
+    def to_dict(self) -> dict:
+        d = {"version": POLICY_FILE_VERSION}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name == "per_layer" and value is not None:
+                value = [{"layer": e.layer, "bucket": e.bucket, "precision": e.precision,
+                          "errors": {p: err for p, err in e.errors}} for e in value]
+            elif isinstance(value, tuple):
+                value = list(value)
+            d[f.name] = value
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "AttentionPolicy":
+        if not isinstance(d, dict):
+            raise ValueError(f"a policy must be a JSON object, got {type(d).__name__}")
+        if d.get("version") != POLICY_FILE_VERSION:
+            raise ValueError(f"policy file version {d.get('version')!r} is not {POLICY_FILE_VERSION}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names - {"version"})
+        if unknown:
+            raise ValueError(f"policy has unknown fields {unknown}")
+        kw = {k: v for k, v in d.items() if k in names}
+        if kw.get("dense_steps") is not None:
+            kw["dense_steps"] = tuple(kw["dense_steps"])
+        if kw.get("per_layer") is not None:
+            kw["per_layer"] = tuple(LayerPrecision(e["layer"], e["bucket"], e["precision"],
+                                                   tuple(e.get("errors", {}).items())) for e in kw["per_layer"])
+        return cls(**kw)
+
+    def save(self, path: Union[str, os.PathLike]) -> None:
+        """Write the policy as JSON (readable by :meth:`load`, the ComfyUI node and the scripts)."""
+        with open(path, "w") as f:
+            json.dump(self.to_dict(), f, indent=1)
+            f.write("\n")
+
+    @classmethod
+    def load(cls, path: Union[str, os.PathLike]) -> "AttentionPolicy":
+        """Read a policy written by :meth:`save`; ValueError naming the file if it is not one."""
+        try:
+            with open(path) as f:
+                d = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} is not a policy JSON file: {e}") from None
+        try:
+            return cls.from_dict(d)
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"{path} is not a valid nvfp4_dit policy: {e}") from None
 

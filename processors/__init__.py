@@ -20,6 +20,7 @@ import warnings
 from nvfp4_dit.policy import AttentionPolicy
 
 from .apply import NVFP4Handle, apply
+from .calibrate import calibrate
 from .routing import NVFP4FallbackWarning, configure_default, reset_fallback_warnings
 from .steps import StepTracker
 
@@ -48,6 +49,7 @@ __all__ = [
     "NVFP4Handle",
     "StepTracker",
     "apply",
+    "calibrate",
     "backend_registered",
     "configure_default",
     "enable_context_parallel",

@@ -17,8 +17,9 @@ Example::
 from __future__ import annotations
 
 import inspect
+import os
 from dataclasses import dataclass, field
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Optional, Sequence, Union
 
 import torch
 
@@ -37,6 +38,22 @@ def _denoisers(pipe) -> list[tuple[str, torch.nn.Module]]:
         (n, getattr(pipe, n, None)) for n in ("transformer", "transformer_2", "controlnet")]
     return [(n, m) for n, m in items
             if isinstance(m, torch.nn.Module) and n.startswith(_DENOISER_PREFIXES)]
+
+
+def models_of(pipe_or_model) -> tuple[list[tuple[str, torch.nn.Module]], object]:
+    """(the (component name, model) pairs apply() covers, the pipeline or None for a bare model)."""
+    if isinstance(pipe_or_model, torch.nn.Module):
+        return [("", pipe_or_model)], None
+    models = _denoisers(pipe_or_model)
+    if not models:
+        raise TypeError("apply() takes a diffusers pipeline with a transformer/controlnet component "
+                        f"or an nn.Module, got {type(pipe_or_model).__name__}")
+    return models, pipe_or_model
+
+
+def model_class_of(models: list[tuple[str, torch.nn.Module]]) -> str:
+    """The class name a calibrated policy records: the denoisers' classes, joined by "+"."""
+    return "+".join(sorted({type(m).__name__ for _, m in models}))
 
 
 def _left_dense(model: torch.nn.Module, name: str) -> Optional[str]:
@@ -126,6 +143,7 @@ def apply(
     timesteps=None,
     observe_only: bool = False,
     balance_qk: bool = BALANCE_QK_DEFAULT,
+    policy: Union[AttentionPolicy, str, os.PathLike, None] = None,
 ) -> NVFP4Handle:
     """Swap NVFP4 attention into a diffusers pipeline or model.
 
@@ -147,6 +165,10 @@ def apply(
         observe_only: compute every selected call exactly as the unmodified model but route it
             through the processors, so :func:`~nvfp4_dit.processors.routing.add_observer`
             observers see it (dense baselines for timing and attention capture).
+        policy: an :class:`~nvfp4_dit.policy.AttentionPolicy`, or the path of one saved as JSON
+            (a calibrated policy from :func:`nvfp4_dit.calibrate`), instead of the policy
+            arguments above (giving both is a TypeError).  Its per-layer entries must name this
+            model's class and modules (ValueError otherwise).
 
     Returns:
         An :class:`NVFP4Handle`; ``handle.restore()`` or ``with apply(...):`` undoes the swap.
@@ -160,17 +182,22 @@ def apply(
     except ImportError as e:
         raise ImportError("nvfp4_dit.apply needs diffusers (pip install diffusers==0.42.1)") from e
 
-    policy = AttentionPolicy(backend=backend, self_attention=self_attention, cross_attention=cross_attention,
-                             dense_steps=dense_steps, min_seq_len=min_seq_len, layers=layers, balance_qk=balance_qk)
+    settings = dict(backend=backend, self_attention=self_attention, cross_attention=cross_attention,
+                    dense_steps=dense_steps, min_seq_len=min_seq_len, layers=layers, balance_qk=balance_qk)
+    if policy is None:
+        policy = AttentionPolicy(**settings)
+    else:
+        params = inspect.signature(apply).parameters
+        changed = [k for k, v in settings.items() if v != params[k].default]
+        if changed:
+            raise TypeError(f"apply() takes either policy= or the policy arguments, got both (policy and {changed})")
+        if isinstance(policy, (str, os.PathLike)):
+            policy = AttentionPolicy.load(policy)
+        elif not isinstance(policy, AttentionPolicy):
+            raise TypeError(f"policy must be an AttentionPolicy or the path of a saved one, got {type(policy).__name__}")
     if not isinstance(observe_only, bool):
         raise TypeError(f"observe_only must be a bool, got {type(observe_only).__name__}")
-    if isinstance(pipe_or_model, torch.nn.Module):
-        models, pipeline = [("", pipe_or_model)], None
-    else:
-        models, pipeline = _denoisers(pipe_or_model), pipe_or_model
-        if not models:
-            raise TypeError("apply() takes a diffusers pipeline with a transformer/controlnet component "
-                            f"or an nn.Module, got {type(pipe_or_model).__name__}")
+    models, pipeline = models_of(pipe_or_model)
     steps = StepTracker(policy, timesteps=timesteps, pipeline=pipeline)
 
     handle = NVFP4Handle(policy=policy, steps=steps)
@@ -189,6 +216,7 @@ def apply(
                 handle.skipped[full] = why or f"no NVFP4 processor for {type(proc).__name__}"
                 continue
             plans.append((module, proc, cls, full))
+    policy.check_layers(model_class_of(models), [full for *_, full in plans])
     for module, proc, cls, full in plans:
         wrapper = cls(proc, policy=policy, steps=steps, observe_only=observe_only, name=full)
         _assign(module, wrapper)

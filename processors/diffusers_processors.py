@@ -33,6 +33,7 @@ from typing import Optional
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from nvfp4_dit.calibration import FP4_PRECISIONS
 from nvfp4_dit.policy import AttentionPolicy
 
 from . import backend as _backend
@@ -146,6 +147,8 @@ class NVFP4AttnProcessorBase:
         self.observe_only = observe_only
         self.name = name
         self.enabled = policy.layer_allowed(name)  # no name + an allow-list: stays dense
+        # A calibrated policy: the uniform policy of each NVFP4 precision this layer may run in.
+        self._precision_policies = {p: policy.for_precision(p) for p in FP4_PRECISIONS} if policy.per_layer else {}
         if cls.route == ROUTE_DISPATCH:
             self._fp4 = copy.copy(original)
             self._fp4._attention_backend = _backend.backend_member()
@@ -187,21 +190,24 @@ class NVFP4AttnProcessorBase:
 
     def _forward(self, attn, args, kwargs):
         step = self.steps.current_step if self.steps is not None else None
-        dense = not self.enabled or self.policy.dense_reason(cross=self._is_cross(args, kwargs), step=step) is not None
+        precision = self.policy.precision_for(self.name, step)
+        policy = self.policy if precision is None or precision == "dense" else self._precision_policies[precision]
+        dense = (not self.enabled or precision == "dense"
+                 or self.policy.dense_reason(cross=self._is_cross(args, kwargs), step=step) is not None)
         if dense:
             if not routing._OBSERVERS:
                 return self.original(attn, *args, **kwargs)
             observe = routing.DENSE_BY_POLICY  # observed, still exact
         else:
             observe = routing.OBSERVE_ONLY if self.observe_only else None
-        prev = routing.push_route(self.policy, observe, self.name, step)
+        prev = routing.push_route(policy, observe, self.name, step)
         try:
             if self.route == ROUTE_DISPATCH:
                 return self._fp4(attn, *args, **kwargs)
             if self.route == ROUTE_GLOBAL:
                 with _backend.global_backend(_backend.backend_member()):
                     return self.original(attn, *args, **kwargs)
-            with _SDPARedirect(self.policy, observe):
+            with _SDPARedirect(policy, observe):
                 return self.original(attn, *args, **kwargs)
         finally:
             routing.pop_route(prev)

@@ -242,6 +242,17 @@ def routed_attention(
     return res
 
 
+def rerun(info: CallInfo, query, key, value, policy: AttentionPolicy, exact: Callable[[], torch.Tensor],
+          return_lse: bool = False) -> tuple:
+    """Route an observed call again under another ``policy``, without observers: ``(result, path)``.
+
+    For calibration: the same tensors and call arguments, computed the way ``policy`` would.
+    """
+    res, path, _ = _route(query, key, value, info.layout, info.attn_mask, 0.0, info.is_causal, info.scale,
+                          info.enable_gqa, return_lse, policy, None, exact)
+    return res, path
+
+
 def _route(query, key, value, layout, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
            policy, observe, exact):
     """(result, path, reason) -- see :func:`routed_attention`."""

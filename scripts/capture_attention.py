@@ -123,7 +123,7 @@ def main(argv=None) -> int:
     steps = {int(s) for s in args.capture_steps.split(",")} if args.capture_steps else None
     cap = Capturer(layers, steps, args.max_calls)
     if args.attention == "nvfp4":
-        handle = apply(pipe, **generation.policy_kwargs(args, backend, defaults))
+        handle = apply(pipe, policy=generation.policy_from_args(ap, args, backend, defaults))
     else:
         handle = apply(pipe, observe_only=True, cross_attention=True, min_seq_len=0)
     print(f"model: {name} on {device}; capturing a {args.attention} run", flush=True)

@@ -9,6 +9,8 @@ fresh machine:
     python scripts/generate_video.py --attention compare              # NVFP4 vs dense from the same seed
     python scripts/generate_video.py --model Wan-AI/Wan2.1-T2V-1.3B-Diffusers --height 480 --width 832 \\
         --frames 81 --steps 50 --guidance-scale 5 --dense-steps 2,2 --out out/wan.mp4
+    python scripts/generate_video.py --calibrate                      # per-layer policy, then generate
+    python scripts/generate_video.py --policy out/video.policy.json   # reuse a calibrated policy
     torchrun --nproc-per-node 2 scripts/generate_video.py --context-parallel ulysses ...   # 2 GPUs
 
 --context-parallel shards the transformer's sequence over the processes torchrun starts (one per
@@ -38,6 +40,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from nvfp4_dit import generation  # noqa: E402
+from nvfp4_dit.calibration import DEFAULT_BUDGET, format_table  # noqa: E402
 
 
 def write_video(frames, path: Path, fps: int) -> None:
@@ -56,10 +59,22 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None, help="metrics JSON (default: <out>.json)")
     ap.add_argument("--fps", type=int, default=None, help="frames per second of the MP4 (tiny: 8, else 16)")
     ap.add_argument("--no-video", action="store_true", help="skip writing MP4s (JSON only)")
+    ap.add_argument("--calibrate", action="store_true",
+                    help="first calibrate the policy per layer on one exact run of the same arguments "
+                         "(nvfp4_dit.calibrate), write it to <json stem>.policy.json, then generate with it")
+    ap.add_argument("--budget", type=float, default=None,
+                    help=f"error budget of --calibrate: relative L2 error of each layer's attention output "
+                         f"(default {DEFAULT_BUDGET})")
     ap.add_argument("--context-parallel", choices=("ulysses", "ring"), default=None,
                     help="shard the sequence over the ranks of a torchrun launch (Ulysses: heads must divide "
                          "by the rank count; ring: any head count, min_seq_len applies to each shard)")
     args = ap.parse_args(argv)
+    if args.budget is not None and not args.calibrate:
+        ap.error("--budget needs --calibrate")
+    if args.budget is not None and not args.budget > 0:
+        ap.error(f"--budget must be positive, got {args.budget}")
+    if args.calibrate and args.policy:
+        ap.error("--calibrate writes a policy; it cannot also read one (--policy)")
     if args.context_parallel and args.cpu_offload != "none":
         ap.error("--context-parallel and --cpu-offload cannot be combined (each rank holds its model on its GPU)")
 
@@ -93,24 +108,36 @@ def _generate(ap, args, device, rank: int, world: int, ring_shards: int) -> int:
             pipe.set_progress_bar_config(disable=True)
         sharded = generation.enable_context_parallel(pipe, args.context_parallel)
         say(f"context parallel: {args.context_parallel} over {world} ranks ({', '.join(sharded)})")
-    min_seq_len = generation.min_seq_len(args, defaults, ring_shards)
-    say(f"model: {name} on {device} ({str(dtype).replace('torch.', '')}); attention: {args.attention}, "
-        f"FP4 back-end: {backend}, dense steps {args.dense_steps[0]},{args.dense_steps[1]}, "
-        f"min_seq_len {min_seq_len}")
+    policy = generation.policy_from_args(ap, args, backend, defaults, ring_shards)
+    say(f"model: {name} on {device} ({str(dtype).replace('torch.', '')}); attention: {args.attention}; "
+        f"policy: {policy.describe()}" + (f" (from {args.policy})" if args.policy else ""))
     out_path = Path(args.out)
     json_path = Path(args.json) if args.json else out_path.with_suffix(".json")
+    policy_path = None
+    if args.calibrate:
+        say("[calibrate] one exact run, every NVFP4 precision measured per layer ...")
+        policy = generation.calibrate_pipeline(pipe, args, defaults, policy,
+                                               DEFAULT_BUDGET if args.budget is None else args.budget)
+        policy_path = json_path.with_name(json_path.stem + ".policy.json")
+        if rank == 0:
+            policy_path.parent.mkdir(parents=True, exist_ok=True)
+            policy.save(policy_path)
+        say(format_table(policy))
+        say(f"[calibrate] {policy.describe()}; saved to {policy_path}")
     fps = args.fps or defaults.get("fps", 16)
 
     modes = ["sdpa", "nvfp4"] if args.attention == "compare" else [args.attention]
     report = {"tool": "generate_video", "model": name, "device": str(device), "dtype": str(dtype).replace("torch.", ""),
-              "attention": args.attention, "backend": backend, "dense_steps": list(args.dense_steps),
-              "cross_attention": args.cross_attention, "min_seq_len": min_seq_len, "layers": args.layers,
+              "attention": args.attention, "backend": policy.backend, "dense_steps": list(policy.dense_steps),
+              "cross_attention": policy.cross_attention, "min_seq_len": policy.min_seq_len,
+              "layers": list(policy.layers) if policy.layers else None, "policy": policy.to_dict(),
+              "policy_file": str(policy_path or args.policy) if (policy_path or args.policy) else None,
               "prompt": args.prompt, "seed": args.seed, "call": {}, "runs": {},
               "context_parallel": {"mode": args.context_parallel, "world_size": world} if args.context_parallel else None}
     results = {}
     for mode in modes:
         say(f"[{mode}] denoising ...")
-        output, summary, latents = generation.run_once(pipe, args, defaults, mode, backend, device, ring_shards)
+        output, summary, latents = generation.run_once(pipe, args, defaults, mode, policy, device)
         frames = generation.frames_of(output)
         results[mode] = (frames, latents)
         video = out_path if (mode == "nvfp4" or len(modes) == 1) else out_path.with_name(out_path.stem + "_sdpa.mp4")

@@ -42,6 +42,8 @@ import capture_attention  # noqa: E402
 import generate_video  # noqa: E402
 import replay_attention  # noqa: E402
 from nvfp4_dit import format as fmt  # noqa: E402
+from nvfp4_dit.calibration import format_table  # noqa: E402
+from nvfp4_dit.policy import AttentionPolicy  # noqa: E402
 
 
 def _plt():
@@ -145,6 +147,30 @@ def section_generation(out: Path, device: str, backend: str, quick: bool) -> lis
     return lines
 
 
+def section_calibration(out: Path, device: str, backend: str, quick: bool) -> list[str]:
+    common = ["--attention", "compare", "--device", device, "--backend", backend, "--dense-steps", "1,1",
+              "--no-video"] + (["--steps", "4"] if quick else [])
+    reports = {}
+    for run, extra in (("uniform", []), ("calibrated", ["--calibrate"])):
+        js = out / f"tiny_{run}.json"
+        with contextlib.redirect_stdout(io.StringIO()):
+            generate_video.main([*common, *extra, "--out", str(out / f"tiny_{run}.mp4"), "--json", str(js)])
+        reports[run] = json.loads(js.read_text())
+    lines = ["## 4. Calibrated per-layer policy against the uniform default (tiny model)", "",
+             "`generate_video.py --attention compare` with the default policy and with `--calibrate` "
+             f"(budget {reports['calibrated']['policy']['budget']}), same seed, FP4 back-end `{backend}`; "
+             "each compared with the dense run.", "",
+             "| policy | latent cos | latent rel-L2 | attention share | FP4 calls | exact calls |", "|---|---|---|---|---|---|"]
+    for run, rep in reports.items():
+        r, c = rep["runs"]["nvfp4"], rep["compare"]
+        fp4 = sum(s["fp4_calls"] for s in r["steps"])
+        exact = sum(s["exact_calls"] for s in r["steps"])
+        lines.append(f"| {run} | {c['latent_cos']:.6f} | {c['latent_rel_l2']:.5f} | "
+                     f"{100 * (r['attention_share'] or 0):.1f}% | {fp4} | {exact} |")
+    policy = AttentionPolicy.from_dict(reports["calibrated"]["policy"])
+    return lines + ["", "Per-layer table of the calibrated policy:", "", format_table(policy), ""]
+
+
 def section_replay(out: Path, device: str, backend: str, quick: bool) -> list[str]:
     cap = out / "capture.safetensors"
     n_steps = 2 if quick else 4
@@ -159,7 +185,7 @@ def section_replay(out: Path, device: str, backend: str, quick: bool) -> list[st
     agg = {}
     for r in rows:
         agg.setdefault((r["layer"], r["backend"]), []).append(r)
-    lines = ["## 4. Per-layer replay of captured attention calls", "",
+    lines = ["## 5. Per-layer replay of captured attention calls", "",
              f"`capture_attention.py` on a dense tiny run ({n_steps} steps, both CFG branches), then "
              "`replay_attention.py` against float64 exact attention.  alpha = <out, exact>/<out, out>.", "",
              "| layer | back-end | calls | cos (mean) | rel-L2 (mean / max) | alpha (mean) | mean abs LSE err |",
@@ -176,7 +202,7 @@ def section_replay(out: Path, device: str, backend: str, quick: bool) -> list[st
 
 
 def section_bench(out: Path, device: str, seqs: str) -> list[str]:
-    head = ["## 5. Kernel benchmark", ""]
+    head = ["## 6. Kernel benchmark", ""]
     if device != "cuda":
         return head + ["Needs a CUDA GPU: `python scripts/report.py --device cuda`.", ""]
     stem = out / "bench"
@@ -196,7 +222,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="smaller inputs and fewer steps (CI)")
     ap.add_argument("--bench-seqs", default=None, help="sequence lengths for the benchmark (default 8192,32768; "
                     "--quick: 8192)")
-    ap.add_argument("--skip", default="", help="comma-separated sections to skip: accuracy,families,generation,replay,bench")
+    ap.add_argument("--skip", default="", help="comma-separated sections to skip: "
+                    "accuracy,families,generation,calibration,replay,bench")
     args = ap.parse_args(argv)
 
     device = "cuda" if args.device == "auto" and torch.cuda.is_available() else (
@@ -214,6 +241,7 @@ def main(argv=None) -> int:
         ("accuracy", lambda: section_accuracy(out, device, backend, args.quick)),
         ("families", lambda: section_families(out, device, backend)),
         ("generation", lambda: section_generation(out, device, backend, args.quick)),
+        ("calibration", lambda: section_calibration(out, device, backend, args.quick)),
         ("replay", lambda: section_replay(out, device, backend, args.quick)),
         ("bench", lambda: section_bench(out, device, args.bench_seqs or ("8192" if args.quick else "8192,32768"))),
     ]

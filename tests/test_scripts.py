@@ -120,8 +120,10 @@ def test_report_writes_markdown_with_figures(tmp_path):
     assert report.main(["--quick", "--out", str(out), "--device", "cpu", "--skip", "families,generation"]) == 0
     md = (out / "report.md").read_text()
     assert "## 1. Op accuracy" in md and "| RoPE Q/K |" in md
-    assert "## 4. Per-layer replay" in md and "reproduced bit-exactly by the replay: yes" in md
-    assert "Needs a CUDA GPU" in md or "## 5. Kernel benchmark" in md
+    assert "## 4. Calibrated per-layer policy" in md and "| calibrated | " in md and "| uniform | " in md
+    assert "| transformer.blocks.1.attn1 | last |" in md
+    assert "## 5. Per-layer replay" in md and "reproduced bit-exactly by the replay: yes" in md
+    assert "Needs a CUDA GPU" in md or "## 6. Kernel benchmark" in md
     for png in ("accuracy.png", "replay.png"):
         assert f"({png})" in md and (out / png).stat().st_size > 1000
 
@@ -137,6 +139,36 @@ def test_generate_video_rejects_bad_arguments_before_running(args, message, caps
         generate_video.main([*args, "--no-video", "--device", "cpu"])
     assert e.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_generate_video_calibrates_then_reuses_the_policy(tmp_path, capsys):
+    common = ["--steps", "4", "--no-video", "--device", "cpu"]
+    assert generate_video.main([*common, "--calibrate", "--json", str(tmp_path / "cal.json")]) == 0
+    out = capsys.readouterr().out
+    assert "| transformer.blocks.0.attn1 | middle |" in out and "calibrated on WanTransformer3DModel" in out
+    policy_file = tmp_path / "cal.policy.json"
+    saved = json.loads(policy_file.read_text())
+    report = json.loads((tmp_path / "cal.json").read_text())
+    assert report["policy"] == saved and report["policy_file"] == str(policy_file)
+    assert {(e["layer"], e["bucket"]) for e in saved["per_layer"]} == {
+        (f"transformer.blocks.{i}.attn1", b) for i in (0, 1) for b in ("first", "middle", "last")}
+    assert all(set(e["errors"]) == {"nvfp4", "nvfp4-unbalanced"} for e in saved["per_layer"])
+    assert generate_video.main([*common, "--policy", str(policy_file), "--json", str(tmp_path / "re.json")]) == 0
+    again = json.loads((tmp_path / "re.json").read_text())
+    assert again["policy"] == saved and again["runs"]["nvfp4"]["steps"][1]["fp4_calls"] == 4
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--budget", "0.1"], "--budget needs --calibrate"),
+    (["--calibrate", "--policy", "p.json"], "cannot also read one"),
+    (["--policy", "p.json", "--min-seq-len", "4"], "drop --min-seq-len"),
+    (["--policy", "missing.json"], "missing.json"),
+])
+def test_generate_video_policy_argument_errors(args, message, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        generate_video.main([*args, "--no-video", "--device", "cpu"])
+    assert e.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_generate_video_context_parallel_under_torchrun_on_cpu(tmp_path):

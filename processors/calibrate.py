@@ -1,0 +1,101 @@
+"""``calibrate(pipe_or_model, run)``: a per-layer NVFP4 policy from the model's own attention.
+
+The user's ``run`` (one short generation, or one denoising step) runs with every attention
+module routed through NVFP4 processors that compute exactly (``apply(..., observe_only=True)``),
+so the generation itself is the exact one.  Each call the policy would run in NVFP4 (its role,
+length and layer rules; every step, the ``dense_steps`` rule is left to the returned policy) is
+run again in every NVFP4 precision on the same Q, K and V, and its relative L2 error against the
+exact output is accumulated per (module, third of the schedule, precision)
+(:class:`~nvfp4_dit.calibration.CalibrationTable`).  The returned policy assigns each module and
+third the cheapest precision within the budget, exact attention where none is.
+
+Extra cost: one NVFP4 attention per precision per measured call, one at a time (one extra
+output tensor in memory); ``steps=`` limits which denoising steps are measured.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable, Optional
+
+from nvfp4_dit.calibration import DEFAULT_BUDGET, FP4_PRECISIONS, CalibrationTable, relative_error_terms
+from nvfp4_dit.policy import AttentionPolicy
+
+from . import routing
+from .apply import apply, model_class_of, models_of
+
+
+def calibrate(
+    pipe_or_model,
+    run: Callable[[], object],
+    *,
+    budget: float = DEFAULT_BUDGET,
+    steps: Optional[Iterable[int]] = None,
+    policy: Optional[AttentionPolicy] = None,
+    timesteps=None,
+) -> AttentionPolicy:
+    """Measure each attention module's NVFP4 error on ``run`` and return a per-layer policy.
+
+    Args:
+        pipe_or_model: the diffusers pipeline or model :func:`nvfp4_dit.apply` will be given.
+        run: a callable that runs it once, e.g. ``lambda: pipe(prompt, num_inference_steps=8)``
+            (its output is the exact, unmodified model's).
+        budget: the largest relative L2 error of an attention output that a precision may have
+            (default :data:`~nvfp4_dit.calibration.DEFAULT_BUDGET`).
+        steps: denoising step indices (0-based) to measure; default every step.
+        policy: the base policy (back-end, roles, ``min_seq_len``, ``dense_steps``, layer
+            allow-list); default ``AttentionPolicy()``.  Its per-layer entries are replaced.
+        timesteps: a bare model's sampling schedule, as for :func:`nvfp4_dit.apply`.
+
+    Returns:
+        ``policy`` with ``per_layer`` (each entry keeps its measured errors), ``model_class``
+        and ``budget`` set; save it with ``.save(path)``, use it with ``apply(pipe, policy=...)``.
+
+    Raises:
+        ValueError for a bad ``budget``/``steps``, or when ``run`` made no call that the policy
+        would run in NVFP4 (nothing to calibrate: too short, or every module excluded).
+    """
+    base = AttentionPolicy() if policy is None else policy
+    if not isinstance(base, AttentionPolicy):
+        raise TypeError(f"policy must be an AttentionPolicy, got {type(base).__name__}")
+    if not callable(run):
+        raise TypeError(f"run must be a callable that runs the model once, got {type(run).__name__}")
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget > 0:
+        raise ValueError(f"budget must be a positive number, got {budget!r}")
+    step_set = None
+    if steps is not None:
+        step_set = set(steps)
+        if not step_set or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in step_set):
+            raise ValueError(f"steps must be non-negative step indices, got {steps!r}")
+    base = base.replace(per_layer=None, model_class=None, budget=None)
+    per_precision = {p: base.for_precision(p) for p in FP4_PRECISIONS}
+    table = CalibrationTable()
+
+    def observe(info, q, k, v, out):
+        if info.reason != routing.OBSERVE_ONLY or info.layer is None:
+            return  # dense by role or layer: no entry, the uniform rules keep it exact
+        if step_set is not None and (info.step is None or info.step[0] not in step_set):
+            return
+        return_lse = isinstance(out, tuple)
+        exact = out[0] if return_lse else out
+        results = {}
+        for precision, p in per_precision.items():
+            res, path = routing.rerun(info, q, k, v, p, lambda: out, return_lse=return_lse)
+            if path != "fp4":
+                return  # short or not expressible in FP4: it runs exact whatever the entry says
+            results[precision] = relative_error_terms(res[0] if return_lse else res, exact)
+            del res
+        for precision, (err2, ref2) in results.items():
+            table.add(info.layer, info.step, precision, err2, ref2)
+        table.count_call(info.layer, info.step)
+
+    handle = apply(pipe_or_model, policy=base.replace(dense_steps=(0, 0)), observe_only=True, timesteps=timesteps)
+    routing.add_observer(observe)
+    try:
+        run()
+    finally:
+        routing.remove_observer(observe)
+        handle.restore()
+    if not len(table):
+        raise ValueError("calibration saw no attention call that the policy would run in NVFP4 (sequences "
+                         f"shorter than min_seq_len={base.min_seq_len}, or every module excluded by role/layers)")
+    return table.policy(base, budget, model_class_of(models_of(pipe_or_model)[0]))

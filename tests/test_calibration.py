@@ -1,0 +1,229 @@
+"""Calibrated per-layer policies: the shared table and choice, JSON, calibrate() on the tiny
+models of every diffusers family, and apply(policy=...) following the per-layer entries."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import nvfp4_dit
+from nvfp4_dit.calibration import DEFAULT_BUDGET, CalibrationTable, choose_precision, format_table
+from nvfp4_dit.policy import PRECISIONS, AttentionPolicy, LayerPrecision, step_bucket
+
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
+
+
+# -- the shared pieces (no diffusers) ---------------------------------------------------------------
+
+def test_step_buckets_split_the_schedule_in_thirds():
+    assert [step_bucket((i, 9)) for i in range(9)] == ["first"] * 3 + ["middle"] * 3 + ["last"] * 3
+    assert step_bucket(None) == "middle" and step_bucket((0, 1)) == "first"
+
+
+def test_choose_precision_takes_the_cheapest_within_budget():
+    assert PRECISIONS == ("nvfp4-unbalanced", "nvfp4", "dense")
+    assert choose_precision({"nvfp4-unbalanced": 0.10, "nvfp4": 0.09}, 0.25) == "nvfp4-unbalanced"
+    assert choose_precision({"nvfp4-unbalanced": 0.30, "nvfp4": 0.20}, 0.25) == "nvfp4"
+    assert choose_precision({"nvfp4-unbalanced": 0.30, "nvfp4": 0.26}, 0.25) == "dense"
+    assert choose_precision({"nvfp4-unbalanced": 0.25}, 0.25) == "nvfp4-unbalanced"
+
+
+def test_table_accumulates_relative_l2_over_calls():
+    t = CalibrationTable()
+    t.add("a", (0, 6), "nvfp4", 1.0, 100.0)
+    t.add("a", (1, 6), "nvfp4", 3.0, 300.0)  # same bucket (first third)
+    t.add("a", (5, 6), "nvfp4", 9.0, 100.0)
+    errs = t.errors()
+    assert errs[("a", "first")]["nvfp4"] == pytest.approx(0.1)
+    assert errs[("a", "last")]["nvfp4"] == pytest.approx(0.3)
+    pol = t.policy(AttentionPolicy(backend="reference"), budget=0.2, model_class="M")
+    assert {(e.layer, e.bucket): e.precision for e in pol.per_layer} == {("a", "first"): "nvfp4", ("a", "last"): "dense"}
+    assert pol.model_class == "M" and pol.budget == 0.2 and pol.backend == "reference"
+    assert "| a | first | nvfp4 |" in format_table(pol)
+    with pytest.raises(ValueError, match="precision"):
+        t.add("a", None, "dense", 0.0, 1.0)
+    with pytest.raises(ValueError, match="budget"):
+        t.policy(AttentionPolicy(), budget=0, model_class=None)
+
+
+def test_layer_precision_and_policy_validate():
+    with pytest.raises(ValueError, match="bucket"):
+        LayerPrecision("a", "early", "nvfp4")
+    with pytest.raises(ValueError, match="precision"):
+        LayerPrecision("a", "first", "fp8")
+    with pytest.raises(ValueError, match="twice"):
+        AttentionPolicy(per_layer=[LayerPrecision("a", "first", "dense")] * 2)
+    with pytest.raises(TypeError, match="per_layer"):
+        AttentionPolicy(per_layer=[("a", "first", "dense")])
+    with pytest.raises(ValueError, match="budget"):
+        AttentionPolicy(budget=-1.0)
+
+
+def test_policy_json_round_trip_and_bad_files(tmp_path):
+    pol = AttentionPolicy(backend="reference", dense_steps=(2, 1), min_seq_len=128, layers=("blocks.*",),
+                          per_layer=[LayerPrecision("blocks.0.attn1", "middle", "nvfp4",
+                                                    (("nvfp4", 0.1), ("nvfp4-unbalanced", 0.3)))],
+                          model_class="WanTransformer3DModel", budget=0.25)
+    path = tmp_path / "p.json"
+    pol.save(path)
+    assert AttentionPolicy.load(path) == pol
+    assert json.loads(path.read_text())["per_layer"][0]["errors"] == {"nvfp4": 0.1, "nvfp4-unbalanced": 0.3}
+    assert pol.precision_for("blocks.0.attn1", (4, 9)) == "nvfp4"
+    assert pol.precision_for("blocks.0.attn1", (0, 9)) is None and pol.precision_for("x", None) is None
+    for text, match in [("{", "not a policy JSON"), ('{"version": 7}', "version"),
+                        ('{"version": 1, "colour": 1}', "unknown fields"),
+                        ('{"version": 1, "per_layer": [{"layer": "a"}]}', "not a valid")]:
+        path.write_text(text)
+        with pytest.raises(ValueError, match=match) as e:
+            AttentionPolicy.load(path)
+        assert str(path) in str(e.value)
+
+
+# -- calibrate() on the tiny models ---------------------------------------------------------------------
+
+diffusers = pytest.importorskip("diffusers")
+
+from nvfp4_dit.processors import routing  # noqa: E402
+from nvfp4_dit.tiny_models.diffusers_families import FAMILIES, build  # noqa: E402
+from nvfp4_dit.tiny_models.pipeline import build_tiny_pipeline  # noqa: E402
+
+BASE = AttentionPolicy(backend="reference", min_seq_len=256)
+STEPS = 6
+
+
+def _pipe():
+    pipe = build_tiny_pipeline(dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def _generate(pipe):
+    return pipe("a red fox", num_inference_steps=STEPS, output_type="latent").frames
+
+
+def _force_layers(pipe):
+    """Block 1's self-attention 3x sharper (FP4 error too large for the budget); block 0's K with
+    16 channels x30 and Q's same channels /30 (same logits; FP4 fits only with the balance)."""
+    with torch.no_grad():
+        b1 = pipe.transformer.blocks[1].attn1
+        b1.norm_q.weight.mul_(3.0)
+        b1.norm_k.weight.mul_(3.0)
+        b0 = pipe.transformer.blocks[0].attn1
+        b0.norm_k.weight[::8] *= 30.0
+        b0.norm_q.weight[::8] /= 30.0
+
+
+def _assignments(policy):
+    return {(e.layer, e.bucket): e.precision for e in policy.per_layer}
+
+
+@pytest.fixture(scope="module")
+def forced():
+    pipe = _pipe()
+    _force_layers(pipe)
+    return pipe, nvfp4_dit.calibrate(pipe, lambda: _generate(pipe), policy=BASE)
+
+
+def test_calibration_gives_layers_of_different_error_different_precisions(forced):
+    pipe, policy = forced
+    got = _assignments(policy)
+    layers = {"transformer.blocks.0.attn1", "transformer.blocks.1.attn1"}
+    assert set(got) == {(layer, b) for layer in layers for b in ("first", "middle", "last")}  # cross-attention: none
+    assert {got[("transformer.blocks.0.attn1", b)] for b in ("first", "middle", "last")} == {"nvfp4"}
+    assert {got[("transformer.blocks.1.attn1", b)] for b in ("first", "middle", "last")} == {"dense"}
+    errs = {(e.layer, e.bucket): dict(e.errors) for e in policy.per_layer}
+    b0 = errs[("transformer.blocks.0.attn1", "middle")]
+    assert b0["nvfp4"] < DEFAULT_BUDGET < b0["nvfp4-unbalanced"]
+    assert min(errs[("transformer.blocks.1.attn1", "middle")].values()) > DEFAULT_BUDGET
+    assert policy.model_class == "WanTransformer3DModel" and policy.budget == DEFAULT_BUDGET
+    assert policy.backend == "reference" and policy.dense_steps == BASE.dense_steps
+
+
+def test_unmodified_model_calibrates_to_the_cheapest_fp4():
+    pipe = _pipe()
+    policy = nvfp4_dit.calibrate(pipe, lambda: _generate(pipe), policy=BASE, steps=[2, 3])
+    assert set(_assignments(policy).values()) == {"nvfp4-unbalanced"}
+    assert {e.bucket for e in policy.per_layer} == {"middle"}  # only steps 2 and 3 measured
+
+
+def test_calibration_run_is_the_exact_run_and_leaves_nothing_behind():
+    pipe = _pipe()
+    procs = {n: type(m.processor) for n, m in pipe.transformer.named_modules() if hasattr(m, "processor")}
+    torch.manual_seed(0)
+    plain = _generate(pipe)
+    out = {}
+    torch.manual_seed(0)
+    nvfp4_dit.calibrate(pipe, lambda: out.setdefault("latents", _generate(pipe)), policy=BASE)
+    assert torch.equal(out["latents"], plain)
+    assert routing._OBSERVERS == []
+    assert {n: type(m.processor) for n, m in pipe.transformer.named_modules() if hasattr(m, "processor")} == procs
+
+
+def test_apply_follows_the_calibrated_policy(forced, tmp_path, monkeypatch):
+    pipe, policy = forced
+    path = tmp_path / "policy.json"
+    policy.save(path)
+    calls = []
+    orig = nvfp4_dit.attention
+
+    def spy(q, k, v, **kw):
+        calls.append((routing._STATE.layer, kw.get("balance_qk")))
+        return orig(q, k, v, **kw)
+
+    monkeypatch.setattr(routing.nvfp4_dit, "attention", spy)
+    with nvfp4_dit.apply(pipe, policy=str(path)) as handle:
+        assert handle.policy == policy
+        _generate(pipe)
+    # Block 0 in NVFP4 with the balance on the middle steps (dense_steps keeps the first and last
+    # step exact), block 1 never in NVFP4.
+    assert calls and {c for c in calls} == {("transformer.blocks.0.attn1", True)}
+    assert len(calls) == 2 * (STEPS - 2)  # CFG: two forwards per step
+
+
+def test_a_policy_of_another_model_is_refused(forced):
+    pipe, policy = forced
+    with pytest.raises(ValueError, match="calibrated on WanTransformer3DModel, not on LTX"):
+        nvfp4_dit.apply(build("ltx").model, policy=policy)
+    with pytest.raises(ValueError, match="does not have"):
+        nvfp4_dit.apply(pipe.transformer, policy=policy)  # bare model: names without "transformer."
+    with pytest.raises(TypeError, match="either policy= or the policy arguments"):
+        nvfp4_dit.apply(pipe, policy=policy, min_seq_len=0)
+    with pytest.raises(TypeError, match="policy must be"):
+        nvfp4_dit.apply(pipe, policy={"backend": "sdpa"})
+
+
+def test_calibrate_rejects_bad_arguments_and_empty_runs():
+    pipe = _pipe()
+    with pytest.raises(ValueError, match="budget"):
+        nvfp4_dit.calibrate(pipe, lambda: None, budget=0)
+    with pytest.raises(ValueError, match="steps"):
+        nvfp4_dit.calibrate(pipe, lambda: None, steps=[-1])
+    with pytest.raises(TypeError, match="run must be"):
+        nvfp4_dit.calibrate(pipe, "go")
+    with pytest.raises(ValueError, match="no attention call"):
+        nvfp4_dit.calibrate(pipe, lambda: _generate(pipe), policy=BASE.replace(min_seq_len=100_000))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_calibrates_and_applies(family):
+    case = build(family)
+    policy = nvfp4_dit.calibrate(case.model, case.run, policy=AttentionPolicy(backend="reference", min_seq_len=0))
+    assert policy.per_layer and policy.model_class == type(case.model).__name__
+    assert all(e.bucket == "middle" and len(e.errors) == 2 for e in policy.per_layer)  # bare model: step unknown
+    seen = []
+
+    def observe(info, q, k, v, out):
+        seen.append((info.layer, info.path, policy.precision_for(info.layer, None)))
+
+    routing.add_observer(observe)
+    try:
+        with nvfp4_dit.apply(case.model, policy=policy):
+            case.run()
+    finally:
+        routing.remove_observer(observe)
+    assert any(precision is not None for _, _, precision in seen)
+    for layer, path, precision in seen:
+        if precision is not None:
+            assert (path == "fp4") == (precision != "dense"), (layer, path, precision)
