@@ -25,6 +25,7 @@ import torch
 from nvfp4_dit import format as fmt
 from nvfp4_dit.fallback import warn_once
 from nvfp4_dit.masks import NotPerKeyMask, reduce_key_mask
+from nvfp4_dit.calibration import FP4_PRECISIONS
 from nvfp4_dit.policy import AttentionPolicy
 
 logger = logging.getLogger("nvfp4_dit.comfyui")
@@ -72,6 +73,28 @@ def sampling_step(transformer_options: dict) -> Optional[tuple[int, int]]:
     tolerance = 1e-3 * abs(sigma)
     step = int((schedule[1:] >= sigma - tolerance).sum())
     return min(step, steps - 1), steps
+
+
+def layer_name(transformer_options: dict, cross: bool) -> Optional[str]:
+    """The name a calibrated policy gives this call's attention layer, or None where the model does
+    not say which block is running.
+
+    ComfyUI's Wan, HunyuanVideo and Cosmos Predict2 put ``block_index`` (and ``block_type``, e.g.
+    "double" / "single") in ``transformer_options``; the role comes from the lengths, as for the
+    cross-attention rule: ``double_blocks.3.self``, ``double_blocks.3.cross``.
+    """
+    index = transformer_options.get("block_index")
+    if isinstance(index, bool) or not isinstance(index, int):
+        return None
+    kind = transformer_options.get("block_type")
+    prefix = f"{kind}_blocks" if isinstance(kind, str) and kind else "blocks"
+    return f"{prefix}.{index}.{'cross' if cross else 'self'}"
+
+
+def diffusion_model_class(model) -> str:
+    """The class name a calibrated policy records for a ComfyUI ``ModelPatcher``'s diffusion model."""
+    inner = getattr(getattr(model, "model", None), "diffusion_model", None)
+    return type(inner).__name__ if inner is not None else type(model).__name__
 
 
 def key_padding_mask(mask: Optional[torch.Tensor], batch: int, heads: int, queries: int,
@@ -123,6 +146,8 @@ class NVFP4AttentionOverride:
             raise TypeError(f"previous must be callable or None, got {type(previous).__name__}")
         self.policy = policy
         self.previous = previous
+        # A calibrated policy: the uniform policy of each NVFP4 precision a layer may run in.
+        self._precision_policies = {p: policy.for_precision(p) for p in FP4_PRECISIONS} if policy.per_layer else {}
 
     def __repr__(self) -> str:
         return f"NVFP4AttentionOverride({self.policy}, previous={self.previous!r})"
@@ -208,9 +233,15 @@ class NVFP4AttentionOverride:
             return None
 
         # Cross-attention (to text or image tokens) is the call whose query and key lengths differ.
-        step = sampling_step(extra.get("transformer_options") or {}) if any(policy.dense_steps) else None
+        options = extra.get("transformer_options") or {}
+        step = sampling_step(options) if (any(policy.dense_steps) or policy.per_layer) else None
         if policy.dense_reason(cross=queries != keys, step=step, seq_q=queries, seq_k=keys) is not None:
             return None
+        precision = policy.precision_for(layer_name(options, queries != keys), step)
+        if precision == "dense":
+            return None
+        if precision is not None:
+            policy = self._precision_policies[precision]
 
         padding, reason = key_padding_mask(arguments.get("mask"), batch, heads, queries, keys)
         if reason is not None:
@@ -230,7 +261,7 @@ class NVFP4AttentionOverride:
 
         scale = extra.get("scale")
         return dict(
-            q=q4, k=k4, v=v4, layout=layout, batch=batch, heads=heads, queries=queries, head_dim=head_dim,
+            q=q4, k=k4, v=v4, layout=layout, batch=batch, heads=heads, queries=queries, keys=keys, head_dim=head_dim,
             scale=float(head_dim ** -0.5) if scale is None else float(scale), attn_mask=padding,
             backend=backend, balance_qk=policy.balance_qk,
             skip_output_reshape=bool(arguments.get("skip_output_reshape", False)),
@@ -271,15 +302,87 @@ def _nvfp4_attention(q, k, v, **options):
     return nvfp4_dit.attention(q, k, v, **options)
 
 
+class CalibratingOverride(NVFP4AttentionOverride):
+    """Calibration inside a graph: every call runs the model's own attention (the sampled result is
+    the exact one), and each call the policy would run in NVFP4, in a named block, is also run in
+    every NVFP4 precision to measure its error (:class:`~nvfp4_dit.calibration.CalibrationTable`).
+
+    The calibrated policy (the uniform rules of ``policy`` plus per-layer entries) is written to
+    ``path`` as the sampler moves to the next step and on every call of the last step, so the file
+    is complete when sampling ends. The table (two floats per layer, third and precision) lives as
+    long as the patched model: sampling it again adds to the same measurements.
+    """
+
+    def __init__(self, policy: AttentionPolicy, previous: Optional[Callable] = None, *, path, budget: float,
+                 model_class: str):
+        from nvfp4_dit.calibration import CalibrationTable
+
+        base = policy.replace(per_layer=None, model_class=None, budget=None)
+        measure = base.replace(dense_steps=(0, 0))
+        if measure.backend == "auto":   # measure the FP4 numerics on any GPU (emulated where not native)
+            measure = measure.replace(backend="cuda" if torch.cuda.is_available() else "reference")
+        super().__init__(measure, previous)
+        self.base, self.path, self.budget, self.model_class = base, path, budget, model_class
+        self.table = CalibrationTable()
+        self._measure = {p: measure.for_precision(p) for p in FP4_PRECISIONS}
+        self._saved_step = None
+
+    def __call__(self, func: Callable, *args: Any, **kwargs: Any):
+        exact = self.decline(func, args, kwargs)
+        try:
+            arguments = _SIGNATURE.bind(*args, **kwargs).arguments
+        except TypeError:
+            return exact
+        plan = self.plan(arguments)
+        options = arguments.get("kwargs", {}).get("transformer_options") or {}
+        layer = layer_name(options, plan is not None and plan["queries"] != plan["keys"])
+        if plan is None or layer is None:
+            return exact
+        import nvfp4_dit
+        from nvfp4_dit.calibration import relative_error_terms
+
+        step = sampling_step(options)
+        try:
+            terms = {p: relative_error_terms(self.run(dict(plan, balance_qk=pol.balance_qk)), exact)
+                     for p, pol in self._measure.items()}
+        except (nvfp4_dit.BackendUnavailableError, ValueError, TypeError) as error:
+            _warn_once(f"calibration could not run nvfp4_dit.attention ({error})")
+            return exact
+        for precision, (err2, ref2) in terms.items():
+            self.table.add(layer, step, precision, err2, ref2)
+        self.table.count_call(layer, step)
+        if step is None or step != self._saved_step or step[0] == step[1] - 1:
+            self.calibrated_policy().save(self.path)
+            self._saved_step = step
+        return exact
+
+    def calibrated_policy(self) -> AttentionPolicy:
+        return self.table.policy(self.base, self.budget, self.model_class)
+
+
+def _install(model, make_override: Callable[[Optional[Callable]], Callable]):
+    patched = model.clone()
+    transformer_options = patched.model_options.setdefault("transformer_options", {})
+    previous = transformer_options.get("optimized_attention_override")
+    transformer_options["optimized_attention_override"] = make_override(previous)
+    return patched
+
+
 def patch_model(model, policy: AttentionPolicy):
     """A clone of the ComfyUI ``ModelPatcher`` whose attention runs through NVFP4AttentionOverride.
 
     ``clone()`` deep-copies ``model_options`` (dicts and lists), so writing the key on the clone leaves
     the input model as it was; bypassing or deleting the node therefore undoes the patch. An override
-    already on the model is kept as the fallback of ours.
+    already on the model is kept as the fallback of ours. A calibrated policy must have been
+    calibrated on this model's class (ValueError otherwise).
     """
-    patched = model.clone()
-    transformer_options = patched.model_options.setdefault("transformer_options", {})
-    previous = transformer_options.get("optimized_attention_override")
-    transformer_options["optimized_attention_override"] = NVFP4AttentionOverride(policy, previous)
-    return patched
+    if policy.per_layer is not None and policy.model_class not in (None, diffusion_model_class(model)):
+        raise ValueError(f"the policy was calibrated on {policy.model_class}, this model is "
+                         f"{diffusion_model_class(model)}: calibrate this model (the node's calibrate option)")
+    return _install(model, lambda previous: NVFP4AttentionOverride(policy, previous))
+
+
+def patch_model_for_calibration(model, policy: AttentionPolicy, path, budget: float):
+    """A clone of the ``ModelPatcher`` that samples exactly and writes a calibrated policy to ``path``."""
+    return _install(model, lambda previous: CalibratingOverride(policy, previous, path=path, budget=budget,
+                                                                model_class=diffusion_model_class(model)))

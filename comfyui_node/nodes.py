@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from comfy_api.latest import io
 
+from nvfp4_dit.calibration import DEFAULT_BUDGET
 from nvfp4_dit.checks import BACKENDS
 from nvfp4_dit.policy import AttentionPolicy
 
-from .attention_override import patch_model
+from .attention_override import patch_model, patch_model_for_calibration
 
 _DEFAULTS = AttentionPolicy()
 
@@ -67,13 +68,31 @@ class NVFP4Attention(io.ComfyNode):
                              "Fixes noise from heads whose Q and K put their energy in different channels; "
                              "costs one more read of Q per call. Leave it on unless you measure otherwise."),
                 ),
+                io.String.Input(
+                    "policy_file", default="", optional=True,
+                    tooltip=("A calibrated per-layer policy (JSON). Empty: every block follows the settings above. "
+                             "With calibrate off, blocks run in the precision the file assigns them (NVFP4 with or "
+                             "without the channel balance, or the model's own attention) within those settings."),
+                ),
+                io.Boolean.Input(
+                    "calibrate", default=False, optional=True,
+                    tooltip=("On: sample with the model's own attention and measure, per block and third of the "
+                             "schedule, the error of each NVFP4 precision; write the calibrated policy to "
+                             "policy_file when sampling ends. Then turn it off to use that file."),
+                ),
+                io.Float.Input(
+                    "calibration_budget", default=DEFAULT_BUDGET, min=0.001, max=10.0, step=0.01, optional=True,
+                    tooltip=("Largest relative L2 error of a block's attention output that calibration accepts for "
+                             "NVFP4; blocks above it keep the model's own attention."),
+                ),
             ],
             outputs=[io.Model.Output()],
         )
 
     @classmethod
     def execute(cls, model, enabled, backend, cross_attention_dense, dense_first_steps, dense_last_steps,
-                min_seq_len, balance_qk=_DEFAULTS.balance_qk) -> io.NodeOutput:
+                min_seq_len, balance_qk=_DEFAULTS.balance_qk, policy_file="", calibrate=False,
+                calibration_budget=DEFAULT_BUDGET) -> io.NodeOutput:
         if not enabled:
             return io.NodeOutput(model)
         policy = AttentionPolicy(
@@ -81,6 +100,15 @@ class NVFP4Attention(io.ComfyNode):
             dense_steps=(int(dense_first_steps), int(dense_last_steps)), min_seq_len=int(min_seq_len),
             balance_qk=bool(balance_qk),
         )
+        path = (policy_file or "").strip()
+        if calibrate:
+            if not path:
+                raise ValueError("NVFP4 Attention: calibrate needs policy_file, the path to write the policy to")
+            return io.NodeOutput(patch_model_for_calibration(model, policy, path, float(calibration_budget)))
+        if path:
+            calibrated = AttentionPolicy.load(path)
+            policy = policy.replace(per_layer=calibrated.per_layer, model_class=calibrated.model_class,
+                                    budget=calibrated.budget)
         return io.NodeOutput(patch_model(model, policy))
 
 

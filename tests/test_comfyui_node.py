@@ -295,6 +295,63 @@ def test_dense_first_and_last_steps(gen, first, last, dense_steps):
     assert func.calls == []
 
 
+def test_layer_names_from_the_block_comfyui_reports():
+    assert ao.layer_name({}, cross=False) is None
+    assert ao.layer_name({"block_index": 3}, cross=False) == "blocks.3.self"
+    assert ao.layer_name({"block_index": 3, "block_type": "double"}, cross=True) == "double_blocks.3.cross"
+    assert ao.layer_name({"block_index": True}, cross=False) is None
+
+
+SCHEDULE = torch.tensor([14.6, 6.0, 2.5, 0.0])  # 3 steps: one per third
+
+
+def _options(block, step):
+    return {"block_index": block, "block_type": "double", "sample_sigmas": SCHEDULE,
+            "sigmas": SCHEDULE[step].reshape(1)}
+
+
+def test_a_calibrated_policy_picks_each_blocks_precision(gen, op_calls):
+    from nvfp4_dit.policy import LayerPrecision
+
+    q, k, v = qkv(gen, False)
+    entries = [LayerPrecision("double_blocks.0.self", "middle", "nvfp4"),
+               LayerPrecision("double_blocks.1.self", "middle", "nvfp4-unbalanced"),
+               LayerPrecision("double_blocks.2.self", "middle", "dense")]
+    override = NVFP4AttentionOverride(AttentionPolicy(backend="sdpa", **OPEN, per_layer=entries))
+    for block in range(4):
+        func = RecordingFunc()
+        override(func, q, k, v, 2, transformer_options=_options(block, 1))
+        assert bool(func.calls) == (block == 2)
+    # Blocks 0, 1 as assigned; block 3 (no entry) follows the uniform balance_qk (on).
+    assert [c["balance_qk"] for c in op_calls] == [True, False, True]
+    op_calls.clear()
+    override(RecordingFunc(), q, k, v, 2, transformer_options=_options(2, 0))  # first third: no entry
+    assert len(op_calls) == 1
+
+
+def test_calibrating_override_samples_exactly_and_writes_the_policy(gen, tmp_path):
+    path = tmp_path / "policy.json"
+    q, k, v = qkv(gen, False, lq=256, lk=256)
+    sharp = (q * 4, k * 4, v)
+    override = ao.CalibratingOverride(AttentionPolicy(backend="reference", min_seq_len=0, dense_steps=(1, 1)),
+                                      path=path, budget=0.25, model_class="WanModel")
+    func = exact_func = lambda *a, **kw: exact(*a, skip_reshape=False, skip_output_reshape=False,  # noqa: E731
+                                              **{k_: v_ for k_, v_ in kw.items() if k_ in ("mask", "scale")})
+    for step in range(3):
+        for block, tensors in ((0, (q, k, v)), (1, sharp)):
+            out = override(func, *tensors, 2, transformer_options=_options(block, step))
+            assert torch.equal(out, exact_func(*tensors, 2))  # the sampled result is the exact one
+        # Cross-attention to a short context stays exact and unmeasured (the policy keeps it so).
+        override(func, q, k[:, :40], v[:, :40], 2, transformer_options=_options(0, step))
+    saved = AttentionPolicy.load(path)
+    assert saved == override.calibrated_policy()
+    assert saved.model_class == "WanModel" and saved.dense_steps == (1, 1) and saved.budget == 0.25
+    got = {(e.layer, e.bucket): e.precision for e in saved.per_layer}
+    assert set(got) == {(f"double_blocks.{b}.self", t) for b in (0, 1) for t in ("first", "middle", "last")}
+    assert {got[("double_blocks.0.self", t)] for t in ("first", "middle", "last")} == {"nvfp4-unbalanced"}
+    assert {got[("double_blocks.1.self", t)] for t in ("first", "middle", "last")} == {"dense"}
+
+
 def test_unknown_keywords_and_odd_inputs_are_declined(gen):
     q, k, v = qkv(gen, False)
     override = NVFP4AttentionOverride(AttentionPolicy(backend="sdpa", **OPEN))
@@ -594,6 +651,32 @@ def test_declined_calls_do_not_recurse_through_wrap_attn(comfyui, gen):
 
 
 @pytest.mark.comfyui
+def test_node_calibrates_in_a_graph_then_runs_the_saved_policy(comfyui, tiny_cases, unpatched, op_calls, tmp_path):
+    case = tiny_cases["wan"]
+    expected, _ = unpatched[case.name]
+    path = tmp_path / "wan.policy.json"
+    with pytest.raises(ValueError, match="calibrate needs policy_file"):
+        _patch_with_node(comfyui, case.patcher, calibrate=True)
+    calibrating = _patch_with_node(comfyui, case.patcher, backend="reference", calibrate=True, policy_file=str(path))
+    assert torch.equal(comfyui_env.sample(comfyui, calibrating, case), expected)  # exact while measuring
+    policy = AttentionPolicy.load(path)
+    assert policy.model_class == "WanModel"
+    assert {e.layer for e in policy.per_layer} == {"double_blocks.0.self", "double_blocks.1.self"}
+    assert {e.bucket for e in policy.per_layer} == {"first", "middle", "last"}
+    # The saved policy, with the node's own settings (every step, FP4 reference numerics).
+    op_calls.clear()
+    patched = _patch_with_node(comfyui, case.patcher, backend="reference", policy_file=str(path))
+    comfyui_env.sample(comfyui, patched, case)
+    fp4 = {(e.layer, e.bucket): e.precision for e in policy.per_layer if e.precision != "dense"}
+    assert len(op_calls) == len(fp4)  # 3 steps, one per third; cond and uncond in one call per block
+    assert all(c["balance_qk"] == (fp4[k] == "nvfp4") for c, k in zip(op_calls, sorted(fp4, key=lambda x: (
+        ("first", "middle", "last").index(x[1]), x[0]))))
+    # A policy calibrated on another model is refused.
+    with pytest.raises(ValueError, match="calibrated on WanModel"):
+        _patch_with_node(comfyui, tiny_cases["hunyuan_video"].patcher, policy_file=str(path))
+
+
+@pytest.mark.comfyui
 def test_node_schema_and_disabled_passthrough(comfyui, tiny_cases):
     node = _node_class(comfyui)
     schema = node.GET_SCHEMA()
@@ -603,7 +686,8 @@ def test_node_schema_and_disabled_passthrough(comfyui, tiny_cases):
                             "dense_last_steps", "min_seq_len"]
     # Inputs added later are optional and come last, so saved workflows (widget values by position,
     # API graphs by name) keep loading.
-    assert list(node.INPUT_TYPES().get("optional", {})) == ["balance_qk"]
+    assert list(node.INPUT_TYPES().get("optional", {})) == ["balance_qk", "policy_file", "calibrate",
+                                                            "calibration_budget"]
     assert inputs["backend"][0] == list(nvfp4_dit.BACKENDS) or inputs["backend"][1]["options"] == list(nvfp4_dit.BACKENDS)
     assert all(spec[1].get("tooltip") for name, spec in inputs.items() if name != "model")
     patcher = tiny_cases["wan"].patcher
