@@ -186,12 +186,13 @@ def selector_failures(name: str, selectors: list, encoding: dict[int, tuple[int,
     return [] if found == want else [f"{name}: scale selectors (thread-id-a, thread-id-b): count {found}, expected {want}"]
 
 
-def dynamic_smem_bytes(head_dim: int, out_dir: Path) -> int:
-    """AttentionTraits<D>::kSmemBytes, read from the header by a host-only nvcc program."""
-    src = out_dir / f"smem_d{head_dim}.cu"
+def dynamic_smem_bytes(head_dim: int, out_dir: Path, member: str = "kSmemBytes") -> int:
+    """AttentionTraits<D>::kSmemBytes (or another int member), read from the header by a host-only
+    nvcc program."""
+    src = out_dir / f"{member}_d{head_dim}.cu"
     src.write_text('#include <cstdio>\n#include "attention/traits.cuh"\n'
-                   f'int main() {{ std::printf("%d", nvfp4_dit::AttentionTraits<{head_dim}>::kSmemBytes); }}\n')
-    exe = out_dir / f"smem_d{head_dim}"
+                   f'int main() {{ std::printf("%d", nvfp4_dit::AttentionTraits<{head_dim}>::{member}); }}\n')
+    exe = out_dir / f"{member}_d{head_dim}"
     subprocess.run([find_tool("nvcc"), "-std=c++17", f"-I{CSRC}", str(src), "-o", str(exe)], check=True,
                    capture_output=True)
     return int(subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout)

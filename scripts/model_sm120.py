@@ -1,0 +1,367 @@
+#!/usr/bin/env python3
+"""A static cost model of the native attention kernel on sm_120 (no GPU needed).
+
+Compiles each native kernel for sm_120a with line info, reads its SASS (nvdisasm), finds the
+key-tile loop (the innermost backward branch around one tile's MMAs), counts the instructions of
+one steady-state tile per pipe, and models the clocks one SM spends per 128x128 tile:
+
+* steady (non-causal, long rows): the loop body without its cold regions: the key mask (only on
+  the last or diagonal tile), the O rescale (only when a row's max grows) and the slow path of
+  the IEEE divide (a CALL);
+* causal (a diagonal tile): the body with the mask and the rescale, still without the slow path.
+
+Assumptions (sm_120, per SM sub-partition (SMSP) unless said; 8 warps per CTA, 1 CTA per SM, so
+2 warps per SMSP):
+  * 1 instruction issued per clock;
+  * one m16n8k64 block-scaled FP4 MMA = 16 clocks of the tensor pipe (an m16n8k32 8-bit one: 16
+    clocks for half the work; an fp16 m16n8k16 HMMA: 16);
+  * MUFU (and conversions to/from integers): 16 lanes per clock per SM, 8 clocks per warp instruction;
+  * fp32 FMA/FMUL/FADD and fp16x2 at full rate (1 clock per warp instruction); FMNMX, integer,
+    logic, select, compare, moves and packs at half rate (2 clocks); both share the same cores,
+    so their sum is one pipe; uniform-datapath and control instructions take only an issue slot;
+  * shared memory: 128 B per clock per SM: an LDSM.x4 of a warp is 4 wavefronts, an LDS or a
+    SHFL 1 (the kernel's LDS read scale words and broadcast correction rows), and the cp.async
+    fill of the next stage its bytes / 128, in the Q·Kᵀ phase;
+  * every warp synchronises once per tile and runs Q·Kᵀ then softmax in lock-step, so the tile
+    is two phases (up to the last Q·Kᵀ MMA, and the rest); each phase takes its slowest pipe and
+    the tile the sum of both phases (``clocks_per_tile``). ``overlapped_clocks`` is the bound if
+    phases of different warps overlapped perfectly (the slowest pipe over the whole tile).
+  * boost clocks from NVIDIA's spec sheets: RTX 5090 2.407 GHz, 170 SMs; RTX PRO 6000 Blackwell
+    2.617 GHz, 188 SMs. FP4 peak = SMs x 4 SMSPs x 16x8x64x2 FLOP / 16 clocks x clock.
+
+    python scripts/model_sm120.py            # table
+    python scripts/model_sm120.py --json     # rows as JSON
+    python scripts/model_sm120.py --check    # fail if a modelled tile is > 2 % slower than the baseline
+
+The baseline (``scripts/model_sm120_baseline.json``) is updated deliberately when the kernel improves
+(``--write-baseline``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import check_sass  # noqa: E402
+from nvfp4_dit import format as fmt  # noqa: E402
+
+ASSUMPTIONS = "Assumptions" + __doc__.split("Assumptions", 1)[1].split("\n\n    python")[0]
+BASELINE = Path(__file__).resolve().parent / "model_sm120_baseline.json"
+TOLERANCE = 1.02
+GPUS = {"RTX 5090": (170, 2.407e9), "RTX PRO 6000": (188, 2.617e9)}
+WARPS_PER_SMSP = 2
+WARPS_PER_SM = 8
+BLOCK = 128
+
+TENSOR_CLOCKS = {"OMMA": 16, "QMMA": 16, "HMMA": 16}
+MUFU_CLOCKS = 8
+FULL_RATE = {"FFMA", "FMUL", "FADD", "FFMA2", "FMUL2", "FADD2", "HFMA2", "HMUL2", "HADD2", "FSWZADD"}
+HALF_RATE = {"FMNMX", "IMAD", "IADD3", "IADD", "LOP3", "SHF", "SEL", "FSEL", "ISETP", "FSETP", "LEA", "IMNMX",
+             "PRMT", "IABS", "VIADD", "VIMNMX", "MOV", "MOV32I", "F2FP", "FCHK", "VOTE", "P2R", "R2P", "CS2R",
+             "S2R", "POPC", "FLO", "BMSK", "SGXT", "PLOP3", "HSETP2", "HMNMX2", "I2FP", "F2IP"}
+CONVERSIONS = {"I2F", "F2I", "F2F", "FRND"}
+SMEM = {"LDS", "STS", "LDSM", "LDGSTS", "ATOMS", "SHFL", "LDSTS"}
+
+
+def pipe_of(opcode: str) -> str:
+    """"tensor", "mufu", "fma", "alu", "smem" or "issue" (an issue slot only) for a SASS opcode."""
+    base = opcode.split(".")[0]
+    if base in TENSOR_CLOCKS:
+        return "tensor"
+    if base == "MUFU" or base in CONVERSIONS:
+        return "mufu"
+    if base in FULL_RATE:
+        return "fma"
+    if base in HALF_RATE:
+        return "alu"
+    if base in SMEM:
+        return "smem"
+    return "issue"
+
+
+def smem_wavefronts(opcode: str) -> int:
+    """128-byte shared-memory wavefronts of one warp instruction (cp.async: counted per stage)."""
+    base = opcode.split(".")[0]
+    if base == "LDGSTS":
+        return 0
+    if base == "LDSM":
+        m = re.search(r"\.M88\.(\d)", opcode)
+        return int(m.group(1)) if m else 1
+    return 1
+
+
+@dataclass
+class Instruction:
+    addr: int
+    opcode: str
+    operands: str
+    predicated: bool
+    file: str = ""
+    line: int = 0
+
+
+@dataclass
+class Function:
+    name: str
+    code: list = field(default_factory=list)
+    labels: dict = field(default_factory=dict)  # label -> address of the next instruction
+
+
+_INSN = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_.]+)\s*([^;]*);")
+_LINE = re.compile(r'//## File "([^"]+)", line (\d+)')
+_LABEL = re.compile(r"^(\.L_x_\d+):")
+_FUNC = re.compile(r"^\.text\.(\S+):")
+
+
+def parse_nvdisasm(text: str) -> dict[str, Function]:
+    """Functions of ``nvdisasm --print-line-info`` output: instructions with their source line."""
+    funcs: dict[str, Function] = {}
+    cur, file, line, pending = None, "", 0, []
+    for raw in text.splitlines():
+        s = raw.strip()
+        m = _FUNC.match(s)
+        if m:
+            cur = funcs.setdefault(m.group(1), Function(m.group(1)))
+            pending = []
+            continue
+        if cur is None:
+            continue
+        m = _LINE.search(s)
+        if m:
+            file, line = Path(m.group(1)).name, int(m.group(2))
+            continue
+        m = _LABEL.match(s)
+        if m:
+            pending.append(m.group(1))
+            continue
+        m = _INSN.search(s)
+        if m:
+            addr = int(m.group(1), 16)
+            for label in pending:
+                cur.labels[label] = addr
+            pending = []
+            cur.code.append(Instruction(addr, m.group(3), m.group(4).strip(), m.group(2) is not None, file, line))
+    return funcs
+
+
+def _target(fn: Function, insn: Instruction):
+    m = re.search(r"`\((\.L_x_\d+)\)", insn.operands)
+    return fn.labels.get(m.group(1)) if m else None
+
+
+def tile_loop(fn: Function, mma_per_tile: int) -> tuple[int, int]:
+    """(first, last) instruction indices of the innermost backward-branch loop holding one tile's MMAs."""
+    index = {insn.addr: i for i, insn in enumerate(fn.code)}
+    best = None
+    for i, insn in enumerate(fn.code):
+        if not insn.opcode.startswith("BRA"):
+            continue
+        target = _target(fn, insn)
+        if target is None or target > insn.addr or target not in index:
+            continue
+        first = index[target]
+        mma = sum(pipe_of(x.opcode) == "tensor" for x in fn.code[first:i + 1])
+        if mma == mma_per_tile and (best is None or i - first < best[1] - best[0]):
+            best = (first, i)
+    if best is None:
+        raise RuntimeError(f"{fn.name}: no loop with {mma_per_tile} MMAs per tile")
+    return best
+
+
+def cold_regions(fn: Function, first: int, last: int, rescale_lines: set[int]) -> dict[str, set[int]]:
+    """Instruction indices inside the loop that a steady-state tile skips, by kind: the regions a
+    forward conditional branch jumps over that hold the mask (mask.cuh), the O rescale, or a CALL."""
+    index = {insn.addr: i for i, insn in enumerate(fn.code)}
+    kinds: dict[str, set[int]] = {"mask": set(), "rescale": set(), "slow path": set()}
+    for i in range(first, last + 1):
+        insn = fn.code[i]
+        if not insn.opcode.startswith("BRA") or not insn.predicated and ".U" not in insn.opcode:
+            continue
+        target = _target(fn, insn)
+        if target is None or target <= insn.addr or index.get(target, last + 1) > last + 1:
+            continue
+        region = range(i + 1, index[target])
+        body = [fn.code[j] for j in region]
+        if any(x.opcode.startswith("CALL") for x in body):
+            kinds["slow path"].update(region)
+        elif any(x.file == "mask.cuh" for x in body):
+            kinds["mask"].update(region)
+        elif any(x.file == "kernel.cuh" and x.line in rescale_lines for x in body):
+            kinds["rescale"].update(region)
+    return kinds
+
+
+def count(insns) -> dict:
+    c = {"instructions": 0, "tensor": 0, "mufu": 0, "fma": 0, "alu": 0, "smem_wavefronts": 0, "tensor_clocks": 0}
+    for insn in insns:
+        if insn.opcode == "NOP":
+            continue
+        c["instructions"] += 1
+        pipe = pipe_of(insn.opcode)
+        if pipe == "tensor":
+            c["tensor"] += 1
+            c["tensor_clocks"] += TENSOR_CLOCKS[insn.opcode.split(".")[0]]
+        elif pipe == "smem":
+            c["smem_wavefronts"] += smem_wavefronts(insn.opcode)
+        elif pipe in c:
+            c[pipe] += 1
+    return c
+
+
+def phase_clocks(c: dict, stage_wavefronts: int = 0) -> dict:
+    """Clocks of one phase per pipe for one SMSP (2 warps), shared memory for the whole SM."""
+    return {
+        "issue": WARPS_PER_SMSP * c["instructions"],
+        "tensor": WARPS_PER_SMSP * c["tensor_clocks"],
+        "mufu": WARPS_PER_SMSP * MUFU_CLOCKS * c["mufu"],
+        "fma+alu": WARPS_PER_SMSP * (c["fma"] + 2 * c["alu"]),
+        "smem": WARPS_PER_SM * c["smem_wavefronts"] + stage_wavefronts,
+    }
+
+
+def model_kernel(fn: Function, head_dim: int, causal: bool, rescale_lines: set[int], stage_bytes: int,
+                 mma_per_tile: tuple[int, int] | None = None) -> dict:
+    """The row of one kernel; ``mma_per_tile`` = (Q·Kᵀ, P·V) MMAs per warp and tile (default: the
+    kernel's layout for ``head_dim``)."""
+    qk, pv = mma_per_tile or check_sass.mma_per_warp_tile(head_dim)
+    first, last = tile_loop(fn, qk + pv)
+    cold = cold_regions(fn, first, last, rescale_lines)
+    skip = cold["slow path"] | (set() if causal else cold["mask"] | cold["rescale"])
+    body = [(i, fn.code[i]) for i in range(first, last + 1) if i not in skip]
+    # Phase A ends with the last Q·Kᵀ MMA (the first qk MMAs of the body).
+    seen, split = 0, len(body)
+    for n, (_, insn) in enumerate(body):
+        if pipe_of(insn.opcode) == "tensor":
+            seen += 1
+            if seen == qk:
+                split = n + 1
+                break
+    phases = [count(x for _, x in body[:split]), count(x for _, x in body[split:])]
+    stage = stage_bytes // 128
+    clocks = [phase_clocks(phases[0], stage), phase_clocks(phases[1])]
+    total = count(x for _, x in body)
+    whole = phase_clocks(total, stage)
+    clocks_per_tile = sum(max(c.values()) for c in clocks)
+    flops = 2 * 2 * BLOCK * BLOCK * head_dim   # Q·Kᵀ and P·V of one 128x128 tile
+    row = {
+        "head_dim": head_dim, "causal": causal, "qk_format": "nvfp4",
+        **{k: total[k] for k in ("instructions", "tensor", "mufu", "fma", "alu", "smem_wavefronts")},
+        "stage_bytes": stage_bytes,
+        "cold_skipped": {k: len(v) for k, v in cold.items() if v and (k == "slow path" or not causal)},
+        "phase_bounds": [max(c, key=c.get) for c in clocks],
+        "phase_clocks": clocks,
+        "clocks_per_tile": clocks_per_tile,
+        "tensor_clocks_per_tile": whole["tensor"],
+        "overlapped_clocks": max(whole.values()),
+        "tensor_share": round(whole["tensor"] / clocks_per_tile, 4),
+    }
+    for gpu, (sms, clock) in GPUS.items():
+        row[f"tflops {gpu}"] = round(sms * flops * clock / clocks_per_tile / 1e12, 1)
+    return row
+
+
+def rescale_source_lines(kernel_source: str) -> set[int]:
+    """Lines of kernel.cuh that scale the O accumulator by alpha (the conditional rescale)."""
+    return {n for n, text in enumerate(kernel_source.splitlines(), 1) if re.search(r"o\[j\]\[\d\] \*= alpha", text)}
+
+
+def disassemble_with_lines(cubin: Path) -> str:
+    nvdisasm = check_sass.find_tool("nvdisasm")
+    if nvdisasm is None:
+        raise FileNotFoundError("nvdisasm not found: pip install nvidia-cuda-nvdisasm")
+    res = subprocess.run([nvdisasm, "--print-line-info", "-c", str(cubin)], capture_output=True, text=True)
+    if res.returncode:
+        raise RuntimeError(f"nvdisasm failed: {res.stderr}")
+    return res.stdout
+
+
+def compile_with_lines(unit: str, arch: str, out: Path) -> Path:
+    nvcc = check_sass.find_tool("nvcc")
+    if nvcc is None:
+        raise FileNotFoundError("nvcc not found")
+    cubin = out / f"{Path(unit).stem}_sm{arch}_lines.cubin"
+    cmd = [nvcc, "-cubin", "-O3", "-std=c++17", "-lineinfo", f"-I{check_sass.CSRC}",
+           f"-gencode=arch=compute_{arch},code=sm_{arch}", str(check_sass.CSRC / unit), "-o", str(cubin)]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode:
+        raise RuntimeError(f"nvcc failed for {unit}:\n{res.stderr}")
+    return cubin
+
+
+def model(arch: str = "120a") -> list[dict]:
+    """One row per (GPU-independent) head dim and causal setting, with TFLOP/s per GPU."""
+    rescale = rescale_source_lines((check_sass.CSRC / "attention" / "kernel.cuh").read_text())
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for d in fmt.SUPPORTED_HEAD_DIMS:
+            stage_bytes = check_sass.dynamic_smem_bytes(d, Path(tmp), "kStageBytes")
+            funcs = parse_nvdisasm(disassemble_with_lines(compile_with_lines(check_sass.UNITS[d], arch, Path(tmp))))
+            name = next(n for n in funcs if "attention_fwd_kernel" in n and "Lb0E" in n)   # without the LSE
+            for causal in (False, True):
+                rows.append(model_kernel(funcs[name], d, causal, rescale, stage_bytes))
+    return rows
+
+
+def gpu_rows(rows: list[dict]) -> list[dict]:
+    """The rows once per GPU, as the JSON output lists them."""
+    out = []
+    for r in rows:
+        for gpu, (sms, clock) in GPUS.items():
+            base = {k: v for k, v in r.items() if not k.startswith("tflops ")}
+            out.append({"gpu": gpu, "sms": sms, "boost_ghz": clock / 1e9, **base, "tflops": r[f"tflops {gpu}"]})
+    return out
+
+
+def check_baseline(rows: list[dict], baseline: list[dict]) -> list[str]:
+    want = {(b["head_dim"], b["causal"], b["qk_format"]): b["clocks_per_tile"] for b in baseline}
+    failures = []
+    for r in rows:
+        key = (r["head_dim"], r["causal"], r["qk_format"])
+        if key not in want:
+            failures.append(f"no baseline for D={key[0]} causal={key[1]} {key[2]}")
+        elif r["clocks_per_tile"] > want[key] * TOLERANCE:
+            failures.append(f"D={key[0]} causal={key[1]} {key[2]}: {r['clocks_per_tile']} clocks per tile, "
+                            f"more than 2 % over the baseline {want[key]}")
+    return failures
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", action="store_true", help="print the rows (one per GPU) as a JSON list")
+    ap.add_argument("--check", action="store_true", help=f"exit 1 if a tile models > 2 % slower than {BASELINE.name}")
+    ap.add_argument("--write-baseline", action="store_true", help=f"record these figures in {BASELINE.name}")
+    args = ap.parse_args(argv)
+    rows = model()
+    if args.json:
+        print(json.dumps(gpu_rows(rows), indent=1))
+    else:
+        print(ASSUMPTIONS)
+        cols = ["head_dim", "causal", "instructions", "tensor", "mufu", "fma", "alu", "smem_wavefronts",
+                "phase_bounds", "tensor_clocks_per_tile", "clocks_per_tile", "overlapped_clocks", "tensor_share",
+                *[f"tflops {g}" for g in GPUS]]
+        print("\nPer warp and steady-state 128-key tile (clocks per SM):\n")
+        print("| " + " | ".join(cols) + " |")
+        print("|" + "---|" * len(cols))
+        for r in rows:
+            print("| " + " | ".join(str(r[c]) if not isinstance(r[c], list) else "/".join(r[c]) for c in cols) + " |")
+    if args.write_baseline:
+        BASELINE.write_text(json.dumps([{k: r[k] for k in ("head_dim", "causal", "qk_format", "clocks_per_tile")}
+                                        for r in rows], indent=1) + "\n")
+    if args.check:
+        failures = check_baseline(rows, json.loads(BASELINE.read_text()))
+        for f in failures:
+            print("FAIL:", f, file=sys.stderr)
+        return 1 if failures else 0
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
