@@ -5,6 +5,7 @@
 // reductions use shfl-xor 1 and 2 only; xor 4 would mix rows g and g+1 (FlashInfer #3838).
 #pragma once
 #include <cstdint>
+#include "common/exact_division.cuh"
 #include "common/format.cuh"
 
 namespace nvfp4_dit {
@@ -44,8 +45,10 @@ __device__ __forceinline__ float fast_exp2(float x) {
 // dividing; data e2m1(P'/sf); sf = 0 gives an all-zero block. Returns the 8 packed nibbles and
 // the scale byte in *sf_out. Multiplying by the reciprocal instead of dividing can differ from
 // P'/sf by an ulp, which changes a code only for a P'/sf within an ulp of a rounding threshold.
+// max/6 needs no IEEE divide: block_max <= 2688 (+ the ex2 error) lies in amax_over_6's domain,
+// where its e4m3 byte equals that of the IEEE quotient for every fp32 input (tests/test_quantize.py).
 __device__ __forceinline__ uint32_t quantize_p_block(float (&pv)[8], float block_max, uint32_t* sf_out) {
-  const uint32_t sf = nvfp4_dit::float_to_e4m3(__fdiv_rn(block_max, nvfp4_dit::kE2m1Max));   // e4m3_rn_satfinite(max / 6)
+  const uint32_t sf = nvfp4_dit::float_to_e4m3(nvfp4_dit::amax_over_6(block_max));   // e4m3_rn_satfinite(max / 6)
   const float sf_val = ue4m3_to_float(sf);
   float inv = 0.0f;
   if (sf_val > 0.0f) asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(inv) : "f"(sf_val));
