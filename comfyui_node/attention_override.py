@@ -263,14 +263,15 @@ class NVFP4AttentionOverride:
         return dict(
             q=q4, k=k4, v=v4, layout=layout, batch=batch, heads=heads, queries=queries, keys=keys, head_dim=head_dim,
             scale=float(head_dim ** -0.5) if scale is None else float(scale), attn_mask=padding,
-            backend=backend, balance_qk=policy.balance_qk,
+            backend=backend, balance_qk=policy.balance_qk, qk_format=policy.qk_format,
             skip_output_reshape=bool(arguments.get("skip_output_reshape", False)),
         )
 
     @staticmethod
     def run(plan: dict) -> torch.Tensor:
         out = _nvfp4_attention(plan["q"], plan["k"], plan["v"], layout=plan["layout"], scale=plan["scale"],
-                               attn_mask=plan["attn_mask"], backend=plan["backend"], balance_qk=plan["balance_qk"])
+                               attn_mask=plan["attn_mask"], backend=plan["backend"], balance_qk=plan["balance_qk"],
+                               qk_format=plan["qk_format"])
         batch, heads, queries, head_dim = plan["batch"], plan["heads"], plan["queries"], plan["head_dim"]
         if plan["layout"] == "NHD":  # out [B, Lq, H, D]
             if plan["skip_output_reshape"]:
@@ -343,7 +344,8 @@ class CalibratingOverride(NVFP4AttentionOverride):
 
         step = sampling_step(options)
         try:
-            terms = {p: relative_error_terms(self.run(dict(plan, balance_qk=pol.balance_qk)), exact)
+            terms = {p: relative_error_terms(self.run(dict(plan, balance_qk=pol.balance_qk, qk_format=pol.qk_format)),
+                                             exact)
                      for p, pol in self._measure.items()}
         except (nvfp4_dit.BackendUnavailableError, ValueError, TypeError) as error:
             _warn_once(f"calibration could not run nvfp4_dit.attention ({error})")

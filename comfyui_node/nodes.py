@@ -6,6 +6,7 @@ from comfy_api.latest import io
 
 from nvfp4_dit.calibration import DEFAULT_BUDGET
 from nvfp4_dit.checks import BACKENDS
+from nvfp4_dit.format import QK_FORMATS
 from nvfp4_dit.policy import AttentionPolicy
 
 from .attention_override import patch_model, patch_model_for_calibration
@@ -85,6 +86,12 @@ class NVFP4Attention(io.ComfyNode):
                     tooltip=("Largest relative L2 error of a block's attention output that calibration accepts for "
                              "NVFP4; blocks above it keep the model's own attention."),
                 ),
+                io.Combo.Input(
+                    "qk_format", options=list(QK_FORMATS), default=_DEFAULTS.qk_format, optional=True,
+                    tooltip=("Format of Q and K. nvfp4: fastest. mxfp8: 8-bit Q·Kᵀ (P and V stay FP4) for models "
+                             "whose attention is sharp (strong QK-norm gains, noisy or washed-out video with "
+                             "nvfp4); its Q·Kᵀ runs at half the FP4 rate on RTX 50-series."),
+                ),
             ],
             outputs=[io.Model.Output()],
         )
@@ -92,13 +99,13 @@ class NVFP4Attention(io.ComfyNode):
     @classmethod
     def execute(cls, model, enabled, backend, cross_attention_dense, dense_first_steps, dense_last_steps,
                 min_seq_len, balance_qk=_DEFAULTS.balance_qk, policy_file="", calibrate=False,
-                calibration_budget=DEFAULT_BUDGET) -> io.NodeOutput:
+                calibration_budget=DEFAULT_BUDGET, qk_format=_DEFAULTS.qk_format) -> io.NodeOutput:
         if not enabled:
             return io.NodeOutput(model)
         policy = AttentionPolicy(
             backend=backend, cross_attention=not cross_attention_dense,
             dense_steps=(int(dense_first_steps), int(dense_last_steps)), min_seq_len=int(min_seq_len),
-            balance_qk=bool(balance_qk),
+            balance_qk=bool(balance_qk), qk_format=qk_format,
         )
         path = (policy_file or "").strip()
         if calibrate:

@@ -28,21 +28,25 @@ void attention_fwd(const at::Tensor& q_data, const at::Tensor& q_sf, const at::T
                    const at::Tensor& k_scale, const at::Tensor& v_scale, const at::Tensor& v_mean,
                    const std::optional<at::Tensor>& kv_lens,
                    const at::Tensor& out, const std::optional<at::Tensor>& lse, int64_t seq_q, int64_t seq_k,
-                   int64_t q_block_begin, int64_t q_block_end, double scale, bool causal, bool native) {
+                   int64_t q_block_begin, int64_t q_block_end, double scale, bool causal, bool native,
+                   int64_t qk_format) {
+  TORCH_CHECK(qk_format == 0 || qk_format == 1, "qk_format must be 0 (nvfp4) or 1 (mxfp8), got ", qk_format);
+  // Q and K: e2m1 (2 per byte, a scale per 16) or e4m3 (1 per byte, a scale per 32).
+  const int64_t per_byte = qk_format == 0 ? 2 : 1, per_scale = qk_format == 0 ? 16 : 32;
   check_plane(q_data, "q_data", q_data);
   check_plane(q_sf, "q_sf", q_data);
   check_plane(k_data, "k_data", q_data);
   check_plane(k_sf, "k_sf", q_data);
   check_plane(vt_data, "vt_data", q_data);
   check_plane(vt_sf, "vt_sf", q_data);
-  const int64_t B = q_data.size(0), H = q_data.size(1), sqp = q_data.size(2), dp = q_data.size(3) * 2;
+  const int64_t B = q_data.size(0), H = q_data.size(1), sqp = q_data.size(2), dp = q_data.size(3) * per_byte;
   const int64_t hkv = k_data.size(1), skp = k_data.size(2);
   TORCH_CHECK(nvfp4_dit::padded_head_dim(dp) == dp, "padded head dim ", dp, " has no kernel instantiation");
   TORCH_CHECK(sqp % 128 == 0 && skp % 128 == 0, "sequences must be padded to multiples of 128");
   TORCH_CHECK(hkv > 0 && H % hkv == 0, "q heads ", H, " not a multiple of kv heads ", hkv);
-  TORCH_CHECK(q_sf.sizes() == at::IntArrayRef({B, H, sqp, dp / 16}), "q_sf shape ", q_sf.sizes());
-  TORCH_CHECK(k_data.sizes() == at::IntArrayRef({B, hkv, skp, dp / 2}), "k_data shape ", k_data.sizes());
-  TORCH_CHECK(k_sf.sizes() == at::IntArrayRef({B, hkv, skp, dp / 16}), "k_sf shape ", k_sf.sizes());
+  TORCH_CHECK(q_sf.sizes() == at::IntArrayRef({B, H, sqp, dp / per_scale}), "q_sf shape ", q_sf.sizes());
+  TORCH_CHECK(k_data.sizes() == at::IntArrayRef({B, hkv, skp, dp / per_byte}), "k_data shape ", k_data.sizes());
+  TORCH_CHECK(k_sf.sizes() == at::IntArrayRef({B, hkv, skp, dp / per_scale}), "k_sf shape ", k_sf.sizes());
   TORCH_CHECK(vt_data.sizes() == at::IntArrayRef({B, hkv, dp, skp / 2}), "vt_data shape ", vt_data.sizes());
   TORCH_CHECK(vt_sf.sizes() == at::IntArrayRef({B, hkv, dp, skp / 16}), "vt_sf shape ", vt_sf.sizes());
   TORCH_CHECK(0 < seq_q && seq_q <= sqp && 0 < seq_k && seq_k <= skp, "bad seq_q/seq_k ", seq_q, "/", seq_k);
@@ -124,12 +128,14 @@ void attention_fwd(const at::Tensor& q_data, const at::Tensor& q_sf, const at::T
 
   const c10::cuda::CUDAGuard guard(q_data.device());
   const cudaError_t err = nvfp4_dit::attention_fwd(p, int(dp), lse.has_value(), native,
+                                                    static_cast<nvfp4_dit::QkFormat>(qk_format),
                                                     at::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "nvfp4 attention launch failed: ", cudaGetErrorString(err));
 }
 
-at::Tensor mma_fp4_probe(const at::Tensor& a, const at::Tensor& b, const at::Tensor& sfa, const at::Tensor& sfb,
-                         const at::Tensor& c, int64_t tid_a, int64_t tid_b, bool native) {
+// One warp's registers of a probe MMA: a [32, 4], b [32, 2], sfa, sfb [32] int32, c [32, 4] fp32.
+void check_probe_registers(const at::Tensor& a, const at::Tensor& b, const at::Tensor& sfa, const at::Tensor& sfb,
+                           const at::Tensor& c, int64_t tid_a, int64_t tid_b) {
   TORCH_CHECK(tid_a >= 0 && tid_a <= 1, "thread-id-a must be 0 or 1, got ", tid_a);
   TORCH_CHECK(tid_b >= 0 && tid_b <= 3, "thread-id-b must be in 0..3, got ", tid_b);
   auto chk = [](const at::Tensor& t, at::ScalarType st, std::vector<int64_t> shape, const char* name) {
@@ -141,12 +147,31 @@ at::Tensor mma_fp4_probe(const at::Tensor& a, const at::Tensor& b, const at::Ten
   chk(sfa, at::kInt, {32}, "sfa");
   chk(sfb, at::kInt, {32}, "sfb");
   chk(c, at::kFloat, {32, 4}, "c");
+}
+
+const uint32_t* words(const at::Tensor& t) { return reinterpret_cast<const uint32_t*>(t.data_ptr<int32_t>()); }
+
+at::Tensor mma_fp4_probe(const at::Tensor& a, const at::Tensor& b, const at::Tensor& sfa, const at::Tensor& sfb,
+                         const at::Tensor& c, int64_t tid_a, int64_t tid_b, bool native) {
+  check_probe_registers(a, b, sfa, sfb, c, tid_a, tid_b);
   const c10::cuda::CUDAGuard guard(a.device());
   at::Tensor d = at::empty({32, 4}, c.options());
-  const cudaError_t err = nvfp4_dit::mma_fp4_probe(
-      reinterpret_cast<const uint32_t*>(a.data_ptr<int32_t>()), reinterpret_cast<const uint32_t*>(b.data_ptr<int32_t>()),
-      reinterpret_cast<const uint32_t*>(sfa.data_ptr<int32_t>()), reinterpret_cast<const uint32_t*>(sfb.data_ptr<int32_t>()),
-      c.data_ptr<float>(), d.data_ptr<float>(), int(tid_a), int(tid_b), native, at::cuda::getCurrentCUDAStream());
+  const cudaError_t err = nvfp4_dit::mma_fp4_probe(words(a), words(b), words(sfa), words(sfb), c.data_ptr<float>(),
+                                                   d.data_ptr<float>(), int(tid_a), int(tid_b), native,
+                                                   at::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, "mma probe launch failed: ", cudaGetErrorString(err));
+  return d;
+}
+
+at::Tensor mma_mxf8_probe(const at::Tensor& a, const at::Tensor& b, const at::Tensor& sfa, const at::Tensor& sfb,
+                          const at::Tensor& c, int64_t tid_a, int64_t tid_b, int64_t byte_id, bool native) {
+  check_probe_registers(a, b, sfa, sfb, c, tid_a, tid_b);
+  TORCH_CHECK(byte_id >= 0 && byte_id <= 3, "byte-id must be in 0..3, got ", byte_id);
+  const c10::cuda::CUDAGuard guard(a.device());
+  at::Tensor d = at::empty({32, 4}, c.options());
+  const cudaError_t err = nvfp4_dit::mma_mxf8_probe(words(a), words(b), words(sfa), words(sfb), c.data_ptr<float>(),
+                                                    d.data_ptr<float>(), int(tid_a), int(tid_b), int(byte_id), native,
+                                                    at::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "mma probe launch failed: ", cudaGetErrorString(err));
   return d;
 }
@@ -158,13 +183,17 @@ TORCH_LIBRARY_FRAGMENT(nvfp4_dit_cuda, m) {
       "attention_fwd(Tensor q_data, Tensor q_sf, Tensor k_data, Tensor k_sf, Tensor vt_data, Tensor vt_sf, "
       "Tensor delta, Tensor q_dot_km, Tensor q_scale, Tensor k_scale, Tensor v_scale, Tensor v_mean, Tensor? kv_lens, "
       "Tensor(a!) out, Tensor(b!)? lse, int seq_q, int seq_k, "
-      "int q_block_begin, int q_block_end, float scale, bool causal, bool native) -> ()");
+      "int q_block_begin, int q_block_end, float scale, bool causal, bool native, int qk_format) -> ()");
   m.def(
       "mma_fp4_probe(Tensor a, Tensor b, Tensor sfa, Tensor sfb, Tensor c, int tid_a, int tid_b, bool native) "
       "-> Tensor");
+  m.def(
+      "mma_mxf8_probe(Tensor a, Tensor b, Tensor sfa, Tensor sfb, Tensor c, int tid_a, int tid_b, int byte_id, "
+      "bool native) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(nvfp4_dit_cuda, CUDA, m) {
   m.impl("attention_fwd", &attention_fwd);
   m.impl("mma_fp4_probe", &mma_fp4_probe);
+  m.impl("mma_mxf8_probe", &mma_mxf8_probe);
 }

@@ -31,6 +31,7 @@ def apply(
     timesteps=None,
     observe_only: bool = False,
     balance_qk: bool = format.BALANCE_QK_DEFAULT,
+    qk_format: str = format.QK_FORMAT_DEFAULT,
     policy=None,
 ):
     """Swap NVFP4 attention into a diffusers pipeline or model (:func:`nvfp4_dit.processors.apply`).
@@ -45,7 +46,7 @@ def apply(
 
     return _apply(pipe_or_model, backend=backend, self_attention=self_attention, cross_attention=cross_attention,
                   dense_steps=dense_steps, min_seq_len=min_seq_len, layers=layers, timesteps=timesteps,
-                  observe_only=observe_only, balance_qk=balance_qk, policy=policy)
+                  observe_only=observe_only, balance_qk=balance_qk, qk_format=qk_format, policy=policy)
 
 
 def calibrate(pipe_or_model, run, *, budget: Optional[float] = None, steps=None, policy=None, timesteps=None):

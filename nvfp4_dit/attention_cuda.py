@@ -64,16 +64,19 @@ def run_kernel(qq: fmt.QuantizedQKV, corrections, out_hnd: torch.Tensor, lse: Op
         if delta.stride(-1) != 1 or delta.data_ptr() % 16 or any(s % 4 for s in delta.stride()[:3]):
             delta = delta.contiguous()
         op(qq.q_data, qq.q_sf, qq.k_data, qq.k_sf, qq.vt_data, qq.vt_sf, delta, qq.q_dot_km, *scales, lens, out_hnd,
-           lse, qq.seq_q, qq.seq_k, b0, b1, float(scale), bool(causal), bool(native))
+           lse, qq.seq_q, qq.seq_k, b0, b1, float(scale), bool(causal), bool(native),
+           fmt.QK_FORMATS.index(qq.qk_format))
         del delta
 
 
 def attention(q, k, v, *, layout, causal, scale, kv_lens, return_lse, balance_qk: bool = fmt.BALANCE_QK_DEFAULT,
-              quantizer: str = "cuda"):
+              qk_format: str = fmt.QK_FORMAT_DEFAULT, quantizer: str = "cuda"):
     """NVFP4 attention on the GPU; the caller has validated the arguments (:func:`nvfp4_dit.attention`).
 
     ``quantizer``: "cuda" (:func:`nvfp4_dit.quantize.quantize_qkv`) or "torch"
     (:func:`nvfp4_dit.format.quantize_qkv` on the GPU: the reference's own bytes, for tests).
+    MXFP8 Q/K (``qk_format="mxfp8"``) are always quantised by the latter: the CUDA quantisers
+    write NVFP4 Q/K only.
 
     Returns ``(out [q's layout and dtype], lse [B, H, Sq] or None, nonfinite)``: ``nonfinite`` is
     the ``(q_blocks [B, H, nblk], kv [B, Hkv])`` NaN/inf flags of
@@ -89,11 +92,11 @@ def attention(q, k, v, *, layout, causal, scale, kv_lens, return_lse, balance_qk
     b, h, sq, d = qh.shape
     scale = fmt.default_scale(d) if scale is None else float(scale)
     native = build.is_native(torch.cuda.get_device_capability(q.device))
-    if quantizer == "cuda":
+    if quantizer == "cuda" and qk_format == "nvfp4":
         qq = quantize.launch_quantize_qkv(q, k, v, layout=layout, kv_lens=kv_lens, balance_qk=balance_qk)
         nonfinite = qq.nonfinite
     else:
-        qq = fmt.quantize_qkv(q, k, v, layout=layout, kv_lens=kv_lens, balance_qk=balance_qk)
+        qq = fmt.quantize_qkv(q, k, v, layout=layout, kv_lens=kv_lens, balance_qk=balance_qk, qk_format=qk_format)
         nonfinite = fmt.nonfinite_blocks(q, k, v, kv_lens, layout)
     out_dtype = q.dtype if q.dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
     if layout == "NHD":

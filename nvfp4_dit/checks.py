@@ -22,7 +22,8 @@ def check_tensor(name: str, t) -> None:
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
 
 
-def validate_attention_args(q, k, v, layout, causal, scale, attn_mask, kv_lens, return_lse, backend, balance_qk):
+def validate_attention_args(q, k, v, layout, causal, scale, attn_mask, kv_lens, return_lse, backend, balance_qk,
+                            qk_format="nvfp4"):
     """The checks of :func:`nvfp4_dit.attention`; raises TypeError / ValueError naming the argument."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, t)
@@ -36,6 +37,8 @@ def validate_attention_args(q, k, v, layout, causal, scale, attn_mask, kv_lens, 
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
     if not isinstance(balance_qk, bool):
         raise TypeError(f"balance_qk must be a bool, got {type(balance_qk).__name__}")
+    if not isinstance(qk_format, str) or qk_format not in fmt.QK_FORMATS:
+        raise ValueError(f"qk_format must be one of {fmt.QK_FORMATS}, got {qk_format!r}")
     dims = "[B, S, H, D]" if layout == "NHD" else "[B, H, S, D]"
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:

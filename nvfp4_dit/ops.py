@@ -90,9 +90,9 @@ def _exact_lse(qh, kh, scale, mask, chunk_rows: int = 1024):
     return torch.cat(lses, 2) if lses else qh.new_zeros(*qh.shape[:3], dtype=torch.float32)
 
 
-def _attention_fp4_reference(q, k, v, layout, causal, scale, key_bias, kv_lens, return_lse, balance_qk):
+def _attention_fp4_reference(q, k, v, layout, causal, scale, key_bias, kv_lens, return_lse, balance_qk, qk_format):
     res = attention_reference(q, k, v, layout=layout, causal=causal, scale=scale, key_bias=key_bias,
-                              kv_lens=kv_lens, return_lse=return_lse, balance_qk=balance_qk)
+                              kv_lens=kv_lens, return_lse=return_lse, balance_qk=balance_qk, qk_format=qk_format)
     return res if return_lse else (res, None)
 
 
@@ -127,7 +127,7 @@ def _cuda_unsupported_reason(q, k, v, layout, require_native) -> Optional[str]:
     return attention_cuda.unsupported_reason(q, k, v, layout=layout, require_native=require_native)
 
 
-def _run(q, k, v, layout, causal, scale, attn_mask, kv_lens, return_lse, backend, balance_qk):
+def _run(q, k, v, layout, causal, scale, attn_mask, kv_lens, return_lse, backend, balance_qk, qk_format):
     qh = fmt.to_hnd(q, layout)
     b, h, sq, d = qh.shape
     sk = fmt.to_hnd(k, layout).shape[2]
@@ -163,7 +163,7 @@ def _run(q, k, v, layout, causal, scale, attn_mask, kv_lens, return_lse, backend
         if reason is not None:
             raise BackendUnavailableError(f"backend='reference' cannot run this call: {reason}")
         out, lse = _attention_fp4_reference(q, k, v, layout, causal, scale, key_bias, fp4_lens, return_lse,
-                                            balance_qk)
+                                            balance_qk, qk_format)
         nonfinite = fmt.nonfinite_blocks(q, k, v, fp4_lens, layout)
     else:  # cuda / auto
         if reason is None and key_bias is not None:
@@ -179,14 +179,14 @@ def _run(q, k, v, layout, causal, scale, attn_mask, kv_lens, return_lse, backend
 
         # A kernel that failed its first-use self-test (or whose test cannot run yet, during graph
         # capture) never answers, whichever back-end was asked for.
-        untrusted = selftest.fallback_reason(q.device, d)
+        untrusted = selftest.fallback_reason(q.device, d, qk_format)
         if untrusted is not None:
             _warn_fallback(untrusted)
             return _attention_sdpa(q, k, v, layout, causal, scale, attn_mask, kv_lens, return_lse)
 
         out, lse, nonfinite = attention_cuda.attention(q, k, v, layout=layout, causal=causal, scale=scale,
                                                        kv_lens=fp4_lens, return_lse=return_lse,
-                                                       balance_qk=balance_qk)
+                                                       balance_qk=balance_qk, qk_format=qk_format)
     if lse is not None and shift is not None:
         lse = lse + shift.to(lse.device)[:, None, None]
     return _poison_non_finite(out, lse, layout, *nonfinite)
@@ -217,6 +217,7 @@ def _attention_op(
     return_lse: bool,
     backend: str,
     balance_qk: bool,
+    qk_format: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     out_shape, lse_shape = _out_shapes(q, v, layout)
     if q.numel() == 0 or fmt.to_hnd(k, layout).shape[2] == 0:
@@ -224,14 +225,14 @@ def _attention_op(
         out = q.new_zeros(out_shape)
         lse = q.new_full(lse_shape, -math.inf, dtype=torch.float32)
         return out, (lse if return_lse else q.new_empty(0, dtype=torch.float32))
-    out, lse = _run(q, k, v, layout, causal, scale, attn_mask, kv_lens, return_lse, backend, balance_qk)
+    out, lse = _run(q, k, v, layout, causal, scale, attn_mask, kv_lens, return_lse, backend, balance_qk, qk_format)
     if not return_lse:
         return out, q.new_empty(0, dtype=torch.float32)
     return out, lse.float().contiguous()
 
 
 @_attention_op.register_fake
-def _attention_fake(q, k, v, attn_mask, kv_lens, layout, causal, scale, return_lse, backend, balance_qk):
+def _attention_fake(q, k, v, attn_mask, kv_lens, layout, causal, scale, return_lse, backend, balance_qk, qk_format):
     out_shape, lse_shape = _out_shapes(q, v, layout)
     out = q.new_empty(out_shape)
     lse = q.new_empty(lse_shape if return_lse else (0,), dtype=torch.float32)
@@ -251,6 +252,7 @@ def attention(
     return_lse: bool = False,
     backend: str = "auto",
     balance_qk: bool = fmt.BALANCE_QK_DEFAULT,
+    qk_format: str = fmt.QK_FORMAT_DEFAULT,
 ):
     """Scaled dot-product attention with NVFP4 (FP4 microscaling) Q, K, P and V.
 
@@ -275,6 +277,11 @@ def attention(
         balance_qk: balance Q and K per channel before quantising them (Q times a power of two
             per channel, K divided by it: the logits are unchanged exactly). Helps when Q and K put
             their energy in different channels; costs the quantiser one more read of Q.
+        qk_format: the format of Q and K: ``"nvfp4"`` (default) or ``"mxfp8"`` (e4m3 with one
+            power-of-two scale per 32 elements; P and V stay NVFP4). MXFP8 keeps sharp attention
+            (heads whose logits spread far, e.g. strong QK-norm gains) accurate where 4-bit Q/K
+            cannot; on sm_120 its Q·Kᵀ runs at half the FP4 rate. On the GPU its Q and K are
+            quantised by the PyTorch reference quantiser for now (the CUDA quantisers write NVFP4).
 
     Returns:
         ``out`` in q's layout and dtype, or ``(out, lse)`` with ``return_lse=True``.
@@ -284,10 +291,11 @@ def attention(
         TypeError / ValueError naming the bad argument; :class:`BackendUnavailableError` when
         an explicitly requested back-end cannot run the call.
     """
-    validate_attention_args(q, k, v, layout, causal, scale, attn_mask, kv_lens, return_lse, backend, balance_qk)
+    validate_attention_args(q, k, v, layout, causal, scale, attn_mask, kv_lens, return_lse, backend, balance_qk,
+                            qk_format)
     scale = None if scale is None else float(scale)
     out, lse = torch.ops.nvfp4_dit.attention(q, k, v, attn_mask, kv_lens, layout, causal, scale,
-                                              return_lse, backend, balance_qk)
+                                              return_lse, backend, balance_qk, qk_format)
     return (out, lse) if return_lse else out
 
 

@@ -12,7 +12,7 @@ A call runs NVFP4 only if every rule allows it:
 * **layers** -- an optional allow-list of module-name patterns or block indices (diffusers);
 * **per layer** -- a calibrated policy (:func:`nvfp4_dit.calibrate`) also names, for each
   attention module and each third of the denoising schedule (first / middle / last), the
-  precision it runs in: NVFP4 with or without the Q/K channel balance, or exact.  Saved as JSON
+  precision it runs in: NVFP4 with or without the Q/K channel balance, MXFP8 Q·Kᵀ, or exact.  Saved as JSON
   with the model's class name; only integrations that know the module (``apply()``) use it.
 
 The integrations feed it what they know: the diffusers processors their role, the denoising step
@@ -31,7 +31,7 @@ import re
 from typing import Iterable, Optional, Union
 
 from .checks import BACKENDS
-from .format import BALANCE_QK_DEFAULT
+from .format import BALANCE_QK_DEFAULT, QK_FORMAT_DEFAULT, QK_FORMATS
 
 DEFAULT_DENSE_STEPS = (1, 1)
 DEFAULT_MIN_SEQ_LEN = 1024
@@ -40,8 +40,9 @@ LayerSpec = Union[str, int]
 _BLOCK_INDEX = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
 
 # Per-layer precisions, cheapest first: without the channel balance the quantiser reads Q and K
-# once instead of twice (same attention kernel time); exact attention costs several times more.
-PRECISIONS = ("nvfp4-unbalanced", "nvfp4", "dense")
+# once instead of twice (same attention kernel time); MXFP8 Q·Kᵀ runs its MMAs at half the FP4
+# rate; exact attention costs several times more.
+PRECISIONS = ("nvfp4-unbalanced", "nvfp4", "mxfp8", "dense")
 PRECISION_COST = {p: i for i, p in enumerate(PRECISIONS)}
 STEP_BUCKETS = ("first", "middle", "last")
 POLICY_FILE_VERSION = 1
@@ -142,6 +143,7 @@ class AttentionPolicy:
         layers: allow-list of module-name patterns (fnmatch, e.g. ``"blocks.*.attn1"``) or block
             indices (``3`` matches ``blocks.3.attn1``); None allows every layer.
         balance_qk: balance Q and K per channel before quantising them (:func:`nvfp4_dit.attention`).
+        qk_format: "nvfp4" or "mxfp8", the format of Q and K (:func:`nvfp4_dit.attention`).
         per_layer: calibrated precisions per (module, third of the schedule), see
             :class:`LayerPrecision`; a module or third not listed follows the rules above.
             Applied by :func:`nvfp4_dit.apply`, which checks they name the model's modules.
@@ -156,6 +158,7 @@ class AttentionPolicy:
     min_seq_len: int = DEFAULT_MIN_SEQ_LEN
     layers: Optional[tuple[LayerSpec, ...]] = None
     balance_qk: bool = BALANCE_QK_DEFAULT
+    qk_format: str = QK_FORMAT_DEFAULT
     per_layer: Optional[tuple[LayerPrecision, ...]] = None
     model_class: Optional[str] = None
     budget: Optional[float] = None
@@ -166,6 +169,8 @@ class AttentionPolicy:
         _check_bool("self_attention", self.self_attention)
         _check_bool("cross_attention", self.cross_attention)
         _check_bool("balance_qk", self.balance_qk)
+        if not isinstance(self.qk_format, str) or self.qk_format not in QK_FORMATS:
+            raise ValueError(f"qk_format must be one of {QK_FORMATS}, got {self.qk_format!r}")
         object.__setattr__(self, "dense_steps", _check_dense_steps(self.dense_steps))
         if isinstance(self.min_seq_len, bool) or not isinstance(self.min_seq_len, int) or self.min_seq_len < 0:
             raise ValueError(f"min_seq_len must be a non-negative int, got {self.min_seq_len!r}")
@@ -240,9 +245,11 @@ class AttentionPolicy:
         """The uniform policy of an NVFP4 call that runs in ``precision`` (not "dense")."""
         if precision not in PRECISIONS or precision == "dense":
             raise ValueError(f"precision must be an NVFP4 one of {PRECISIONS}, got {precision!r}")
-        balance = precision == "nvfp4"
-        return self if (self.per_layer is None and self.balance_qk == balance) else dataclasses.replace(
-            self, balance_qk=balance, per_layer=None)
+        balance = precision != "nvfp4-unbalanced"
+        qk_format = "mxfp8" if precision == "mxfp8" else "nvfp4"
+        if self.per_layer is None and self.balance_qk == balance and self.qk_format == qk_format:
+            return self
+        return dataclasses.replace(self, balance_qk=balance, qk_format=qk_format, per_layer=None)
 
     def check_layers(self, model_class: str, layers: Iterable[str]) -> None:
         """Raise ValueError unless ``per_layer`` was calibrated on ``model_class`` and names only
@@ -265,7 +272,7 @@ class AttentionPolicy:
         first, last = self.dense_steps
         text = (f"backend {self.backend}, self-attention {'NVFP4' if self.self_attention else 'exact'}, "
                 f"cross-attention {'NVFP4' if self.cross_attention else 'exact'}, dense steps {first},{last}, "
-                f"min_seq_len {self.min_seq_len}, balance_qk {self.balance_qk}"
+                f"min_seq_len {self.min_seq_len}, balance_qk {self.balance_qk}, Q·Kᵀ {self.qk_format}"
                 + ("" if self.layers is None else f", layers {list(self.layers)}"))
         if self.per_layer is not None:
             counts = {p: sum(e.precision == p for e in self.per_layer) for p in PRECISIONS}

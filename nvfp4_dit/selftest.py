@@ -181,9 +181,11 @@ def run_checks(device: torch.device, head_dim: int, qk_format: str = "nvfp4") ->
     checks = []
     with torch.no_grad(), torch.cuda.device(device):
         q, k, v = known_answer_inputs(head_dim, device)
-        for name, fn in (("instruction", lambda: check_instruction(device, native)),
-                         ("quantiser", lambda: check_quantiser(q, k, v)),
-                         ("attention", lambda: check_attention(q, k, v))):
+        named = [("instruction", lambda: check_instruction(device, native, qk_format))]
+        if qk_format == "nvfp4":   # MXFP8 Q/K are quantised by format.quantize_qkv itself on the GPU
+            named.append(("quantiser", lambda: check_quantiser(q, k, v)))
+        named.append(("attention", lambda: check_attention(q, k, v, qk_format)))
+        for name, fn in named:
             try:
                 ok, detail = fn()
             except Exception as exc:  # noqa: BLE001 - a crash is a failed check, never a crash of the caller
@@ -238,6 +240,41 @@ def mma_probe_registers(gen: torch.Generator, tid_a: int, tid_b: int, device):
     return (a_reg, b_reg, sfa_reg, sfb_reg, c_reg), (a_val, b_val, c.double())
 
 
+def mxf8_probe_registers(gen: torch.Generator, tid_a: int, tid_b: int, byte_id: int, device):
+    """Registers of one m16n8k32 kind::mxf8f6f4 MMA (e4m3, ue8m0 scale_vec::1X) laid out by the
+    PTX fragment tables (byte i of a register: k = 4t + i; a0/a1 rows g/g+8 at k, a2/a3 at 16 + k;
+    b0/b1 column g at k and 16 + k), the scale of each row / column in byte ``byte_id`` of the
+    lane the selectors name, and the dense fp64 operands. Returns as mma_probe_registers."""
+    def e4m3_codes(rows):
+        codes = torch.randint(0, 256, (rows, 32), generator=gen, device=device)
+        return torch.where((codes & 0x7F) == 0x7F, codes ^ 0x01, codes)   # never NaN
+    a_codes, b_codes = e4m3_codes(16), e4m3_codes(8)
+    sfa = torch.randint(127 - 20, 127 + 20, (16,), generator=gen, device=device)
+    sfb = torch.randint(127 - 20, 127 + 20, (8,), generator=gen, device=device)
+    c = torch.randn(16, 8, generator=gen, device=device)
+    lanes = torch.arange(32, device=device)
+    g, t = lanes // 4, lanes % 4
+    ks = 4 * t[:, None] + torch.arange(4, device=device)
+    a_reg = torch.stack([_word(a_codes[g[:, None], ks]), _word(a_codes[g[:, None] + 8, ks]),
+                         _word(a_codes[g[:, None], 16 + ks]), _word(a_codes[g[:, None] + 8, 16 + ks])], 1)
+    b_reg = torch.stack([_word(b_codes[g[:, None], ks]), _word(b_codes[g[:, None], 16 + ks])], 1)
+    sfa_reg = torch.randint(0, 2**32, (32,), generator=gen, device=device)
+    sfb_reg = torch.randint(0, 2**32, (32,), generator=gen, device=device)
+    keep = ~(0xFF << (8 * byte_id)) & 0xFFFFFFFF
+
+    def put(reg, lanes, value):   # the scale byte into byte byte_id of those lanes
+        reg[lanes] = (reg[lanes] & keep) | (value << (8 * byte_id))
+
+    rows = torch.arange(8, device=device)
+    put(sfa_reg, 4 * rows + 2 * tid_a, sfa[rows])
+    put(sfa_reg, 4 * rows + 2 * tid_a + 1, sfa[rows + 8])
+    put(sfb_reg, 4 * rows + tid_b, sfb[rows])
+    c_reg = torch.stack([c[g, 2 * t], c[g, 2 * t + 1], c[g + 8, 2 * t], c[g + 8, 2 * t + 1]], 1)
+    a_val = fmt.e4m3_decode(a_codes.to(torch.uint8)).double() * fmt.ue8m0_decode(sfa).double()[:, None]
+    b_val = fmt.e4m3_decode(b_codes.to(torch.uint8)).double() * fmt.ue8m0_decode(sfb).double()[:, None]
+    return (a_reg, b_reg, sfa_reg, sfb_reg, c_reg), (a_val, b_val, c.double())
+
+
 def _unpack_d(d_reg: torch.Tensor) -> torch.Tensor:
     lanes = torch.arange(32, device=d_reg.device)
     g, t = lanes // 4, lanes % 4
@@ -247,27 +284,36 @@ def _unpack_d(d_reg: torch.Tensor) -> torch.Tensor:
     return d
 
 
-def check_instruction(device, native: bool) -> tuple[bool, str]:
-    """One MMA per legal selector pair against a dense product."""
+def check_instruction(device, native: bool, qk_format: str = "nvfp4") -> tuple[bool, str]:
+    """One MMA per legal selector combination against a dense product: the FP4 MMA (8 pairs),
+    and for ``qk_format="mxfp8"`` also the 8-bit one (32: pairs x byte-id)."""
     from . import build
 
-    op = build.load_extension().mma_fp4_probe
+    ext = build.load_extension()
     gen = torch.Generator(device=device).manual_seed(2024)
+    cases = [("fp4", a, b, None) for a in range(2) for b in range(4)]
+    if qk_format == "mxfp8":
+        cases += [("mxf8", a, b, i) for a in range(2) for b in range(4) for i in range(4)]
     worst, where = 0.0, ""
-    for tid_a in range(2):
-        for tid_b in range(4):
+    for kind, tid_a, tid_b, byte_id in cases:
+        if kind == "fp4":
             (a, b, sfa, sfb, c), (a_val, b_val, c_val) = mma_probe_registers(gen, tid_a, tid_b, device)
-            d = _unpack_d(op(_as_int32(a), _as_int32(b), _as_int32(sfa), _as_int32(sfb), c.contiguous(),
-                             tid_a, tid_b, native))
-            dense = a_val @ b_val.T + c_val
-            magnitude = a_val.abs() @ b_val.abs().T + c_val.abs()
-            excess = ((d - dense).abs() / (magnitude * MMA_ACCUMULATION_BOUND + 1e-30)).max().item()
-            if not math.isfinite(excess) or excess > worst:
-                worst = excess if math.isfinite(excess) else math.inf
-                rel = ((d - dense).norm() / dense.norm()).item()
-                where = f"thread-id-a {tid_a}, thread-id-b {tid_b}: relative error {rel:.3g}"
+            regs = (_as_int32(a), _as_int32(b), _as_int32(sfa), _as_int32(sfb), c.contiguous())
+            d = _unpack_d(ext.mma_fp4_probe(*regs, tid_a, tid_b, native))
+        else:
+            (a, b, sfa, sfb, c), (a_val, b_val, c_val) = mxf8_probe_registers(gen, tid_a, tid_b, byte_id, device)
+            regs = (_as_int32(a), _as_int32(b), _as_int32(sfa), _as_int32(sfb), c.contiguous())
+            d = _unpack_d(ext.mma_mxf8_probe(*regs, tid_a, tid_b, byte_id, native))
+        dense = a_val @ b_val.T + c_val
+        magnitude = a_val.abs() @ b_val.abs().T + c_val.abs()
+        excess = ((d - dense).abs() / (magnitude * MMA_ACCUMULATION_BOUND + 1e-30)).max().item()
+        if not math.isfinite(excess) or excess > worst:
+            worst = excess if math.isfinite(excess) else math.inf
+            rel = ((d - dense).norm() / dense.norm()).item()
+            where = f"{kind} thread-id-a {tid_a}, thread-id-b {tid_b}" + (
+                f", byte-id {byte_id}" if byte_id is not None else "") + f": relative error {rel:.3g}"
     ok = worst <= 1.0
-    return ok, ("8 selector pairs within the accumulation bound" if ok else
+    return ok, (f"{len(cases)} selector combinations within the accumulation bound" if ok else
                 f"MMA result off by {worst:.3g}x the accumulation bound ({where})")
 
 
@@ -334,14 +380,14 @@ def check_quantiser(q, k, v) -> tuple[bool, str]:
     return not differ, ("bytes equal (e2m1 ties and subnormal scales included)" if not differ else "; ".join(differ))
 
 
-def check_attention(q, k, v) -> tuple[bool, str]:
+def check_attention(q, k, v, qk_format: str = "nvfp4") -> tuple[bool, str]:
     """The kernel against the reference numerics."""
     from . import attention_cuda
     from .reference import attention_reference
 
     out, lse, _ = attention_cuda.attention(q, k, v, layout="NHD", causal=False, scale=None, kv_lens=None,
-                                           return_lse=True, balance_qk=True)
-    ref, ref_lse = attention_reference(q, k, v, layout="NHD", return_lse=True)
+                                           return_lse=True, balance_qk=True, qk_format=qk_format)
+    ref, ref_lse = attention_reference(q, k, v, layout="NHD", return_lse=True, qk_format=qk_format)
     a, b = out.double().flatten(), ref.double().flatten()
     cos = (a @ b / (a.norm() * b.norm()).clamp_min(1e-300)).item()
     lse_err = (lse - ref_lse).abs().max().item()

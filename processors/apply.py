@@ -23,7 +23,7 @@ from typing import Iterable, Optional, Sequence, Union
 
 import torch
 
-from nvfp4_dit.format import BALANCE_QK_DEFAULT
+from nvfp4_dit.format import BALANCE_QK_DEFAULT, QK_FORMAT_DEFAULT
 from nvfp4_dit.policy import DEFAULT_DENSE_STEPS, DEFAULT_MIN_SEQ_LEN, AttentionPolicy, LayerSpec
 
 from .steps import StepTracker
@@ -143,6 +143,7 @@ def apply(
     timesteps=None,
     observe_only: bool = False,
     balance_qk: bool = BALANCE_QK_DEFAULT,
+    qk_format: str = QK_FORMAT_DEFAULT,
     policy: Union[AttentionPolicy, str, os.PathLike, None] = None,
 ) -> NVFP4Handle:
     """Swap NVFP4 attention into a diffusers pipeline or model.
@@ -162,6 +163,7 @@ def apply(
         layers: allow-list of module-name patterns (fnmatch) or block indices; None = all.
         timesteps: the sampling schedule, for ``dense_steps`` with a bare model.
         balance_qk: balance Q and K per channel before quantising (:func:`nvfp4_dit.attention`).
+        qk_format: "nvfp4" (default) or "mxfp8": the format of Q and K (:func:`nvfp4_dit.attention`).
         observe_only: compute every selected call exactly as the unmodified model but route it
             through the processors, so :func:`~nvfp4_dit.processors.routing.add_observer`
             observers see it (dense baselines for timing and attention capture).
@@ -183,7 +185,8 @@ def apply(
         raise ImportError("nvfp4_dit.apply needs diffusers (pip install diffusers==0.42.1)") from e
 
     settings = dict(backend=backend, self_attention=self_attention, cross_attention=cross_attention,
-                    dense_steps=dense_steps, min_seq_len=min_seq_len, layers=layers, balance_qk=balance_qk)
+                    dense_steps=dense_steps, min_seq_len=min_seq_len, layers=layers, balance_qk=balance_qk,
+                    qk_format=qk_format)
     if policy is None:
         policy = AttentionPolicy(**settings)
     else:

@@ -279,7 +279,7 @@ def _route(query, key, value, layout, attn_mask, dropout_p, is_causal, scale, en
     try:
         res = nvfp4_dit.attention(query, key, value, layout=layout, causal=bool(is_causal), scale=scale,
                                   attn_mask=km.as_key_bias(), kv_lens=km.kv_lens, return_lse=return_lse,
-                                  backend=op_backend, balance_qk=policy.balance_qk)
+                                  backend=op_backend, balance_qk=policy.balance_qk, qk_format=policy.qk_format)
     except nvfp4_dit.BackendUnavailableError as e:
         # An explicitly requested back-end (cuda / reference) cannot run this call: never break
         # the pipeline, run it exactly.

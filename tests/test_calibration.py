@@ -23,10 +23,11 @@ def test_step_buckets_split_the_schedule_in_thirds():
 
 
 def test_choose_precision_takes_the_cheapest_within_budget():
-    assert PRECISIONS == ("nvfp4-unbalanced", "nvfp4", "dense")
-    assert choose_precision({"nvfp4-unbalanced": 0.10, "nvfp4": 0.09}, 0.25) == "nvfp4-unbalanced"
-    assert choose_precision({"nvfp4-unbalanced": 0.30, "nvfp4": 0.20}, 0.25) == "nvfp4"
-    assert choose_precision({"nvfp4-unbalanced": 0.30, "nvfp4": 0.26}, 0.25) == "dense"
+    assert PRECISIONS == ("nvfp4-unbalanced", "nvfp4", "mxfp8", "dense")
+    assert choose_precision({"nvfp4-unbalanced": 0.10, "nvfp4": 0.09, "mxfp8": 0.05}, 0.25) == "nvfp4-unbalanced"
+    assert choose_precision({"nvfp4-unbalanced": 0.30, "nvfp4": 0.20, "mxfp8": 0.05}, 0.25) == "nvfp4"
+    assert choose_precision({"nvfp4-unbalanced": 0.30, "nvfp4": 0.26, "mxfp8": 0.10}, 0.25) == "mxfp8"
+    assert choose_precision({"nvfp4-unbalanced": 0.30, "nvfp4": 0.26, "mxfp8": 0.26}, 0.25) == "dense"
     assert choose_precision({"nvfp4-unbalanced": 0.25}, 0.25) == "nvfp4-unbalanced"
 
 
@@ -104,8 +105,9 @@ def _generate(pipe):
 
 
 def _force_layers(pipe):
-    """Block 1's self-attention 3x sharper (FP4 error too large for the budget); block 0's K with
-    16 channels x30 and Q's same channels /30 (same logits; FP4 fits only with the balance)."""
+    """Block 1's self-attention 3x sharper (4-bit Q/K error too large for the budget, MXFP8 fits);
+    block 0's K with 16 channels x30 and Q's same channels /30 (same logits; FP4 fits only with
+    the balance)."""
     with torch.no_grad():
         b1 = pipe.transformer.blocks[1].attn1
         b1.norm_q.weight.mul_(3.0)
@@ -117,6 +119,13 @@ def _force_layers(pipe):
 
 def _assignments(policy):
     return {(e.layer, e.bucket): e.precision for e in policy.per_layer}
+
+
+def errs_to_policy(policy, budget):
+    """The same measurements under another budget (no second calibration run)."""
+    entries = [LayerPrecision(e.layer, e.bucket, choose_precision(dict(e.errors), budget), e.errors)
+               for e in policy.per_layer]
+    return policy.replace(per_layer=entries, budget=budget)
 
 
 @pytest.fixture(scope="module")
@@ -132,11 +141,14 @@ def test_calibration_gives_layers_of_different_error_different_precisions(forced
     layers = {"transformer.blocks.0.attn1", "transformer.blocks.1.attn1"}
     assert set(got) == {(layer, b) for layer in layers for b in ("first", "middle", "last")}  # cross-attention: none
     assert {got[("transformer.blocks.0.attn1", b)] for b in ("first", "middle", "last")} == {"nvfp4"}
-    assert {got[("transformer.blocks.1.attn1", b)] for b in ("first", "middle", "last")} == {"dense"}
+    assert {got[("transformer.blocks.1.attn1", b)] for b in ("first", "middle", "last")} == {"mxfp8"}
     errs = {(e.layer, e.bucket): dict(e.errors) for e in policy.per_layer}
-    b0 = errs[("transformer.blocks.0.attn1", "middle")]
+    b0, b1 = errs[("transformer.blocks.0.attn1", "middle")], errs[("transformer.blocks.1.attn1", "middle")]
     assert b0["nvfp4"] < DEFAULT_BUDGET < b0["nvfp4-unbalanced"]
-    assert min(errs[("transformer.blocks.1.attn1", "middle")].values()) > DEFAULT_BUDGET
+    assert b1["mxfp8"] < DEFAULT_BUDGET < min(b1["nvfp4"], b1["nvfp4-unbalanced"])
+    # A tighter budget than 8-bit Q·Kᵀ reaches keeps the sharp layer exact.
+    tight = errs_to_policy(policy, budget=0.5 * b1["mxfp8"])
+    assert {e.precision for e in tight.per_layer if e.layer == "transformer.blocks.1.attn1"} == {"dense"}
     assert policy.model_class == "WanTransformer3DModel" and policy.budget == DEFAULT_BUDGET
     assert policy.backend == "reference" and policy.dense_steps == BASE.dense_steps
 
@@ -169,17 +181,17 @@ def test_apply_follows_the_calibrated_policy(forced, tmp_path, monkeypatch):
     orig = nvfp4_dit.attention
 
     def spy(q, k, v, **kw):
-        calls.append((routing._STATE.layer, kw.get("balance_qk")))
+        calls.append((routing._STATE.layer, kw.get("balance_qk"), kw.get("qk_format")))
         return orig(q, k, v, **kw)
 
     monkeypatch.setattr(routing.nvfp4_dit, "attention", spy)
     with nvfp4_dit.apply(pipe, policy=str(path)) as handle:
         assert handle.policy == policy
         _generate(pipe)
-    # Block 0 in NVFP4 with the balance on the middle steps (dense_steps keeps the first and last
-    # step exact), block 1 never in NVFP4.
-    assert calls and {c for c in calls} == {("transformer.blocks.0.attn1", True)}
-    assert len(calls) == 2 * (STEPS - 2)  # CFG: two forwards per step
+    # Block 0 in NVFP4 with the balance, block 1 with MXFP8 Q·Kᵀ, on the middle steps (dense_steps
+    # keeps the first and last step exact).
+    assert set(calls) == {("transformer.blocks.0.attn1", True, "nvfp4"), ("transformer.blocks.1.attn1", True, "mxfp8")}
+    assert len(calls) == 2 * 2 * (STEPS - 2)  # CFG: two forwards per step, two blocks
 
 
 def test_a_policy_of_another_model_is_refused(forced):
@@ -211,7 +223,7 @@ def test_every_family_calibrates_and_applies(family):
     case = build(family)
     policy = nvfp4_dit.calibrate(case.model, case.run, policy=AttentionPolicy(backend="reference", min_seq_len=0))
     assert policy.per_layer and policy.model_class == type(case.model).__name__
-    assert all(e.bucket == "middle" and len(e.errors) == 2 for e in policy.per_layer)  # bare model: step unknown
+    assert all(e.bucket == "middle" and len(e.errors) == 3 for e in policy.per_layer)  # bare model: step unknown
     seen = []
 
     def observe(info, q, k, v, out):

@@ -349,7 +349,8 @@ def test_calibrating_override_samples_exactly_and_writes_the_policy(gen, tmp_pat
     got = {(e.layer, e.bucket): e.precision for e in saved.per_layer}
     assert set(got) == {(f"double_blocks.{b}.self", t) for b in (0, 1) for t in ("first", "middle", "last")}
     assert {got[("double_blocks.0.self", t)] for t in ("first", "middle", "last")} == {"nvfp4-unbalanced"}
-    assert {got[("double_blocks.1.self", t)] for t in ("first", "middle", "last")} == {"dense"}
+    # Logits 4x sharper: 4-bit Q/K miss the budget, 8-bit Q·Kᵀ meets it.
+    assert {got[("double_blocks.1.self", t)] for t in ("first", "middle", "last")} == {"mxfp8"}
 
 
 def test_unknown_keywords_and_odd_inputs_are_declined(gen):
@@ -687,7 +688,7 @@ def test_node_schema_and_disabled_passthrough(comfyui, tiny_cases):
     # Inputs added later are optional and come last, so saved workflows (widget values by position,
     # API graphs by name) keep loading.
     assert list(node.INPUT_TYPES().get("optional", {})) == ["balance_qk", "policy_file", "calibrate",
-                                                            "calibration_budget"]
+                                                            "calibration_budget", "qk_format"]
     assert inputs["backend"][0] == list(nvfp4_dit.BACKENDS) or inputs["backend"][1]["options"] == list(nvfp4_dit.BACKENDS)
     assert all(spec[1].get("tooltip") for name, spec in inputs.items() if name != "model")
     patcher = tiny_cases["wan"].patcher

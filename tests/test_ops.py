@@ -33,6 +33,8 @@ def _cos(a, b):
         (lambda q, k, v: dict(q=q.to(torch.float64), k=k.double(), v=v.double()), TypeError, "q must be float16"),
         (lambda q, k, v: dict(layout="BSHD"), ValueError, "layout"),
         (lambda q, k, v: dict(backend="triton"), ValueError, "backend"),
+        (lambda q, k, v: dict(qk_format="fp8"), ValueError, "qk_format"),
+        (lambda q, k, v: dict(qk_format=None), ValueError, "qk_format"),
         (lambda q, k, v: dict(v=v[:, :100]), ValueError, "same shape"),
         (lambda q, k, v: dict(k=k[:1], v=v[:1]), ValueError, "batch"),
         (lambda q, k, v: dict(k=k[..., :32], v=v[..., :32]), ValueError, "head dim"),
@@ -190,8 +192,9 @@ def test_opcheck(gen):
     q, k, v = _qkv(gen, b=1, sq=128, sk=128)
     lens = torch.tensor([100])
     for backend in ("sdpa", "reference"):
-        torch.library.opcheck(torch.ops.nvfp4_dit.attention.default,
-                              (q, k, v, None, lens, "NHD", False, None, True, backend, True))
+        for qk_format in ("nvfp4", "mxfp8"):
+            torch.library.opcheck(torch.ops.nvfp4_dit.attention.default,
+                                  (q, k, v, None, lens, "NHD", False, None, True, backend, True, qk_format))
 
 
 def test_torch_compile_fullgraph(gen):

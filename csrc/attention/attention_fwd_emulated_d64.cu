@@ -1,9 +1,9 @@
-// Instantiations of the attention forward kernel: head dim 64, fp16-emulated FP4 MMA (sm_80/sm_90; a trap on other targets).
-// Torch-free; compiles standalone with nvcc. The only place this back-end meets this head dim.
+// Instantiations of the attention forward kernel: head dim 64, NVFP4 Q·Kᵀ, fp16-emulated MMA (sm_80/sm_90; a trap on other targets).
+// Torch-free; compiles standalone with nvcc. The only place this back-end meets this head dim and format.
 #include "attention/launcher.cuh"
 #include "attention/mma_emulated.cuh"
 
 namespace nvfp4_dit {
-template cudaError_t launch_attention_fwd<64, false, MmaEmulated>(AttentionFwdParams, cudaStream_t);
-template cudaError_t launch_attention_fwd<64, true, MmaEmulated>(AttentionFwdParams, cudaStream_t);
+template cudaError_t launch_attention_fwd<64, false, MmaEmulated, QkNvfp4>(AttentionFwdParams, cudaStream_t);
+template cudaError_t launch_attention_fwd<64, true, MmaEmulated, QkNvfp4>(AttentionFwdParams, cudaStream_t);
 }  // namespace nvfp4_dit

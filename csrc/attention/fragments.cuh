@@ -18,24 +18,28 @@ namespace nvfp4_dit {
 // exactly the k range of the P·V A fragment it feeds, and P needs no shuffles.
 __host__ __device__ constexpr int score_key(int j, int t, int e) { return 32 * (j >> 2) + 8 * t + 2 * (j & 3) + e; }
 
-template <int kHeadDim>
+template <int kHeadDim, class QkFmt = QkNvfp4>
 struct Fragments {
-  using T = AttentionTraits<kHeadDim>;
-  static constexpr int kQRowBytes = kHeadDim / 2;
-  static constexpr int kSfRowBytes = kHeadDim / 16;   // scale bytes of one Q or K row
+  using T = AttentionTraits<kHeadDim, QkFmt>;
+  static constexpr int kQRowBytes = T::kKRowBytes;     // data bytes of one Q or K row
+  static constexpr int kSfRowBytes = T::kKSfRowBytes;  // scale bytes of one Q or K row
+  // Scale words per Q/K row (QkFmt::sf_word of a chunk); a D=64 MXFP8 row has half a word.
+  static constexpr int kSfWords = kSfRowBytes >= 4 ? kSfRowBytes / 4 : 1;
 
   // Both MMAs read SF_A with thread-id-a = 0 (lane 4g: row g, lane 4g+1: row g+8).
   static constexpr int kTidA = 0;
 
   // ---- Q: the A operand of Q·Kᵀ, loaded once from global memory --------------------------------
-  // Register reg of k64 chunk kc: row g (reg 0, 2) or g+8 (reg 1, 3), k = 32*(reg/2) + 8t..8t+7.
+  // Register reg of chunk kc (32 bytes): row g (reg 0, 2) or g+8 (reg 1, 3), bytes
+  // 16*(reg/2) + 4t..4t+3 of the chunk (e2m1: k = 32*(reg/2) + 8t..8t+7; e4m3: 16*(reg/2) + 4t..4t+3).
   // Bytes from the warp's first Q row.
   __host__ __device__ static constexpr int q_data(int kc, int reg, int g, int t) {
     return (g + 8 * (reg & 1)) * kQRowBytes + 32 * kc + 16 * (reg >> 1) + 4 * t;
   }
-  // The SF_A word of chunk kc: lane 4g+0 row g, 4g+1 row g+8; lanes 4g+2/3 load rows the MMA ignores.
-  __host__ __device__ static constexpr int q_scale(int kc, int g, int t) {
-    return (g + 8 * (t & 1)) * kSfRowBytes + 4 * kc;
+  // SF_A word w (QkFmt::sf_word of a chunk): lane 4g+0 row g, 4g+1 row g+8; lanes 4g+2/3 load
+  // rows the MMA ignores. Bytes from the warp's first Q scale row.
+  __host__ __device__ static constexpr int q_scale(int w, int g, int t) {
+    return (g + 8 * (t & 1)) * kSfRowBytes + 4 * w;
   }
 
   // ---- ldmatrix.x4 of a pair of n8 tiles ---------------------------------------------------------
@@ -61,10 +65,10 @@ struct Fragments {
   __host__ __device__ static constexpr int k_ldsm(int grp, int kc, int jj, int lane) {
     return k_smem(ldsm_row(grp, jj, lane), ldsm_chunk(kc, lane));
   }
-  // The stage holds the tile's K scale rows in stored order. SF_B word of chunk kc: lane 4g+t gives
-  // column g of n8 tile 4*grp + t (thread-id-b = t), i.e. stored row 8(4*grp + t) + g.
-  __host__ __device__ static constexpr int k_scale(int grp, int kc, int g, int t) {
-    return T::kOffKSf + (32 * grp + 8 * t + g) * kSfRowBytes + 4 * kc;
+  // The stage holds the tile's K scale rows in stored order. SF_B word w: lane 4g+t gives column g
+  // of n8 tile 4*grp + t (thread-id-b = t), i.e. stored row 8(4*grp + t) + g.
+  __host__ __device__ static constexpr int k_scale(int grp, int w, int g, int t) {
+    return T::kOffKSf + (32 * grp + 8 * t + g) * kSfRowBytes + 4 * w;
   }
 
   // ---- P: the A operand of P·V, built from this lane's scores ------------------------------------

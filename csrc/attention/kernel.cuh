@@ -50,25 +50,44 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t smem_addr
 
 // One ldmatrix.x4 = the B fragments of the n8 tiles 2kPair and 2kPair + 1 of a 32-row group
 // (Fragments: ldsm_result, tid_b, pair_tile), then their two MMAs; acc points at the group's tile 0.
-template <class Mma, class Frag, int kPair>
+// MmaOp: a qk_format.cuh MMA (Fp4MmaOp / Mxf8MmaOp); kByteId: the chunk's scale byte (MXFP8).
+template <class MmaOp, class Frag, int kPair, int kByteId>
 __device__ __forceinline__ void ldsm_mma_pair(float (*acc)[4], const uint32_t (&a)[4], uint32_t sfa, uint32_t sfb,
                                               uint32_t smem_addr) {
   uint32_t r[4];
   ldmatrix_x4(r, smem_addr);
   const uint32_t b0[2] = {r[Frag::ldsm_result(0, 0)], r[Frag::ldsm_result(0, 1)]};
   const uint32_t b1[2] = {r[Frag::ldsm_result(1, 0)], r[Frag::ldsm_result(1, 1)]};
-  Mma::template mma<Frag::kTidA, Frag::tid_b(kPair, 0)>(acc[Frag::pair_tile(0, kPair, 0)], a, b0, sfa, sfb);
-  Mma::template mma<Frag::kTidA, Frag::tid_b(kPair, 1)>(acc[Frag::pair_tile(0, kPair, 1)], a, b1, sfa, sfb);
+  MmaOp::template mma<Frag::kTidA, Frag::tid_b(kPair, 0), kByteId>(acc[Frag::pair_tile(0, kPair, 0)], a, b0, sfa, sfb);
+  MmaOp::template mma<Frag::kTidA, Frag::tid_b(kPair, 1), kByteId>(acc[Frag::pair_tile(0, kPair, 1)], a, b1, sfa, sfb);
 }
 
-// The same with the pair chosen at run time (the scale selector is a template argument).
-template <class Mma, class Frag>
+// The same with the pair and the byte-id chosen at run time (selectors are template arguments;
+// in the unrolled loops both are constants and the branches fold away).
+template <class MmaOp, class Frag, int kByteId = 0>
 __device__ __forceinline__ void ldsm_mma_pair(int pair, float (*acc)[4], const uint32_t (&a)[4], uint32_t sfa,
                                               uint32_t sfb, uint32_t smem_addr) {
   if (pair == 0) {
-    ldsm_mma_pair<Mma, Frag, 0>(acc, a, sfa, sfb, smem_addr);
+    ldsm_mma_pair<MmaOp, Frag, 0, kByteId>(acc, a, sfa, sfb, smem_addr);
   } else {
-    ldsm_mma_pair<Mma, Frag, 1>(acc, a, sfa, sfb, smem_addr);
+    ldsm_mma_pair<MmaOp, Frag, 1, kByteId>(acc, a, sfa, sfb, smem_addr);
+  }
+}
+
+template <class MmaOp, class Frag>
+__device__ __forceinline__ void ldsm_mma_pair(int pair, int byte_id, float (*acc)[4], const uint32_t (&a)[4],
+                                              uint32_t sfa, uint32_t sfb, uint32_t smem_addr) {
+  if constexpr (MmaOp::kByteIds == 1) {
+    (void)byte_id;
+    ldsm_mma_pair<MmaOp, Frag, 0>(pair, acc, a, sfa, sfb, smem_addr);
+  } else {
+    static_assert(MmaOp::kByteIds == 4, "byte-id 0..3");
+    switch (byte_id) {
+      case 0: ldsm_mma_pair<MmaOp, Frag, 0>(pair, acc, a, sfa, sfb, smem_addr); break;
+      case 1: ldsm_mma_pair<MmaOp, Frag, 1>(pair, acc, a, sfa, sfb, smem_addr); break;
+      case 2: ldsm_mma_pair<MmaOp, Frag, 2>(pair, acc, a, sfa, sfb, smem_addr); break;
+      default: ldsm_mma_pair<MmaOp, Frag, 3>(pair, acc, a, sfa, sfb, smem_addr); break;
+    }
   }
 }
 
@@ -93,10 +112,12 @@ __device__ __forceinline__ void store_one(void* out, int64_t offset, float x, bo
 
 }  // namespace detail
 
-template <int kHeadDim, bool kWithLse, class Mma>
+template <int kHeadDim, bool kWithLse, class Mma, class QkFmt>
 __device__ __forceinline__ void attention_fwd_body(const AttentionFwdParams& p) {
-  using T = AttentionTraits<kHeadDim>;
-  using F = Fragments<kHeadDim>;
+  using T = AttentionTraits<kHeadDim, QkFmt>;
+  using F = Fragments<kHeadDim, QkFmt>;
+  using QkMma = typename QkFmt::template Mma<Mma>;
+  using PvMma = Fp4MmaOp<Mma>;
   constexpr int kStages = T::kStages;
   constexpr int kKC = T::kKChunks;
   constexpr int kSfRow = F::kSfRowBytes;
@@ -173,7 +194,7 @@ __device__ __forceinline__ void attention_fwd_body(const AttentionFwdParams& p) 
 
     const int row_warp = m_blk * T::kBlockM + warp * 16;
     uint32_t qa[kKC][4];
-    uint32_t qsf[kKC];
+    uint32_t qsf[F::kSfWords];
     {
       const uint8_t* q_rows = p.q_data + b * p.q_stride_b + h * p.q_stride_h + int64_t(row_warp) * F::kQRowBytes;
       const uint8_t* qsf_rows = p.q_sf + b * p.qsf_stride_b + h * p.qsf_stride_h + int64_t(row_warp) * kSfRow;
@@ -181,8 +202,9 @@ __device__ __forceinline__ void attention_fwd_body(const AttentionFwdParams& p) 
       for (int kc = 0; kc < kKC; ++kc) {
 #pragma unroll
         for (int reg = 0; reg < 4; ++reg) qa[kc][reg] = detail::ld_global_u32(q_rows + F::q_data(kc, reg, g, t));
-        qsf[kc] = detail::ld_global_u32(qsf_rows + F::q_scale(kc, g, t));
       }
+#pragma unroll
+      for (int w = 0; w < F::kSfWords; ++w) qsf[w] = load_sf_word<kSfRow>(qsf_rows + F::q_scale(0, g, t), w);
     }
     const int row_g = row_warp + g, row_g8 = row_g + 8;
     const int limit_g = key_limit(kv_len, p.causal, row_g);
@@ -202,8 +224,8 @@ __device__ __forceinline__ void attention_fwd_body(const AttentionFwdParams& p) 
     auto pv_step = [&](int step, uint32_t sb_v, const uint8_t* sp_v) {
       const int kc = F::pv_chunk(step);
       const uint32_t sfb = *reinterpret_cast<const uint32_t*>(sp_v + F::v_scale(step, g, t));
-      detail::ldsm_mma_pair<Mma, F>(F::pv_pair(step), &o[4 * F::pv_group(step)], pa_prev[kc],
-                                    sfp_prev[kc], sfb, sb_v + F::v_ldsm(step, lane));
+      detail::ldsm_mma_pair<PvMma, F>(F::pv_pair(step), &o[4 * F::pv_group(step)], pa_prev[kc],
+                                      sfp_prev[kc], sfb, sb_v + F::v_ldsm(step, lane));
     };
 
     for (int n = 0; n < n_end; ++n) {
@@ -244,11 +266,16 @@ __device__ __forceinline__ void attention_fwd_body(const AttentionFwdParams& p) 
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
 #pragma unroll
-        for (int kc = 0; kc < kKC; ++kc) {
-          const uint32_t sfb = *reinterpret_cast<const uint32_t*>(sp + F::k_scale(q, kc, g, t));
+        for (int w = 0; w < F::kSfWords; ++w) {
+          const uint32_t sfb = load_sf_word<kSfRow>(sp + F::k_scale(q, 0, g, t), w);
 #pragma unroll
-          for (int jj = 0; jj < 2; ++jj) {
-            detail::ldsm_mma_pair<Mma, F>(jj, &s[4 * q], qa[kc], qsf[kc], sfb, sb + F::k_ldsm(q, kc, jj, lane));
+          for (int kc = 0; kc < kKC; ++kc) {
+            if (QkFmt::sf_word(kc) != w) continue;
+#pragma unroll
+            for (int jj = 0; jj < 2; ++jj) {
+              detail::ldsm_mma_pair<QkMma, F>(jj, QkFmt::byte_id(kc), &s[4 * q], qa[kc], qsf[w], sfb,
+                                              sb + F::k_ldsm(q, kc, jj, lane));
+            }
           }
         }
       }
@@ -381,11 +408,11 @@ __device__ __forceinline__ void attention_fwd_body(const AttentionFwdParams& p) 
   }
 }
 
-template <int kHeadDim, bool kWithLse, class Mma>
-__global__ void __launch_bounds__(AttentionTraits<kHeadDim>::kThreads, 1)
+template <int kHeadDim, bool kWithLse, class Mma, class QkFmt>
+__global__ void __launch_bounds__(AttentionTraits<kHeadDim, QkFmt>::kThreads, 1)
 attention_fwd_kernel(const __grid_constant__ AttentionFwdParams p) {
   if constexpr (Mma::kCompiledHere) {
-    attention_fwd_body<kHeadDim, kWithLse, Mma>(p);
+    attention_fwd_body<kHeadDim, kWithLse, Mma, QkFmt>(p);
   } else {
     __trap();   // the host never launches a back-end on an arch it was not built for
   }

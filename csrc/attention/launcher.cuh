@@ -9,10 +9,10 @@
 
 namespace nvfp4_dit {
 
-template <int kHeadDim, bool kWithLse, class Mma>
+template <int kHeadDim, bool kWithLse, class Mma, class QkFmt>
 cudaError_t launch_attention_fwd(AttentionFwdParams p, cudaStream_t stream) {
-  using T = AttentionTraits<kHeadDim>;
-  auto kernel = attention_fwd_kernel<kHeadDim, kWithLse, Mma>;
+  using T = AttentionTraits<kHeadDim, QkFmt>;
+  auto kernel = attention_fwd_kernel<kHeadDim, kWithLse, Mma, QkFmt>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmemBytes);
   if (err != cudaSuccess) return err;
   int device = 0, sms = 0, per_sm = 0;

@@ -55,6 +55,17 @@ __device__ __forceinline__ void mma_f16_16816(float (&d)[4], const uint32_t (&a)
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
+// Two e4m3 bytes (element 0 in bits [7:0]) -> fp16x2, exact: the 7 magnitude bits shifted into
+// an fp16 are the value times 2^-8 for normals and subnormals alike (as ue4m3_to_f16x2 does).
+__device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t v) {
+  const uint32_t u = (v & 0xFFu) | ((v & 0xFF00u) << 8);
+  return hmul2(((u & 0x007F007Fu) << 7) | ((u & 0x00800080u) << 8), 0x5C005C00u);   // * 256
+}
+
+// ue8m0 byte -> 2^(byte - 127) as fp32 bits; byte 0 (2^-127, which a block only gets when all of
+// its values are below 2^-118 of the head's largest) gives 0.
+__device__ __forceinline__ float ue8m0_to_float(uint32_t byte) { return __uint_as_float((byte & 0xFFu) << 23); }
+
 }  // namespace emu
 
 struct MmaEmulated {
@@ -91,6 +102,40 @@ struct MmaEmulated {
         emu::mma_f16_16816(d, fa, fb);
       }
     }
+  }
+
+  // The 8-bit Q·Kᵀ MMA (MmaNative::mma_mxf8) from the same registers: e4m3 values are exact in
+  // fp16, so two fp16 m16n8k16 steps give the unscaled k32 dot products exactly in fp32 products;
+  // the ue8m0 scales (2^-127..2^127, beyond fp16) multiply the fp32 result. Step s takes bytes
+  // 2s, 2s+1 of every register: k = 4t + 2s + e of A and B alike (a consistent relabelling).
+  // Scales: rows g / g+8 from lanes quad + 2 kTidA (+1), columns 2t / 2t+1 from lanes 8t + kTidB
+  // and 8t + 4 + kTidB (column c from lane 4c + kTidB), byte kByteId of each.
+  template <int kTidA, int kTidB, int kByteId>
+  static __device__ __forceinline__ void mma_mxf8(float (&d)[4], const uint32_t (&a)[4],
+                                                  const uint32_t (&b)[2], uint32_t sfa, uint32_t sfb) {
+    static_assert(ScaleSelectors1X<kTidA, kTidB, kByteId>::kValid, "selector rules");
+    const int lane = threadIdx.x & 31;
+    const int quad = lane & ~3;
+    const int t = lane & 3;
+    const uint32_t sfa_row_g = __shfl_sync(0xFFFFFFFFu, sfa, quad | (2 * kTidA));
+    const uint32_t sfa_row_g8 = __shfl_sync(0xFFFFFFFFu, sfa, quad | (2 * kTidA + 1));
+    const uint32_t sfb_col_0 = __shfl_sync(0xFFFFFFFFu, sfb, 8 * t + kTidB);
+    const uint32_t sfb_col_1 = __shfl_sync(0xFFFFFFFFu, sfb, 8 * t + 4 + kTidB);
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int s = 0; s < 2; ++s) {
+      const uint32_t fa[4] = {emu::e4m3x2_to_f16x2(a[0] >> (16 * s)), emu::e4m3x2_to_f16x2(a[1] >> (16 * s)),
+                              emu::e4m3x2_to_f16x2(a[2] >> (16 * s)), emu::e4m3x2_to_f16x2(a[3] >> (16 * s))};
+      const uint32_t fb[2] = {emu::e4m3x2_to_f16x2(b[0] >> (16 * s)), emu::e4m3x2_to_f16x2(b[1] >> (16 * s))};
+      emu::mma_f16_16816(acc, fa, fb);
+    }
+    constexpr int kShift = 8 * kByteId;
+    const float sg = emu::ue8m0_to_float(sfa_row_g >> kShift), sg8 = emu::ue8m0_to_float(sfa_row_g8 >> kShift);
+    const float s0 = emu::ue8m0_to_float(sfb_col_0 >> kShift), s1 = emu::ue8m0_to_float(sfb_col_1 >> kShift);
+    d[0] = fmaf(acc[0], sg * s0, d[0]);
+    d[1] = fmaf(acc[1], sg * s1, d[1]);
+    d[2] = fmaf(acc[2], sg8 * s0, d[2]);
+    d[3] = fmaf(acc[3], sg8 * s1, d[3]);
   }
 };
 

@@ -1,4 +1,4 @@
-// Native back-end: the block-scaled FP4 MMA of sm_120a / sm_121a.
+// Native back-end: the block-scaled FP4 MMA of sm_120a / sm_121a (and the 8-bit one of MXFP8 Q·Kᵀ).
 //   mma.sync.aligned.m16n8k64.row.col.kind::mxf4nvf4.block_scale.scale_vec::4X
 //       .f32.e2m1.e2m1.f32.ue4m3
 // (PTX ISA, "Warp-level block scaling"). Fragments, lane l = 4g + t, nibble i of a register:
@@ -39,6 +39,31 @@ struct MmaNative {
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "r"(sfa), "n"(0),
           "n"(kTidA), "r"(sfb), "n"(0), "n"(kTidB));
+#else
+    (void)d; (void)a; (void)b; (void)sfa; (void)sfb;
+    __trap();
+#endif
+  }
+
+  // The 8-bit Q·Kᵀ MMA: d += (A * SF_A) (B * SF_B), e4m3 x e4m3, one ue8m0 scale per row / column
+  // for the whole k32; byte kByteId of the scale registers, lanes as for 4X.
+  //   mma.sync.aligned.m16n8k32.row.col.kind::mxf8f6f4.block_scale.scale_vec::1X
+  //       .f32.e4m3.e4m3.f32.ue8m0
+  // Fragments (bytes of a register, k = 4t + i): a0 = A[g][k], a1 = A[g+8][k], a2 = A[g][16+k],
+  // a3 = A[g+8][16+k]; b0 = B[k][g], b1 = B[16+k][g].
+  template <int kTidA, int kTidB, int kByteId>
+  static __device__ __forceinline__ void mma_mxf8(float (&d)[4], const uint32_t (&a)[4],
+                                                  const uint32_t (&b)[2], uint32_t sfa, uint32_t sfb) {
+    static_assert(ScaleSelectors1X<kTidA, kTidB, kByteId>::kValid, "selector rules");
+#if defined(NVFP4_DIT_NATIVE_MMA)
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.kind::mxf8f6f4.block_scale.scale_vec::1X"
+        ".f32.e4m3.e4m3.f32.ue8m0 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3}, "
+        "%10, {%11, %12}, %13, {%14, %15};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "r"(sfa), "n"(kByteId),
+          "n"(kTidA), "r"(sfb), "n"(kByteId), "n"(kTidB));
 #else
     (void)d; (void)a; (void)b; (void)sfa; (void)sfb;
     __trap();

@@ -3,27 +3,28 @@
 #pragma once
 #include <cstdint>
 
+#include "attention/qk_format.cuh"
 #include "common/config.h"
 
 namespace nvfp4_dit {
 
-template <int kHeadDim_>
+template <int kHeadDim_, class QkFmt_ = QkNvfp4>
 struct AttentionTraits {
+  using QkFmt = QkFmt_;
   static constexpr int kHeadDim = kHeadDim_;
   static_assert(padded_head_dim(kHeadDim) == kHeadDim, "kHeadDim must be one of kHeadDims (common/config.h)");
   static constexpr int kBlockM = 128;       // Q rows per tile
   static constexpr int kBlockN = 128;       // keys per tile
   static constexpr int kWarps = 8;          // every warp owns 16 Q rows
   static constexpr int kThreads = kWarps * 32;
-  static constexpr int kStages = 4;         // cp.async stages: 2 tiles ahead + current + previous (its PV)
-  static constexpr int kKChunks = kHeadDim / 64;   // k64 chunks of the QK^T MMA
+  static constexpr int kKChunks = kHeadDim / QkFmt::kChunkElems;   // MMA chunks of D in Q·Kᵀ
   static constexpr int kNTilesS = kBlockN / 8;     // n8 tiles of the score tile (16)
   static constexpr int kNTilesO = kHeadDim / 8;    // n8 tiles of the output (8 or 16)
 
-  // Bytes of one K row (D/2) and one V^T row (128 tokens / 2).
-  static constexpr int kKRowBytes = kHeadDim / 2;
+  // Bytes of one K row (D/2 or D) and one V^T row (128 tokens / 2).
+  static constexpr int kKRowBytes = QkFmt::template kRowBytes<kHeadDim>;
   static constexpr int kVRowBytes = kBlockN / 2;
-  static constexpr int kKSfRowBytes = kHeadDim / 16;
+  static constexpr int kKSfRowBytes = QkFmt::template kSfRowBytes<kHeadDim>;
   static constexpr int kVSfRowBytes = kBlockN / 16;
 
   static constexpr int kKBytes = kBlockN * kKRowBytes;
@@ -38,6 +39,9 @@ struct AttentionTraits {
   static constexpr int kOffVSf = kOffKSf + kKSfBytes;
   static constexpr int kOffDelta = kOffVSf + kVSfBytes;
   static constexpr int kStageBytes = kOffDelta + kDeltaBytes;
+  // cp.async stages: 2 tiles ahead + current + previous (its PV), or 1 ahead where 4 stages do
+  // not fit sm_120's 99 KB per block (8-bit K at D=128).
+  static constexpr int kStages = 4 * kStageBytes <= 99 * 1024 ? 4 : 3;
   static constexpr int kSmemBytes = kStages * kStageBytes;
   static_assert(kStageBytes % 128 == 0, "stages stay 128-byte aligned");
   static_assert(kSmemBytes <= 99 * 1024, "must fit sm_120's per-block shared memory");

@@ -572,6 +572,7 @@ def test_diffusers_return_lse_with_an_inexpressible_mask_is_a_value_error(gen):
     (dict(dense_steps=(-1, 0)), ValueError),
     (dict(self_attention="yes"), TypeError),
     (dict(layers=[-3]), ValueError),
+    (dict(qk_format="int8"), ValueError),
 ])
 def test_apply_rejects_bad_arguments(kwargs, exc):
     pytest.importorskip("diffusers")
