@@ -14,6 +14,10 @@ Checks, per kernel instantiation:
     the selectors are one uniform-register operand; its encoding is read off the single-MMA probe
     kernels (csrc/attention/attention_fwd_dispatch.cu), which instantiate every legal
     (thread-id-a, thread-id-b) pair, and each kernel's operand value off the UMOV that sets it;
+  * the MXFP8 Q·Kᵀ kernels: ``QMMA.SF.16832.F32.E4M3.E4M3.E8`` (m16n8k32 kind::mxf8f6f4,
+    ue8m0 scale_vec::1X) (128/8) * (D/32) times, all in the loop (64 at D=128, 32 at D=64), with
+    thread-id-a 0, thread-id-b 0..3 and each byte-id 0..min(4, D/32)-1 on equal shares (encoding
+    read off the 32 8-bit probe kernels), and the FP4 P·V as above (2 x 32 or 2 x 16 OMMA);
   * ptxas: 0 bytes of spill stores/loads and no stack frame; SASS: no local loads/stores.
 Prints a markdown table; exit status 1 if a check fails.
 
@@ -38,7 +42,9 @@ from nvfp4_dit import format as fmt
 
 CSRC = build.csrc_dir()
 OMMA = "OMMA.SF.16864.F32.E2M1.E2M1.UE4M3.4X"
+QMMA = "QMMA.SF.16832.F32.E4M3.E4M3.E8"   # m16n8k32 kind::mxf8f6f4 e4m3, ue8m0 scale_vec::1X
 UNITS = {d: f"attention/attention_fwd_native_d{d}.cu" for d in fmt.SUPPORTED_HEAD_DIMS}
+MX_UNITS = {d: f"attention/attention_fwd_native_mxfp8_d{d}.cu" for d in fmt.SUPPORTED_HEAD_DIMS}
 ARCHS = tuple(a[3:] for a in build.NATIVE_ARCHS)  # "120a", "121a"
 
 
@@ -58,6 +64,12 @@ def expected_mma_in_sass(head_dim: int) -> int:
     """Static count: the loop body (QK of tile n + PV of tile n-1) plus the drained last PV."""
     qk, pv = mma_per_warp_tile(head_dim)
     return qk + 2 * pv
+
+
+def expected_mx_mma_in_sass(head_dim: int, block_n: int = 128) -> tuple[int, int]:
+    """(8-bit QK m16n8k32 MMAs, FP4 PV MMAs) in the SASS of an MXFP8 Q·Kᵀ kernel."""
+    _, pv = mma_per_warp_tile(head_dim, block_n)
+    return (block_n // 8) * (head_dim // 32), 2 * pv
 
 
 def find_tool(name: str) -> str | None:
@@ -125,26 +137,28 @@ _INSTRUCTION = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)\
 
 
 def sass_counts(sass: str) -> dict[str, dict]:
-    """{mangled kernel: {omma, local, selectors}} from ``cuobjdump -sass`` text. ``selectors`` lists
-    the value of each OMMA's selector operand (a uniform register, URZ = 0), found by following
-    the writes to uniform registers in program order: a constant UMOV gives a value, any other
-    write makes it unknown (None)."""
+    """{mangled kernel: {omma, qmma, local, selectors, qmma_selectors}} from ``cuobjdump -sass``
+    text. ``selectors`` lists the value of each OMMA's selector operand (a uniform register, URZ =
+    0), ``qmma_selectors`` each QMMA's, found by following the writes to uniform registers in
+    program order: a constant UMOV gives a value, any other write makes it unknown (None)."""
     counts: dict[str, dict] = {}
     current, uniform = None, {}
     for line in sass.splitlines():
         m = re.search(r"Function : (\S+)", line)
         if m:
             current, uniform = m.group(1), {}
-            counts[current] = {"omma": 0, "local": 0, "selectors": []}
+            counts[current] = {"omma": 0, "qmma": 0, "local": 0, "selectors": [], "qmma_selectors": []}
             continue
         m = _INSTRUCTION.search(line)
         if current is None or m is None:
             continue
         opcode, operands = m.group(1), [o.strip() for o in m.group(2).split(",")]
-        if opcode == OMMA:
-            counts[current]["omma"] += 1
+        if opcode in (OMMA, QMMA):
+            key = "omma" if opcode == OMMA else "qmma"
+            counts[current][key] += 1
             sel = operands[-1].split(".")[0]
-            counts[current]["selectors"].append(0 if sel == "URZ" else uniform.get(sel))
+            counts[current]["selectors" if key == "omma" else "qmma_selectors"].append(
+                0 if sel == "URZ" else uniform.get(sel))
         elif operands and re.fullmatch(r"UR\d+", operands[0]):
             value = None
             if opcode == "UMOV" and len(operands) == 2:
@@ -175,60 +189,106 @@ def selector_encoding(arch: str, out_dir: Path) -> dict[int, tuple[int, int]]:
     return encoding
 
 
-def selector_failures(name: str, selectors: list, encoding: dict[int, tuple[int, int]], omma: int) -> list[str]:
-    """thread-id-a 0 everywhere, thread-id-b 0..3 on a quarter of the MMAs each."""
+def mx_selector_encoding(arch: str, out_dir: Path) -> dict[int, tuple[int, int, int]]:
+    """{selector operand value: (thread-id-a, thread-id-b, byte-id)} of the 8-bit MMA, read off its
+    probe kernels (mma_mxf8_probe_kernel<MmaNative, 16 a + 4 b + byte-id>)."""
+    cubin, _ = compile_cubin(PROBE_UNIT, arch, out_dir)
+    encoding: dict[int, tuple[int, int, int]] = {}
+    for kernel, c in sass_counts(disassemble(cubin)).items():
+        m = re.search(r"mma_mxf8_probe_kernelINS_9MmaNativeELi(\d+)E", kernel)
+        if m is None:
+            continue
+        if c["qmma"] != 1 or c["qmma_selectors"][0] is None:
+            raise RuntimeError(f"probe {kernel}: expected one QMMA with a constant selector, got {c}")
+        i = int(m.group(1))
+        encoding[c["qmma_selectors"][0]] = (i // 16, (i // 4) % 4, i % 4)
+    if sorted(encoding.values()) != [(a, b, i) for a in range(2) for b in range(4) for i in range(4)]:
+        raise RuntimeError(f"the 8-bit probe kernels do not give all 32 selector combinations distinctly: {encoding}")
+    return encoding
+
+
+def selector_failures(name: str, selectors: list, encoding: dict, count: int, byte_ids: int = 0) -> list[str]:
+    """thread-id-a 0 everywhere, thread-id-b 0..3 on a quarter of the MMAs each, and (8-bit MMA,
+    ``byte_ids`` > 0) each byte-id 0..byte_ids-1 on an equal share of every thread-id-b."""
     decoded = [encoding.get(v) if v is not None else None for v in selectors]
     if None in decoded:
         unknown = sorted({hex(v) if v is not None else "not a constant" for v, d in zip(selectors, decoded) if d is None})
-        return [f"{name}: OMMA selector operands not decodable: {unknown}"]
-    found = {pair: decoded.count(pair) for pair in sorted(set(decoded))}
-    want = {(0, b): omma // 4 for b in range(4)}
-    return [] if found == want else [f"{name}: scale selectors (thread-id-a, thread-id-b): count {found}, expected {want}"]
+        return [f"{name}: MMA selector operands not decodable: {unknown}"]
+    found = {key: decoded.count(key) for key in sorted(set(decoded))}
+    if byte_ids:
+        want = {(0, b, i): count // 4 // byte_ids for b in range(4) for i in range(byte_ids)}
+        what = "(thread-id-a, thread-id-b, byte-id)"
+    else:
+        want = {(0, b): count // 4 for b in range(4)}
+        what = "(thread-id-a, thread-id-b)"
+    return [] if found == want else [f"{name}: scale selectors {what}: count {found}, expected {want}"]
 
 
-def dynamic_smem_bytes(head_dim: int, out_dir: Path, member: str = "kSmemBytes") -> int:
-    """AttentionTraits<D>::kSmemBytes (or another int member), read from the header by a host-only
-    nvcc program."""
-    src = out_dir / f"{member}_d{head_dim}.cu"
+def dynamic_smem_bytes(head_dim: int, out_dir: Path, member: str = "kSmemBytes", qk_format: str = "nvfp4") -> int:
+    """AttentionTraits<D, QkFmt>::kSmemBytes (or another int member), read from the header by a
+    host-only nvcc program."""
+    qk = {"nvfp4": "nvfp4_dit::QkNvfp4", "mxfp8": "nvfp4_dit::QkMxfp8"}[qk_format]
+    src = out_dir / f"{member}_{qk_format}_d{head_dim}.cu"
     src.write_text('#include <cstdio>\n#include "attention/traits.cuh"\n'
-                   f'int main() {{ std::printf("%d", nvfp4_dit::AttentionTraits<{head_dim}>::{member}); }}\n')
-    exe = out_dir / f"{member}_d{head_dim}"
+                   f'int main() {{ std::printf("%d", nvfp4_dit::AttentionTraits<{head_dim}, {qk}>::{member}); }}\n')
+    exe = out_dir / f"{member}_{qk_format}_d{head_dim}"
     subprocess.run([find_tool("nvcc"), "-std=c++17", f"-I{CSRC}", str(src), "-o", str(exe)], check=True,
                    capture_output=True)
     return int(subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout)
 
 
-def check(archs=ARCHS, head_dims=fmt.SUPPORTED_HEAD_DIMS) -> tuple[list[dict], list[str]]:
+def _check_unit(arch: str, d: int, qk_format: str, tmp: Path, encoding: dict, mx_encoding: dict) -> tuple[list, list]:
+    rows, failures = [], []
+    smem = dynamic_smem_bytes(d, tmp, qk_format=qk_format)
+    cubin, log = compile_cubin((UNITS if qk_format == "nvfp4" else MX_UNITS)[d], arch, tmp)
+    ptx = parse_ptxas(log)
+    sass = sass_counts(disassemble(cubin))
+    if qk_format == "nvfp4":
+        want_qmma, want_omma = 0, expected_mma_in_sass(d)
+    else:
+        want_qmma, want_omma = expected_mx_mma_in_sass(d)
+    for kernel in sorted(k for k in sass if "attention_fwd_kernel" in k):
+        p, s = ptx.get(kernel, {}), sass[kernel]
+        row = dict(arch=f"sm_{arch}", head_dim=d, qk_format=qk_format, lse="Lb1" in kernel, omma=s["omma"],
+                   expected=want_omma, qmma=s["qmma"], expected_qmma=want_qmma,
+                   registers=p.get("registers"), spill=p.get("spill_stores", -1) + p.get("spill_loads", -1),
+                   stack=p.get("stack"), local=s["local"], smem=smem,
+                   selectors=", ".join(f"{s['selectors'].count(v)}x{encoding.get(v, '?')}"
+                                       for v in sorted(set(s["selectors"]), key=str)),
+                   qmma_selectors=", ".join(f"{s['qmma_selectors'].count(v)}x{mx_encoding.get(v, '?')}"
+                                            for v in sorted(set(s["qmma_selectors"]), key=str)))
+        rows.append(row)
+        name = f"sm_{arch} D={d} {qk_format} lse={row['lse']}"
+        failures += selector_failures(name, s["selectors"], encoding, want_omma)
+        if want_qmma:
+            failures += selector_failures(name + " 8-bit", s["qmma_selectors"], mx_encoding, want_qmma,
+                                          byte_ids=min(4, d // 32))
+        if s["omma"] != want_omma:
+            failures.append(f"{name}: {s['omma']} {OMMA} in SASS, expected {want_omma}")
+        if s["qmma"] != want_qmma:
+            failures.append(f"{name}: {s['qmma']} {QMMA} in SASS, expected {want_qmma}")
+        if row["spill"] != 0 or row["stack"] != 0 or s["local"] != 0:
+            failures.append(f"{name}: spills {row['spill']} B, stack {row['stack']} B, "
+                            f"{s['local']} local memory instructions")
+        if smem > 99 * 1024:
+            failures.append(f"{name}: {smem} B shared memory exceeds sm_120's 99 KB")
+    if not any("attention_fwd_kernel" in k for k in sass):
+        failures.append(f"sm_{arch} D={d} {qk_format}: no attention kernel in the cubin")
+    return rows, failures
+
+
+def check(archs=ARCHS, head_dims=fmt.SUPPORTED_HEAD_DIMS, qk_formats=fmt.QK_FORMATS) -> tuple[list[dict], list[str]]:
     rows, failures = [], []
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        smem = {d: dynamic_smem_bytes(d, tmp) for d in head_dims}
         for arch in archs:
             encoding = selector_encoding(arch, tmp)
-            for d in head_dims:
-                cubin, log = compile_cubin(UNITS[d], arch, tmp)
-                ptx = parse_ptxas(log)
-                sass = sass_counts(disassemble(cubin))
-                want = expected_mma_in_sass(d)
-                for kernel in sorted(k for k in sass if "attention_fwd_kernel" in k):
-                    p, s = ptx.get(kernel, {}), sass[kernel]
-                    row = dict(arch=f"sm_{arch}", head_dim=d, lse="Lb1" in kernel, omma=s["omma"], expected=want,
-                               registers=p.get("registers"), spill=p.get("spill_stores", -1) + p.get("spill_loads", -1),
-                               stack=p.get("stack"), local=s["local"], smem=smem[d],
-                               selectors=", ".join(f"{s['selectors'].count(v)}x{encoding.get(v, '?')}"
-                                                   for v in sorted(set(s["selectors"]), key=str)))
-                    rows.append(row)
-                    name = f"sm_{arch} D={d} lse={row['lse']}"
-                    failures += selector_failures(name, s["selectors"], encoding, want)
-                    if s["omma"] != want:
-                        failures.append(f"{name}: {s['omma']} {OMMA} in SASS, expected {want}")
-                    if row["spill"] != 0 or row["stack"] != 0 or s["local"] != 0:
-                        failures.append(f"{name}: spills {row['spill']} B, stack {row['stack']} B, "
-                                        f"{s['local']} local memory instructions")
-                    if smem[d] > 99 * 1024:
-                        failures.append(f"{name}: {smem[d]} B shared memory exceeds sm_120's 99 KB")
-                if not any("attention_fwd_kernel" in k for k in sass):
-                    failures.append(f"sm_{arch} D={d}: no attention kernel in the cubin")
+            mx_encoding = mx_selector_encoding(arch, tmp) if "mxfp8" in qk_formats else {}
+            for qk_format in qk_formats:
+                for d in head_dims:
+                    r, f = _check_unit(arch, d, qk_format, tmp, encoding, mx_encoding)
+                    rows += r
+                    failures += f
     return rows, failures
 
 
@@ -237,11 +297,13 @@ def main() -> int:
     ap.add_argument("--arch", action="append", help="e.g. 120a (default: 120a and 121a)")
     args = ap.parse_args()
     rows, failures = check(tuple(args.arch) if args.arch else ARCHS)
-    print("| arch | D | LSE | OMMA in SASS (expected: loop + drained PV) | selectors: count x (tid-a, tid-b) "
+    print("| arch | D | Q·Kᵀ | LSE | OMMA in SASS (expected) | selectors: count x (tid-a, tid-b) "
+          "| QMMA (expected) | QMMA selectors: count x (tid-a, tid-b, byte-id) "
           "| registers | spill B | stack B | local ops | dyn smem B |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['arch']} | {r['head_dim']} | {r['lse']} | {r['omma']} ({r['expected']}) | {r['selectors']} | "
+        print(f"| {r['arch']} | {r['head_dim']} | {r['qk_format']} | {r['lse']} | {r['omma']} ({r['expected']}) | "
+              f"{r['selectors']} | {r['qmma']} ({r['expected_qmma']}) | {r['qmma_selectors'] or '-'} | "
               f"{r['registers']} | {r['spill']} | {r['stack']} | {r['local']} | {r['smem']} |")
     for f in failures:
         print("FAIL:", f)

@@ -227,11 +227,17 @@ def phase_clocks(c: dict, stage_wavefronts: int = 0) -> dict:
     }
 
 
+def mma_per_tile(head_dim: int, qk_format: str) -> tuple[int, int]:
+    """(Q·Kᵀ, P·V) MMAs per warp and 128-key tile: m16n8k64 FP4, or m16n8k32 8-bit for MXFP8 Q·Kᵀ."""
+    qk, pv = check_sass.mma_per_warp_tile(head_dim)
+    return (2 * qk if qk_format == "mxfp8" else qk), pv
+
+
 def model_kernel(fn: Function, head_dim: int, causal: bool, rescale_lines: set[int], stage_bytes: int,
-                 mma_per_tile: tuple[int, int] | None = None) -> dict:
+                 mma_per_tile: tuple[int, int] | None = None, qk_format: str = "nvfp4") -> dict:
     """The row of one kernel; ``mma_per_tile`` = (Q·Kᵀ, P·V) MMAs per warp and tile (default: the
-    kernel's layout for ``head_dim``)."""
-    qk, pv = mma_per_tile or check_sass.mma_per_warp_tile(head_dim)
+    kernel's layout for ``head_dim`` and ``qk_format``)."""
+    qk, pv = mma_per_tile or globals()["mma_per_tile"](head_dim, qk_format)
     first, last = tile_loop(fn, qk + pv)
     cold = cold_regions(fn, first, last, rescale_lines)
     skip = cold["slow path"] | (set() if causal else cold["mask"] | cold["rescale"])
@@ -250,9 +256,9 @@ def model_kernel(fn: Function, head_dim: int, causal: bool, rescale_lines: set[i
     total = count(x for _, x in body)
     whole = phase_clocks(total, stage)
     clocks_per_tile = sum(max(c.values()) for c in clocks)
-    flops = 2 * 2 * BLOCK * BLOCK * head_dim   # Q·Kᵀ and P·V of one 128x128 tile
+    flops = 2 * 2 * BLOCK * BLOCK * head_dim   # Q·Kᵀ and P·V of one 128x128 tile (either format)
     row = {
-        "head_dim": head_dim, "causal": causal, "qk_format": "nvfp4",
+        "head_dim": head_dim, "causal": causal, "qk_format": qk_format,
         **{k: total[k] for k in ("instructions", "tensor", "mufu", "fma", "alu", "smem_wavefronts")},
         "stage_bytes": stage_bytes,
         "cold_skipped": {k: len(v) for k, v in cold.items() if v and (k == "slow path" or not causal)},
@@ -301,12 +307,14 @@ def model(arch: str = "120a") -> list[dict]:
     rescale = rescale_source_lines((check_sass.CSRC / "attention" / "kernel.cuh").read_text())
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for d in fmt.SUPPORTED_HEAD_DIMS:
-            stage_bytes = check_sass.dynamic_smem_bytes(d, Path(tmp), "kStageBytes")
-            funcs = parse_nvdisasm(disassemble_with_lines(compile_with_lines(check_sass.UNITS[d], arch, Path(tmp))))
-            name = next(n for n in funcs if "attention_fwd_kernel" in n and "Lb0E" in n)   # without the LSE
-            for causal in (False, True):
-                rows.append(model_kernel(funcs[name], d, causal, rescale, stage_bytes))
+        for qk_format in fmt.QK_FORMATS:
+            units = check_sass.UNITS if qk_format == "nvfp4" else check_sass.MX_UNITS
+            for d in fmt.SUPPORTED_HEAD_DIMS:
+                stage_bytes = check_sass.dynamic_smem_bytes(d, Path(tmp), "kStageBytes", qk_format)
+                funcs = parse_nvdisasm(disassemble_with_lines(compile_with_lines(units[d], arch, Path(tmp))))
+                name = next(n for n in funcs if "attention_fwd_kernel" in n and "Lb0E" in n)   # without the LSE
+                for causal in (False, True):
+                    rows.append(model_kernel(funcs[name], d, causal, rescale, stage_bytes, qk_format=qk_format))
     return rows
 
 
@@ -344,7 +352,7 @@ def main(argv=None) -> int:
         print(json.dumps(gpu_rows(rows), indent=1))
     else:
         print(ASSUMPTIONS)
-        cols = ["head_dim", "causal", "instructions", "tensor", "mufu", "fma", "alu", "smem_wavefronts",
+        cols = ["qk_format", "head_dim", "causal", "instructions", "tensor", "mufu", "fma", "alu", "smem_wavefronts",
                 "phase_bounds", "tensor_clocks_per_tile", "clocks_per_tile", "overlapped_clocks", "tensor_share",
                 *[f"tflops {g}" for g in GPUS]]
         print("\nPer warp and steady-state 128-key tile (clocks per SM):\n")

@@ -44,12 +44,12 @@ HOST_PROGRAM = r"""
 #include "attention/fragments.cuh"
 using namespace nvfp4_dit;
 
-template <int D>
+template <int D, class Q>
 void dump() {
-  using F = Fragments<D>;
-  using TR = AttentionTraits<D>;
+  using F = Fragments<D, Q>;
+  using TR = AttentionTraits<D, Q>;
   auto out = [](const char* name, int i, int j, int k, int l, long long v) {
-    std::printf("%d %s %d %d %d %d %lld\n", D, name, i, j, k, l, v);
+    std::printf("%d %s %s %d %d %d %d %lld\n", D, Q::kName, name, i, j, k, l, v);
   };
   out("const_kOffK", 0, 0, 0, 0, TR::kOffK);
   out("const_kOffV", 0, 0, 0, 0, TR::kOffV);
@@ -59,15 +59,23 @@ void dump() {
   out("const_kTidA", 0, 0, 0, 0, F::kTidA);
   out("const_kPvSteps", 0, 0, 0, 0, F::kPvSteps);
   out("const_kPBlockPartnerXor", 0, 0, 0, 0, F::kPBlockPartnerXor);
+  out("const_kSfWords", 0, 0, 0, 0, F::kSfWords);
+  out("const_kSfRowBytes", 0, 0, 0, 0, F::kSfRowBytes);
+  for (int kc = 0; kc < TR::kKChunks; ++kc) {
+    out("sf_word", kc, 0, 0, 0, Q::sf_word(kc));
+    out("byte_id", kc, 0, 0, 0, Q::byte_id(kc));
+  }
   for (int lane = 0; lane < 32; ++lane) {
     const int g = lane >> 2, t = lane & 3;
     for (int kc = 0; kc < TR::kKChunks; ++kc) {
       for (int reg = 0; reg < 4; ++reg) out("q_data", kc, reg, lane, 0, F::q_data(kc, reg, g, t));
-      out("q_scale", kc, lane, 0, 0, F::q_scale(kc, g, t));
       for (int grp = 0; grp < 4; ++grp) {
-        out("k_scale", grp, kc, lane, 0, F::k_scale(grp, kc, g, t));
         for (int jj = 0; jj < 2; ++jj) out("k_ldsm", grp, kc, jj, lane, F::k_ldsm(grp, kc, jj, lane));
       }
+    }
+    for (int w = 0; w < F::kSfWords; ++w) {
+      out("q_scale", w, lane, 0, 0, F::q_scale(w, g, t));
+      for (int grp = 0; grp < 4; ++grp) out("k_scale", grp, w, lane, 0, F::k_scale(grp, w, g, t));
     }
     for (int step = 0; step < F::kPvSteps; ++step) {
       out("v_ldsm", step, lane, 0, 0, F::v_ldsm(step, lane));
@@ -112,21 +120,23 @@ void dump() {
 }
 
 int main() {
-  dump<64>();
-  dump<128>();
+  dump<64, QkNvfp4>();
+  dump<128, QkNvfp4>();
+  dump<64, QkMxfp8>();
+  dump<128, QkMxfp8>();
 }
 """
 
 
 @pytest.fixture(scope="module")
-def kernel_tables(tmp_path_factory):
-    """{head_dim: {name: int64 tensor indexed as the host program's loops, or int}}."""
+def all_tables(tmp_path_factory):
+    """{(head_dim, qk_format): {name: int64 tensor indexed as the host program's loops, or int}}."""
     exe = compile_host_program(tmp_path_factory.mktemp("fragments"), "fragments", HOST_PROGRAM)
     rows = subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout.split("\n")
-    raw: dict[int, dict[str, dict[tuple, int]]] = {}
+    raw: dict[tuple, dict[str, dict[tuple, int]]] = {}
     for line in filter(None, rows):
-        d, name, *idx, value = line.split()
-        raw.setdefault(int(d), {}).setdefault(name, {})[tuple(map(int, idx))] = int(value)
+        d, qk_format, name, *idx, value = line.split()
+        raw.setdefault((int(d), qk_format), {}).setdefault(name, {})[tuple(map(int, idx))] = int(value)
     tables = {}
     for d, named in raw.items():
         tables[d] = {}
@@ -142,6 +152,18 @@ def kernel_tables(tmp_path_factory):
                 out = out.squeeze(-1)
             tables[d][name] = out
     return tables
+
+
+@pytest.fixture(scope="module")
+def kernel_tables(all_tables):
+    """The NVFP4 Q·Kᵀ kernel's tables by head dim."""
+    return {d: tab for (d, qk_format), tab in all_tables.items() if qk_format == "nvfp4"}
+
+
+@pytest.fixture(scope="module")
+def mx_tables(all_tables):
+    """The MXFP8 Q·Kᵀ kernel's tables by head dim."""
+    return {d: tab for (d, qk_format), tab in all_tables.items() if qk_format == "mxfp8"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -380,6 +402,121 @@ def run_pv(tab, model, gen, d):
     return got, dense
 
 
+# ---------------------------------------------------------------------------------------------
+# The 8-bit Q·Kᵀ: m16n8k32 kind::mxf8f6f4 e4m3 x e4m3, ue8m0 scale_vec::1X
+# ---------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Mma8Model:
+    """``a``: [32 lanes, 4 regs, 4 bytes, (row, k)]; ``b``: [32, 2, 4, (col, k)]; C/D and the scale
+    lanes as for the FP4 model; ``uses_byte_id``: whether the byte-id selector picks the byte."""
+
+    name: str
+    a: torch.Tensor
+    b: torch.Tensor
+    cd: torch.Tensor
+    sfa_lanes: callable
+    sfb_lanes: callable
+    uses_byte_id: bool = True
+
+
+def ptx_model8(variant: str = "ptx") -> Mma8Model:
+    """PTX "Matrix Fragments for mma.m16n8k32" (8-bit types) and Table 37 (1X: one ue8m0 per row or
+    column for the whole k32, byte byte-id of the selected lane's register)."""
+    fp4 = ptx_model(variant if variant in ("cd_rows_swapped", "sfa_pair_swapped", "tid_b_ignored") else "ptx")
+    a = torch.empty(32, 4, 4, 2, dtype=torch.int64)
+    b = torch.empty(32, 2, 4, 2, dtype=torch.int64)
+    for lane in range(32):
+        g, t = lane // 4, lane % 4
+        for i in range(4):
+            k = 4 * t + i
+            for reg in range(4):   # a0: (g, k), a1: (g+8, k), a2: (g, 16+k), a3: (g+8, 16+k)
+                a[lane, reg, i] = torch.tensor([g + 8 * (reg & 1), 16 * (reg >> 1) + k])
+            for reg in range(2):   # b0: (k, col g), b1: (16+k, col g)
+                b[lane, reg, i] = torch.tensor([g, 16 * reg + k])
+    return Mma8Model(variant, a, b, fp4.cd, fp4.sfa_lanes, fp4.sfb_lanes, variant != "byte_id_ignored")
+
+
+# A k order inside the chunk is no failure mode here: one scale covers the whole k32, so any
+# relabelling of k that A and B share gives the same dot product.
+WRONG_MODELS_8BIT = ("byte_id_ignored", "sfa_pair_swapped", "tid_b_ignored", "cd_rows_swapped")
+
+
+def mma8(model: Mma8Model, a, b, sfa, sfb, c, tid_a: int, tid_b: int, byte_id: int) -> torch.Tensor:
+    """d [32, 4] = (A * SF_A)(B * SF_B) + C of the 8-bit block-scaled MMA as ``model`` reads it."""
+    def e4m3(words):
+        return fmt.e4m3_decode(((words[..., None] >> (8 * torch.arange(4))) & 0xFF).to(torch.uint8)).double()
+
+    dense_a = torch.full((16, 32), float("nan"), dtype=torch.float64)
+    dense_b = torch.full((8, 32), float("nan"), dtype=torch.float64)
+    dense_a[model.a[..., 0], model.a[..., 1]] = e4m3(a)
+    dense_b[model.b[..., 0], model.b[..., 1]] = e4m3(b)
+    assert not dense_a.isnan().any() and not dense_b.isnan().any(), "a fragment table must cover the tile"
+    byte = byte_id if model.uses_byte_id else 0
+    scale_a = fmt.ue8m0_decode((sfa[model.sfa_lanes(tid_a)] >> (8 * byte)) & 0xFF).double()   # [16]
+    scale_b = fmt.ue8m0_decode((sfb[model.sfb_lanes(tid_b)] >> (8 * byte)) & 0xFF).double()   # [8]
+    dense_c = torch.empty(16, 8, dtype=torch.float64)
+    dense_c[model.cd[..., 0], model.cd[..., 1]] = c
+    dense_d = (dense_a * scale_a[:, None]) @ (dense_b * scale_b[:, None]).T + dense_c
+    return dense_d[model.cd[..., 0], model.cd[..., 1]]
+
+
+def _e4m3_codes(gen, *shape):
+    # e4m3 bytes from subnormals to 2^4, never NaN: products and sums of 128 stay exact in fp64.
+    codes = torch.randint(0, 0x58, shape, generator=gen, dtype=torch.uint8)
+    return codes | (torch.randint(0, 2, shape, generator=gen, dtype=torch.uint8) << 7)
+
+
+def _dequant_mx(codes, scales):
+    return fmt.e4m3_decode(codes).double() * fmt.ue8m0_decode(scales).double().repeat_interleave(32, -1)
+
+
+def run_qk_mx(tab, model, gen, d):
+    """The kernel's MXFP8 Q·K^T of one warp over one 128-key tile on the 8-bit ``model``."""
+    q_codes, q_sf = _e4m3_codes(gen, 16, d), torch.randint(120, 134, (16, d // 32), generator=gen).to(torch.uint8)
+    k_codes, k_sf = _e4m3_codes(gen, 128, d), torch.randint(120, 134, (128, d // 32), generator=gen).to(torch.uint8)
+    delta = torch.randint(-64, 64, (128,), generator=gen).double() / 16
+    dense = _dequant_mx(q_codes, q_sf) @ _dequant_mx(k_codes, k_sf).T + delta
+
+    # The stored layouts of format.py (mxfp8: one byte per element, d/32 scale bytes per row), and
+    # 4 bytes of slack: a scale word of the last row reads past a 2-byte row (D=64), as the kernel's
+    # 2-byte load does not; the byte-id never selects them.
+    q_bytes = torch.cat([q_codes.flatten(), torch.zeros(4, dtype=torch.uint8)])
+    q_sf_bytes = torch.cat([q_sf.flatten(), torch.zeros(4, dtype=torch.uint8)])
+    k_stored, k_sf_stored = fmt.permute_k_rows(k_codes, dim=0), fmt.permute_k_rows(k_sf, dim=0)
+    smem = torch.zeros(tab["kStageBytes"] + 4, dtype=torch.uint8)
+    for r in range(128):
+        for ch in range(d // 16):
+            smem[tab["k_smem"][r, ch]:tab["k_smem"][r, ch] + 16] = k_stored[r, 16 * ch:16 * ch + 16]
+    smem[tab["kOffKSf"]:tab["kOffKSf"] + k_sf_stored.numel()] = k_sf_stored.flatten()
+
+    qa = word_at(q_bytes, tab["q_data"].permute(2, 0, 1))                      # [lane, kc, reg]
+    qsf = word_at(q_sf_bytes, tab["q_scale"].reshape(tab["kSfWords"], 32).T)   # [lane, w]
+    acc = torch.empty(32, 16, 4, dtype=torch.float64)
+    keys = tab["score_key"]
+    for j in range(16):
+        for e in range(2):
+            acc[:, j, e] = acc[:, j, 2 + e] = delta[keys[j, T, e]]
+    k_scale = tab["k_scale"].reshape(4, tab["kSfWords"], 32)
+    for grp in range(4):
+        for kc in range(tab["kKChunks"]):
+            w, byte_id = int(tab["sf_word"][kc]), int(tab["byte_id"][kc])
+            sfb = word_at(smem, k_scale[grp, w])
+            for jj in range(2):
+                r = ldmatrix_x4(smem, tab["k_ldsm"][grp, kc, jj])
+                for x in range(2):
+                    j = tab["pair_tile"][grp, jj, x]
+                    acc[:, j] = mma8(model, qa[:, kc], r[:, tab["ldsm_result"][x]], qsf[:, w], sfb, acc[:, j],
+                                     tab["kTidA"], int(tab["tid_b"][jj, x]), byte_id)
+    got = torch.full((16, 128), float("nan"), dtype=torch.float64)
+    for j in range(16):
+        for r in range(2):
+            for e in range(2):
+                got[G + 8 * r, keys[j, T, e]] = acc[:, j, 2 * r + e]
+    assert not got.isnan().any(), "score_key must cover the tile"
+    return got, dense
+
+
 def _rel_err(got, want):
     return ((got - want).norm() / want.norm()).item()
 
@@ -474,3 +611,37 @@ def test_wrong_hardware_models_fail(kernel_tables, variant, product):
     run = run_qk if product == "qk" else run_pv
     got, dense = run(kernel_tables[d], ptx_model(variant), gen, d)
     assert _rel_err(got, dense) > 0.1, (variant, product, _rel_err(got, dense))
+
+
+def test_8bit_ptx_tables_are_bijections():
+    m = ptx_model8()
+    a = m.a[..., 0] * 32 + m.a[..., 1]
+    b = m.b[..., 0] * 32 + m.b[..., 1]
+    assert torch.equal(a.flatten().sort().values, torch.arange(16 * 32))
+    assert torch.equal(b.flatten().sort().values, torch.arange(8 * 32))
+    # Spot entries: lane 5 (g 1, t 1) register a2 byte 3 is A[1][16 + 7]; lane 30 b1 byte 0 is B[16 + 8][7].
+    assert m.a[5, 2, 3].tolist() == [1, 23] and m.b[30, 1, 0].tolist() == [7, 24]
+
+
+def test_mx_tables_share_the_fp4_data_addresses(kernel_tables, mx_tables):
+    """A 32-byte chunk of a row is one MMA in both formats: the same data addressing functions."""
+    for d in HEAD_DIMS:
+        fp4, mx = kernel_tables[d], mx_tables[d]
+        assert mx["kKChunks"] == 2 * fp4["kKChunks"] and mx["kSfRowBytes"] == d // 32
+        assert torch.equal(mx["byte_id"], torch.arange(d // 32) % 4) and torch.equal(mx["sf_word"], torch.arange(d // 32) // 4)
+        _check_tables_cover(mx)
+
+
+@pytest.mark.parametrize("d", HEAD_DIMS)
+def test_kernel_mxfp8_qk_on_the_ptx_model_is_exact(mx_tables, d):
+    gen = torch.Generator().manual_seed(200 + d)
+    for _ in range(2):
+        got, dense = run_qk_mx(mx_tables[d], ptx_model8(), gen, d)
+        assert torch.equal(got, dense)
+
+
+@pytest.mark.parametrize("variant", WRONG_MODELS_8BIT)
+def test_wrong_8bit_hardware_models_fail(mx_tables, variant):
+    gen = torch.Generator().manual_seed(9)
+    got, dense = run_qk_mx(mx_tables[128], ptx_model8(variant), gen, 128)
+    assert _rel_err(got, dense) > 0.1, (variant, _rel_err(got, dense))

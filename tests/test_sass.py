@@ -19,12 +19,15 @@ def test_expected_mma_count_follows_the_warp_layout():
     assert check_sass.expected_mma_per_warp(128) * 8 == 512
     assert check_sass.expected_mma_per_warp(64) * 8 == 256
     assert check_sass.expected_mma_in_sass(128) == 96 and check_sass.expected_mma_in_sass(64) == 48
+    # MXFP8 Q·Kᵀ: m16n8k32 (half the k of a k64 MMA), all in the loop; P·V as for NVFP4.
+    assert check_sass.expected_mx_mma_in_sass(128) == (64, 64) and check_sass.expected_mx_mma_in_sass(64) == (32, 32)
 
 
 @pytest.mark.skipif(check_sass.find_tool("nvcc") is None, reason="needs nvcc")
 def test_native_sass_has_fp4_mma_and_no_spills():
     rows, failures = check_sass.check()
-    assert len(rows) == 2 * 2 * 2   # archs x head dims x (with / without LSE)
+    assert len(rows) == 2 * 2 * 2 * 2   # archs x Q·Kᵀ formats x head dims x (with / without LSE)
+    assert {r["qk_format"] for r in rows if r["qmma"]} == {"mxfp8"}
     assert not failures, "\n".join(failures)
 
 
@@ -44,6 +47,16 @@ def test_selector_operands_follow_uniform_register_writes():
         "LDCU UR5, c[0x0][0x10]", f"{omma}|UR5", f"{omma}|UR9"))["kernel"]
     assert counts["omma"] == 5
     assert counts["selectors"] == [0, 0x20, 0x40, None, None]
+
+
+def test_byte_id_check_of_the_8bit_mma():
+    encoding = {16 * b + 4 * i: (0, b, i) for b in range(4) for i in range(4)}
+    good = [16 * b + 4 * i for b in range(4) for i in range(4)] * 2
+    assert check_sass.selector_failures("k", good, encoding, 32, byte_ids=4) == []
+    stuck = [16 * b for b in range(4) for _ in range(4)] * 2                        # byte-id stuck at 0
+    assert check_sass.selector_failures("k", stuck, encoding, 32, byte_ids=4)
+    half = [16 * b + 4 * i for b in range(4) for i in range(2)] * 2                 # D=64: byte-ids 0, 1
+    assert check_sass.selector_failures("k", half, encoding, 16, byte_ids=2) == []
 
 
 def test_selector_check_flags_wrong_or_unknown_selectors():
