@@ -64,7 +64,9 @@ nvfp4_dit::QuantizeKernel quantize_kernel_choice() {
 }
 
 std::vector<at::Tensor> quantize_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                     const std::optional<at::Tensor>& kv_lens, bool balance_qk) {
+                                     const std::optional<at::Tensor>& kv_lens, bool balance_qk, bool qk_mxfp8) {
+  // Q and K: e2m1 (2 per byte, a scale per 16) or e4m3 (1 per byte, a scale per 32).
+  const int64_t qk_per_byte = qk_mxfp8 ? 1 : 2, qk_per_scale = qk_mxfp8 ? 32 : 16;
   TORCH_CHECK(q.is_cuda() && k.is_cuda() && v.is_cuda(), "nvfp4_dit_cuda::quantize_qkv: q, k, v must be CUDA tensors");
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "nvfp4_dit_cuda::quantize_qkv: q, k, v must be 4-D [B, H, S, D]");
   TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
@@ -81,10 +83,10 @@ std::vector<at::Tensor> quantize_qkv(const at::Tensor& q, const at::Tensor& k, c
   const auto u8 = q.options().dtype(at::kByte);
   const auto f32 = q.options().dtype(at::kFloat);
 
-  at::Tensor q_data = at::empty({b, h, sqp, dp / 2}, u8);
-  at::Tensor q_sf = at::empty({b, h, sqp, dp / 16}, u8);
-  at::Tensor k_data = at::empty({b, hkv, skp, dp / 2}, u8);
-  at::Tensor k_sf = at::empty({b, hkv, skp, dp / 16}, u8);
+  at::Tensor q_data = at::empty({b, h, sqp, dp / qk_per_byte}, u8);
+  at::Tensor q_sf = at::empty({b, h, sqp, dp / qk_per_scale}, u8);
+  at::Tensor k_data = at::empty({b, hkv, skp, dp / qk_per_byte}, u8);
+  at::Tensor k_sf = at::empty({b, hkv, skp, dp / qk_per_scale}, u8);
   at::Tensor vt_data = at::empty({b, hkv, dp, skp / 2}, u8);
   at::Tensor vt_sf = at::empty({b, hkv, dp, skp / 16}, u8);
   at::Tensor q_mean = at::empty({b, h, sqp / 128, dp}, f32);
@@ -140,6 +142,7 @@ std::vector<at::Tensor> quantize_qkv(const at::Tensor& q, const at::Tensor& k, c
   p.balance = balance.data_ptr<float>();
   p.q_dot_km = q_dot_km.data_ptr<float>();
   p.balance_qk = balance_qk;
+  p.qk_mxfp8 = qk_mxfp8;
   p.q_channel_amax = balance_qk
       ? reinterpret_cast<const uint32_t*>(counters.narrow(0, n_counters + n_flags, n_q_stats).data_ptr<int32_t>())
       : nullptr;
@@ -215,7 +218,7 @@ void correction(const at::Tensor& q_mean, const at::Tensor& k, const at::Tensor&
 }  // namespace
 
 TORCH_LIBRARY(nvfp4_dit_cuda, m) {
-  m.def("quantize_qkv(Tensor q, Tensor k, Tensor v, Tensor? kv_lens, bool balance_qk) -> Tensor[]");
+  m.def("quantize_qkv(Tensor q, Tensor k, Tensor v, Tensor? kv_lens, bool balance_qk, bool qk_mxfp8) -> Tensor[]");
   m.def("correction(Tensor q_mean, Tensor k, Tensor k_mean, Tensor q_scale, Tensor k_scale, Tensor? kv_lens, "
         "int block_begin, Tensor(a!) out) -> ()");
 }

@@ -75,8 +75,6 @@ def attention(q, k, v, *, layout, causal, scale, kv_lens, return_lse, balance_qk
 
     ``quantizer``: "cuda" (:func:`nvfp4_dit.quantize.quantize_qkv`) or "torch"
     (:func:`nvfp4_dit.format.quantize_qkv` on the GPU: the reference's own bytes, for tests).
-    MXFP8 Q/K (``qk_format="mxfp8"``) are always quantised by the latter: the CUDA quantisers
-    write NVFP4 Q/K only.
 
     Returns ``(out [q's layout and dtype], lse [B, H, Sq] or None, nonfinite)``: ``nonfinite`` is
     the ``(q_blocks [B, H, nblk], kv [B, Hkv])`` NaN/inf flags of
@@ -92,8 +90,9 @@ def attention(q, k, v, *, layout, causal, scale, kv_lens, return_lse, balance_qk
     b, h, sq, d = qh.shape
     scale = fmt.default_scale(d) if scale is None else float(scale)
     native = build.is_native(torch.cuda.get_device_capability(q.device))
-    if quantizer == "cuda" and qk_format == "nvfp4":
-        qq = quantize.launch_quantize_qkv(q, k, v, layout=layout, kv_lens=kv_lens, balance_qk=balance_qk)
+    if quantizer == "cuda":
+        qq = quantize.launch_quantize_qkv(q, k, v, layout=layout, kv_lens=kv_lens, balance_qk=balance_qk,
+                                          qk_format=qk_format)
         nonfinite = qq.nonfinite
     else:
         qq = fmt.quantize_qkv(q, k, v, layout=layout, kv_lens=kv_lens, balance_qk=balance_qk, qk_format=qk_format)

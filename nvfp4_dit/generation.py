@@ -21,6 +21,7 @@ from typing import Optional
 
 import torch
 
+from nvfp4_dit.format import QK_FORMATS
 from nvfp4_dit.policy import DEFAULT_MIN_SEQ_LEN, AttentionPolicy
 from nvfp4_dit.processors import apply, routing
 
@@ -93,6 +94,8 @@ def add_generation_args(ap: argparse.ArgumentParser) -> None:
     a.add_argument("--layers", default=None, help="comma-separated allow-list of module patterns, e.g. 'blocks.*.attn1'")
     a.add_argument("--balance-qk", action=argparse.BooleanOptionalAction, default=AttentionPolicy().balance_qk,
                    help="balance Q and K per channel before FP4 quantisation (default: on)")
+    a.add_argument("--qk-format", choices=QK_FORMATS, default=AttentionPolicy().qk_format,
+                   help="Q·Kᵀ format: nvfp4 (default) or mxfp8 (8-bit Q·Kᵀ for sharp attention; P·V stays NVFP4)")
     a.add_argument("--policy", default=None, metavar="FILE",
                    help="a saved policy JSON (e.g. from --calibrate) instead of the policy arguments above")
 
@@ -405,7 +408,8 @@ def policy_kwargs(args, backend: str, defaults: dict, ring_shards: int = 1) -> d
     """Keyword arguments for nvfp4_dit.apply from the policy arguments."""
     layers = [s.strip() for s in args.layers.split(",")] if args.layers else None
     return dict(backend=backend, dense_steps=tuple(args.dense_steps), cross_attention=args.cross_attention,
-                min_seq_len=min_seq_len(args, defaults, ring_shards), layers=layers, balance_qk=args.balance_qk)
+                min_seq_len=min_seq_len(args, defaults, ring_shards), layers=layers, balance_qk=args.balance_qk,
+                qk_format=args.qk_format)
 
 
 def run_once(pipe, args, defaults: dict, mode: str, policy: AttentionPolicy,

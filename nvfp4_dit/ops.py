@@ -280,8 +280,7 @@ def attention(
         qk_format: the format of Q and K: ``"nvfp4"`` (default) or ``"mxfp8"`` (e4m3 with one
             power-of-two scale per 32 elements; P and V stay NVFP4). MXFP8 keeps sharp attention
             (heads whose logits spread far, e.g. strong QK-norm gains) accurate where 4-bit Q/K
-            cannot; on sm_120 its Q·Kᵀ runs at half the FP4 rate. On the GPU its Q and K are
-            quantised by the PyTorch reference quantiser for now (the CUDA quantisers write NVFP4).
+            cannot; on sm_120 its Q·Kᵀ runs at half the FP4 rate.
 
     Returns:
         ``out`` in q's layout and dtype, or ``(out, lse)`` with ``return_lse=True``.

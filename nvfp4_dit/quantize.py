@@ -54,7 +54,8 @@ class KernelQuantizedQKV(fmt.QuantizedQKV):
 
 
 def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: str = "NHD",
-                 kv_lens: Optional[torch.Tensor] = None, balance_qk: bool = fmt.BALANCE_QK_DEFAULT) -> KernelQuantizedQKV:
+                 kv_lens: Optional[torch.Tensor] = None, balance_qk: bool = fmt.BALANCE_QK_DEFAULT,
+                 qk_format: str = fmt.QK_FORMAT_DEFAULT) -> KernelQuantizedQKV:
     """Smooth and quantise Q, K, V on the GPU into the attention kernel's layouts.
 
     Parameters
@@ -64,6 +65,8 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: s
     kv_lens : optional int [B]; keys at or past ``kv_lens[b]`` are excluded from the K and V
         statistics and quantised as zero padding, as in :func:`nvfp4_dit.format.quantize_qkv`.
     balance_qk : balance Q and K per channel (one more read of Q, by a statistics kernel).
+    qk_format : "nvfp4" or "mxfp8" (Q and K as e4m3 with ue8m0 scales per 32; the tile kernel
+        writes it, the streaming kernel NVFP4 only).
 
     Returns
     -------
@@ -71,30 +74,31 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: s
     """
     if isinstance(kv_lens, torch.Tensor) and isinstance(q, torch.Tensor):
         kv_lens = kv_lens.to(q.device)  # a direct caller may keep lengths on the host
-    validate_attention_args(q, k, v, layout, False, None, None, kv_lens, False, "cuda", balance_qk)
+    validate_attention_args(q, k, v, layout, False, None, None, kv_lens, False, "cuda", balance_qk, qk_format)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.device.type != "cuda":
             raise ValueError(f"{name} must be a CUDA tensor, got device {t.device}")
     d = fmt.to_hnd(q, layout).shape[-1]
     if fmt.padded_head_dim(d) is None:
         raise ValueError(f"head dim {d} is not supported (at most {fmt.SUPPORTED_HEAD_DIMS[-1]})")
-    return launch_quantize_qkv(q, k, v, layout=layout, kv_lens=kv_lens, balance_qk=balance_qk)
+    return launch_quantize_qkv(q, k, v, layout=layout, kv_lens=kv_lens, balance_qk=balance_qk, qk_format=qk_format)
 
 
 def launch_quantize_qkv(q, k, v, *, layout: str, kv_lens: Optional[torch.Tensor],
-                        balance_qk: bool) -> KernelQuantizedQKV:
+                        balance_qk: bool, qk_format: str = fmt.QK_FORMAT_DEFAULT) -> KernelQuantizedQKV:
     """:func:`quantize_qkv` for arguments already checked (:func:`nvfp4_dit.attention` checks
     them once): CUDA tensors, kv_lens on their device."""
     qh, kh, vh = (fmt.to_hnd(t, layout) for t in (q, k, v))
     (q_data, q_sf, k_data, k_sf, vt_data, vt_sf, q_mean, k_mean, v_mean, q_scale, k_scale, v_scale, balance,
-     q_dot_km, nonfinite_q, nonfinite_kv) = build.load_extension().quantize_qkv(qh, kh, vh, kv_lens, balance_qk)
+     q_dot_km, nonfinite_q, nonfinite_kv) = build.load_extension().quantize_qkv(qh, kh, vh, kv_lens, balance_qk,
+                                                                                 qk_format == "mxfp8")
     d = qh.shape[3]
     return KernelQuantizedQKV(
         q_data=q_data, q_sf=q_sf, k_data=k_data, k_sf=k_sf, vt_data=vt_data, vt_sf=vt_sf,
         q_mean=q_mean, k_mean=k_mean, v_mean=v_mean, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
         balance=balance if balance_qk else None, q_dot_km=q_dot_km, k_smoothed=None,
         seq_q=qh.shape[2], seq_k=kh.shape[2], head_dim=d, head_dim_padded=fmt.padded_head_dim(d),
-        k_input=kh, kv_lens=kv_lens, nonfinite=(nonfinite_q != 0, nonfinite_kv != 0))
+        k_input=kh, kv_lens=kv_lens, nonfinite=(nonfinite_q != 0, nonfinite_kv != 0), qk_format=qk_format)
 
 
 # ---------------------------------------------------------------------------------------------

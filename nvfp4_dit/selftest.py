@@ -181,11 +181,9 @@ def run_checks(device: torch.device, head_dim: int, qk_format: str = "nvfp4") ->
     checks = []
     with torch.no_grad(), torch.cuda.device(device):
         q, k, v = known_answer_inputs(head_dim, device)
-        named = [("instruction", lambda: check_instruction(device, native, qk_format))]
-        if qk_format == "nvfp4":   # MXFP8 Q/K are quantised by format.quantize_qkv itself on the GPU
-            named.append(("quantiser", lambda: check_quantiser(q, k, v)))
-        named.append(("attention", lambda: check_attention(q, k, v, qk_format)))
-        for name, fn in named:
+        for name, fn in (("instruction", lambda: check_instruction(device, native, qk_format)),
+                         ("quantiser", lambda: check_quantiser(q, k, v, qk_format)),
+                         ("attention", lambda: check_attention(q, k, v, qk_format))):
             try:
                 ok, detail = fn()
             except Exception as exc:  # noqa: BLE001 - a crash is a failed check, never a crash of the caller
@@ -362,12 +360,12 @@ QUANTISED_FIELDS = ("q_data", "q_sf", "k_data", "k_sf", "vt_data", "vt_sf", "q_s
                     "q_mean", "k_mean", "v_mean", "balance")
 
 
-def check_quantiser(q, k, v) -> tuple[bool, str]:
+def check_quantiser(q, k, v, qk_format: str = "nvfp4") -> tuple[bool, str]:
     """The CUDA quantiser's bytes against format.quantize_qkv, exactly."""
     from . import quantize
 
-    got = quantize.launch_quantize_qkv(q, k, v, layout="NHD", kv_lens=None, balance_qk=True)
-    want = fmt.quantize_qkv(q, k, v, layout="NHD", balance_qk=True)
+    got = quantize.launch_quantize_qkv(q, k, v, layout="NHD", kv_lens=None, balance_qk=True, qk_format=qk_format)
+    want = fmt.quantize_qkv(q, k, v, layout="NHD", balance_qk=True, qk_format=qk_format)
     differ = []
     for name in QUANTISED_FIELDS:
         a, b = getattr(got, name), getattr(want, name)

@@ -2,7 +2,8 @@
 """NVFP4 attention accuracy against exact attention on synthetic DiT-like inputs.
 
 Prints a markdown table (cosine similarity, relative L2 error, least-squares scale alpha,
-mean |LSE error|) for several input families and saves a PNG bar chart.  Runs on a CPU in well
+mean |LSE error|) for several input families, for NVFP4 Q·Kᵀ without and with the channel
+balance and for MXFP8 Q·Kᵀ (``qk_format="mxfp8"``, balance on), and saves a PNG bar chart.  Runs on a CPU in well
 under two minutes with the defaults; pass ``--device cuda --backend cuda`` on a GPU to check the
 compiled kernel the same way.
 
@@ -92,7 +93,11 @@ KINDS = ("iid", "block-structured Q", "K channel outliers + bias", "RoPE Q/K",
          "V absmax 1e-4", "V absmax 1e-2", "V absmax 1e2", "V absmax 1e4",
          "Q absmax 1e-4", "Q absmax 1e-2", "Q absmax 1e2", "Q absmax 1e4",
          "K outliers x8", "K outliers x30", "K up, Q down x30", "K up, Q down x100", "Q up, K down x30",
-         "Q up, K down x100", "V large mean", "sharp logits x1", "sharp logits x2", "sharp logits x3")
+         "Q up, K down x100", "V large mean", "sharp logits x1", "sharp logits x2", "sharp logits x3",
+         "sharp logits x10")
+
+# (label, qk_format, balance_qk) of the columns.
+CONFIGS = (("", "nvfp4", False), ("balance_qk", "nvfp4", True), ("mxfp8", "mxfp8", True))
 
 
 def metrics(out: torch.Tensor, exact: torch.Tensor, lse: torch.Tensor, lse_exact: torch.Tensor):
@@ -129,27 +134,29 @@ def main(argv=None) -> int:
         q, k, v = (t.to(args.device, dtype) for t in (q, k, v))
         exact, lse_exact = attention_exact(q, k, v)
         row = [kind]
-        for balance in (False, True):
-            out, lse = nvfp4_dit.attention(q, k, v, backend=args.backend, return_lse=True, balance_qk=balance)
+        for _, qk_format, balance in CONFIGS:
+            out, lse = nvfp4_dit.attention(q, k, v, backend=args.backend, return_lse=True, balance_qk=balance,
+                                           qk_format=qk_format)
             row.append(metrics(out.cpu(), exact.cpu(), lse.cpu(), lse_exact.cpu()))
         rows.append(row)
 
     print(f"NVFP4 attention ({args.backend}, {str(dtype).replace('torch.', '')} inputs) vs exact fp64 attention: "
           f"B={args.batch} S={args.seq} H={args.heads} D={args.head_dim}, seed {args.seed}\n")
     print("| input | cos | rel-L2 | alpha | mean abs LSE error | cos, balance_qk | rel-L2, balance_qk "
-          "| mean abs LSE error, balance_qk |")
-    print("|---|---|---|---|---|---|---|---|")
-    for kind, (cos, rel, alpha, lse_err), (cos_b, rel_b, _, lse_b) in rows:
+          "| mean abs LSE error, balance_qk | cos, mxfp8 | rel-L2, mxfp8 | mean abs LSE error, mxfp8 |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for kind, (cos, rel, alpha, lse_err), (cos_b, rel_b, _, lse_b), (cos_m, rel_m, _, lse_m) in rows:
         print(f"| {kind} | {cos:.5f} | {rel:.4f} | {alpha:.4f} | {lse_err:.4f} | {cos_b:.5f} | {rel_b:.4f} "
-              f"| {lse_b:.4f} |")
+              f"| {lse_b:.4f} | {cos_m:.5f} | {rel_m:.4f} | {lse_m:.4f} |")
     print(f"\n({time.time() - t0:.1f} s)")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(
             {"backend": args.backend, "seq": args.seq, "heads": args.heads, "head_dim": args.head_dim,
-             "rows": [{"input": kind, **{f"{name}{suffix}": value for suffix, m in (("", a), ("_balance_qk", b))
-                                        for name, value in zip(("cos", "rel_l2", "alpha", "lse_err"), m)}}
-                      for kind, a, b in rows]}, indent=1))
+             "rows": [{"input": r[0], **{f"{name}{'_' + label if label else ''}": value
+                                         for (label, _, _), m in zip(CONFIGS, r[1:])
+                                         for name, value in zip(("cos", "rel_l2", "alpha", "lse_err"), m)}}
+                      for r in rows]}, indent=1))
 
     if args.png:
         import matplotlib
@@ -162,15 +169,16 @@ def main(argv=None) -> int:
         fig, axes = plt.subplots(2, 1, figsize=(13, 7), sharex=True)
         names = [r[0] for r in rows]
         x = torch.arange(len(rows)).tolist()
+        series = (("NVFP4, balance_qk off", "#4c72b0"), ("NVFP4, balance_qk on", "#dd8452"), ("MXFP8 Q·Kᵀ", "#55a868"))
         for ax, col, title in zip(axes, (0, 3), ("cosine similarity to exact", "mean |LSE error|")):
-            for j, (label, color) in enumerate((("balance_qk off", "#4c72b0"), ("balance_qk on", "#dd8452"))):
-                ax.bar([i + 0.4 * j for i in x], [r[1 + j][col] for r in rows], 0.4, label=label, color=color)
+            for j, (label, color) in enumerate(series):
+                ax.bar([i + 0.27 * j for i in x], [r[1 + j][col] for r in rows], 0.27, label=label, color=color)
             ax.set_title(title, fontsize=10)
             if col == 0:
-                ax.set_ylim(max(0.0, min(min(r[1][0], r[2][0]) for r in rows) - 0.01), 1.0)
+                ax.set_ylim(max(0.0, min(min(m[0] for m in r[1:]) for r in rows) - 0.01), 1.0)
                 ax.axhline(0.975, ls="--", c="gray", lw=0.8)
                 ax.legend(fontsize=8)
-        axes[1].set_xticks([i + 0.2 for i in x], names, rotation=35, ha="right", fontsize=8)
+        axes[1].set_xticks([i + 0.27 for i in x], names, rotation=35, ha="right", fontsize=8)
         fig.suptitle(f"NVFP4 ({args.backend}) vs exact, S={args.seq} H={args.heads} D={args.head_dim}", fontsize=10)
         fig.tight_layout()
         fig.savefig(path, dpi=110)

@@ -5,6 +5,7 @@ One run times, at B1 H40 D128 and S = 8k, 32k, 77k, causal and not:
   * ``nvfp4 kernel``: the attention kernel alone on pre-quantised inputs with the whole
     correction precomputed (native FP4 MMA on sm_120/121, the fp16 emulation on sm_80/90);
   * ``nvfp4 e2e``: ``nvfp4_dit.attention_cuda.attention`` (quantise + correction chunks + kernel);
+  * ``mxfp8 Q·Kᵀ e2e``: the same with ``qk_format="mxfp8"`` (8-bit Q·Kᵀ, NVFP4 P·V);
   * ``nvfp4 quantize+correction``: the preprocessing of the e2e path alone (the CUDA quantiser and
     every correction chunk);
   * ``sdpa flash`` / ``sdpa cudnn``: torch SDPA in bf16 with that back-end forced;
@@ -166,6 +167,9 @@ def main() -> int:
                        "nvfp4 quantize+correction": time_ms(preprocess, reps)}
             results["nvfp4 e2e"] = time_ms(lambda: attention_cuda.attention(
                 q, k, v, layout="HND", causal=causal, scale=None, kv_lens=None, return_lse=False), reps)
+            results["mxfp8 Q·Kᵀ e2e"] = time_ms(lambda: attention_cuda.attention(
+                q, k, v, layout="HND", causal=causal, scale=None, kv_lens=None, return_lse=False,
+                qk_format="mxfp8"), reps)
             for be in ("flash", "cudnn"):
                 try:
                     results[f"sdpa {be}"] = time_ms(sdpa_fn(q, k, v, causal, be), max(reps, 5))

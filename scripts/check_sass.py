@@ -172,39 +172,33 @@ def sass_counts(sass: str) -> dict[str, dict]:
 PROBE_UNIT = "attention/attention_fwd_dispatch.cu"
 
 
-def selector_encoding(arch: str, out_dir: Path) -> dict[int, tuple[int, int]]:
-    """{selector operand value: (thread-id-a, thread-id-b)} read off the probe kernels, which
-    instantiate every legal pair as template arguments (..._probe_kernel<MmaNative, a, b>)."""
+def _probe_encoding(arch: str, out_dir: Path, probe: str, kind: str, count: int) -> dict[int, int]:
+    """{selector operand value: combination I} of the probe kernels mma_probe_kernel<probe<MmaNative>, I>
+    (csrc/attention/attention_fwd_dispatch.cu), which instantiate every legal combination."""
     cubin, _ = compile_cubin(PROBE_UNIT, arch, out_dir)
-    encoding: dict[int, tuple[int, int]] = {}
+    encoding: dict[int, int] = {}
     for kernel, c in sass_counts(disassemble(cubin)).items():
-        m = re.search(r"mma_fp4_probe_kernelINS_9MmaNativeELi(\d)ELi(\d)E", kernel)
+        m = re.search(rf"mma_probe_kernelINS_{len(probe)}{probe}INS_9MmaNativeEEELi(\d+)E", kernel)
         if m is None:
             continue
-        if c["omma"] != 1 or c["selectors"][0] is None:
-            raise RuntimeError(f"probe {kernel}: expected one OMMA with a constant selector, got {c}")
-        encoding[c["selectors"][0]] = (int(m.group(1)), int(m.group(2)))
-    if sorted(encoding.values()) != [(a, b) for a in range(2) for b in range(4)]:
-        raise RuntimeError(f"the probe kernels do not give all 8 selector pairs distinctly: {encoding}")
+        selectors = c["selectors" if kind == "omma" else "qmma_selectors"]
+        if c[kind] != 1 or selectors[0] is None:
+            raise RuntimeError(f"probe {kernel}: expected one {kind.upper()} with a constant selector, got {c}")
+        encoding[selectors[0]] = int(m.group(1))
+    if sorted(encoding.values()) != list(range(count)):
+        raise RuntimeError(f"the {probe} kernels do not give all {count} selector combinations distinctly: {encoding}")
     return encoding
+
+
+def selector_encoding(arch: str, out_dir: Path) -> dict[int, tuple[int, int]]:
+    """{selector operand value: (thread-id-a, thread-id-b)} of the FP4 MMA."""
+    return {v: (i // 4, i % 4) for v, i in _probe_encoding(arch, out_dir, "Fp4Probe", "omma", 8).items()}
 
 
 def mx_selector_encoding(arch: str, out_dir: Path) -> dict[int, tuple[int, int, int]]:
-    """{selector operand value: (thread-id-a, thread-id-b, byte-id)} of the 8-bit MMA, read off its
-    probe kernels (mma_mxf8_probe_kernel<MmaNative, 16 a + 4 b + byte-id>)."""
-    cubin, _ = compile_cubin(PROBE_UNIT, arch, out_dir)
-    encoding: dict[int, tuple[int, int, int]] = {}
-    for kernel, c in sass_counts(disassemble(cubin)).items():
-        m = re.search(r"mma_mxf8_probe_kernelINS_9MmaNativeELi(\d+)E", kernel)
-        if m is None:
-            continue
-        if c["qmma"] != 1 or c["qmma_selectors"][0] is None:
-            raise RuntimeError(f"probe {kernel}: expected one QMMA with a constant selector, got {c}")
-        i = int(m.group(1))
-        encoding[c["qmma_selectors"][0]] = (i // 16, (i // 4) % 4, i % 4)
-    if sorted(encoding.values()) != [(a, b, i) for a in range(2) for b in range(4) for i in range(4)]:
-        raise RuntimeError(f"the 8-bit probe kernels do not give all 32 selector combinations distinctly: {encoding}")
-    return encoding
+    """{selector operand value: (thread-id-a, thread-id-b, byte-id)} of the 8-bit MMA."""
+    return {v: (i // 16, (i // 4) % 4, i % 4)
+            for v, i in _probe_encoding(arch, out_dir, "Mxf8Probe", "qmma", 32).items()}
 
 
 def selector_failures(name: str, selectors: list, encoding: dict, count: int, byte_ids: int = 0) -> list[str]:

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from nvfp4_dit import attention as nvfp4_dit_attention
 from nvfp4_dit import attention_cuda, build, quantize
 from nvfp4_dit import format as fmt
 from nvfp4_dit.reference import attention_exact, attention_reference
@@ -92,14 +93,37 @@ def test_mma_backend_matches_dense_product(kernel, tid_a, tid_b):
         assert ((got - dense).abs() <= bound).all(), (got - dense).abs().max().item()
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("tid_a", [0, 1])
+@pytest.mark.parametrize("tid_b", [0, 3])
+@pytest.mark.parametrize("byte_id", [0, 1, 2, 3])
+def test_8bit_mma_backend_matches_dense_product(kernel, tid_a, tid_b, byte_id):
+    """The MXFP8 Q·Kᵀ MMA (m16n8k32 kind::mxf8f6f4, ue8m0 1X) on registers laid out by the PTX
+    tables (tests/test_selftest.py checks the layout on CPU)."""
+    from nvfp4_dit import selftest
+
+    dev = _device()
+    g = torch.Generator(device="cuda").manual_seed(300 + 16 * tid_a + 4 * tid_b + byte_id)
+    for _ in range(4):
+        (a, b, sfa, sfb, c), (a_val, b_val, c_val) = selftest.mxf8_probe_registers(g, tid_a, tid_b, byte_id, dev)
+        d_reg = kernel.mma_mxf8_probe(selftest._as_int32(a), selftest._as_int32(b), selftest._as_int32(sfa),
+                                      selftest._as_int32(sfb), c.contiguous(), tid_a, tid_b, byte_id, _native())
+        got = selftest._unpack_d(d_reg)
+        dense = a_val @ b_val.T + c_val
+        rel = selftest.MMA_ACCUMULATION_BOUND if _native() else 1e-5
+        bound = (a_val.abs() @ b_val.abs().T + c_val.abs()) * rel + 1e-30
+        assert ((got - dense).abs() <= bound).all(), (got - dense).abs().max().item()
+
+
 # ---------------------------------------------------------------------------------------------
 # the whole kernel against the reference numerics
 # ---------------------------------------------------------------------------------------------
 
-def _check_vs_reference(q, k, v, *, layout="NHD", causal=False, kv_lens=None, scale=None, min_cos=0.9999):
-    out, lse = _run(q, k, v, layout=layout, causal=causal, kv_lens=kv_lens, scale=scale)
+def _check_vs_reference(q, k, v, *, layout="NHD", causal=False, kv_lens=None, scale=None, min_cos=0.9999,
+                        qk_format="nvfp4"):
+    out, lse = _run(q, k, v, layout=layout, causal=causal, kv_lens=kv_lens, scale=scale, qk_format=qk_format)
     ref, ref_lse = attention_reference(q, k, v, layout=layout, causal=causal, kv_lens=kv_lens, scale=scale,
-                                       return_lse=True)
+                                       return_lse=True, qk_format=qk_format)
     assert out.shape == ref.shape and out.dtype == q.dtype
     assert torch.isfinite(out).all()
     cos = _cos(out, ref)
@@ -111,11 +135,36 @@ def _check_vs_reference(q, k, v, *, layout="NHD", causal=False, kv_lens=None, sc
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("qk_format", ["nvfp4", "mxfp8"])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
-def test_matches_reference(kernel, d, causal):
+def test_matches_reference(kernel, d, causal, qk_format):
     q, k, v = _qkv(2, 384, 4, d, seed=d + causal)
-    _check_vs_reference(q, k, v, causal=causal)
+    _check_vs_reference(q, k, v, causal=causal, qk_format=qk_format)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("d", [64, 128])
+def test_mxfp8_with_kv_lens_gqa_and_the_cuda_quantiser(kernel, d):
+    """MXFP8 Q·Kᵀ with per-batch key lengths and 4:1 GQA; the CUDA quantiser's bytes run the same
+    kernel (the reference quantiser's bytes are checked against it in tests/test_quantize.py)."""
+    q, k, v = _qkv(2, 700, 8, d, sk=900, hkv=2, seed=d)
+    lens = torch.tensor([900, 333], device="cuda")
+    _check_vs_reference(q, k, v, kv_lens=lens, causal=False, qk_format="mxfp8")
+    out, _ = _run(q, k, v, kv_lens=lens, qk_format="mxfp8", quantizer="cuda")
+    ref = attention_reference(q, k, v, kv_lens=lens, qk_format="mxfp8")
+    assert _cos(out, ref) >= 0.999
+
+
+@pytest.mark.cuda
+def test_mxfp8_keeps_sharp_attention_accurate(kernel):
+    """Q, K ~ N(0, 3^2) at D=128: 4-bit Q/K lose the sharp softmax, 8-bit Q·Kᵀ keeps it."""
+    q, k, v = _qkv(1, 2048, 2, 128, seed=5)
+    q, k = q * 3, k * 3
+    exact = attention_exact(q, k, v)
+    out8 = nvfp4_dit_attention(q, k, v, qk_format="mxfp8", backend="cuda")
+    out4 = nvfp4_dit_attention(q, k, v, qk_format="nvfp4", backend="cuda")
+    assert _cos(out8, exact) >= 0.98 and _cos(out8, exact) > _cos(out4, exact) + 0.02
 
 
 @pytest.mark.cuda

@@ -268,7 +268,8 @@ def _assert_matches_format(qq, q, k, v, layout, kv_lens):
     balance equal format.py's (means up to summation order, the rest exactly given the means)."""
     balance_qk = qq.balance is not None
     ref = fmt.quantize_qkv(q, k, v, layout=layout, kv_lens=kv_lens, balance_qk=balance_qk, q_mean=qq.q_mean,
-                           k_mean_override=qq.k_mean, v_mean_override=qq.v_mean, balance_override=qq.balance)
+                           k_mean_override=qq.k_mean, v_mean_override=qq.v_mean, balance_override=qq.balance,
+                           qk_format=qq.qk_format)
     for name in BYTE_FIELDS:
         got, want = getattr(qq, name), getattr(ref, name)
         assert got.shape == want.shape and got.dtype == want.dtype, (name, got.shape, want.shape)
@@ -297,7 +298,7 @@ def _assert_matches_format(qq, q, k, v, layout, kv_lens):
     return ref
 
 
-def _run_case(b, h, hkv, sq, sk, d, layout, dtype, kv_lens=None, seed=0, balance_qk=False):
+def _run_case(b, h, hkv, sq, sk, d, layout, dtype, kv_lens=None, seed=0, balance_qk=False, qk_format="nvfp4"):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     q = _make((b, h, sq, d), layout, dtype, gen)
     k = _make((b, hkv, sk, d), layout, dtype, gen, block_structure=False)
@@ -308,8 +309,8 @@ def _run_case(b, h, hkv, sq, sk, d, layout, dtype, kv_lens=None, seed=0, balance
         qh[..., :4] /= 16
         qh[..., 4:8] *= 8
     lens = None if kv_lens is None else torch.tensor(kv_lens, device="cuda", dtype=torch.int32)
-    qq = cq.quantize_qkv(q, k, v, layout=layout, kv_lens=lens, balance_qk=balance_qk)
-    assert (qq.balance is not None) == balance_qk
+    qq = cq.quantize_qkv(q, k, v, layout=layout, kv_lens=lens, balance_qk=balance_qk, qk_format=qk_format)
+    assert (qq.balance is not None) == balance_qk and qq.qk_format == qk_format
     ref = _assert_matches_format(qq, q, k, v, layout, lens)
     if balance_qk and sq > 1:  # a single query row is its own mean: no Q statistics, s = 1
         assert (qq.balance != 1).any(), "the balance did not move any channel"
@@ -332,6 +333,22 @@ def kernel_choice(request, monkeypatch):
 def test_bytes_equal_format_4096(kernel_choice, layout, dtype, d, balance_qk):
     kv_lens = [4096, 3001] if dtype == torch.float16 else None
     _run_case(2, 4, 2, 4096, 4096, d, layout, dtype, kv_lens=kv_lens, balance_qk=balance_qk)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("b, h, hkv, sq, sk, d, layout, dtype, kv_lens", [
+    (2, 4, 2, 4096, 4096, 128, "NHD", torch.bfloat16, [4096, 3001]),
+    (2, 4, 2, 2000, 2500, 64, "HND", torch.float16, None),
+    (1, 3, 1, 1000, 777, 72, "HND", torch.float32, None),      # D padded to 128: half-empty MX blocks
+    (1, 8, 2, 257, 4133, 40, "NHD", torch.bfloat16, [4100]),   # D padded to 64, GQA 4:1
+])
+@pytest.mark.parametrize("balance_qk", [False, True])
+def test_mxfp8_bytes_equal_format(kernel_choice, b, h, hkv, sq, sk, d, layout, dtype, kv_lens, balance_qk):
+    """MXFP8 Q/K (e4m3, ue8m0 per 32) from the tile kernel (the streaming kernel declines them)."""
+    qq, _, _ = _run_case(b, h, hkv, sq, sk, d, layout, dtype, kv_lens=kv_lens, seed=3, balance_qk=balance_qk,
+                         qk_format="mxfp8")
+    dp = fmt.padded_head_dim(d)
+    assert qq.q_data.shape[-1] == dp and qq.q_sf.shape[-1] == dp // 32 and qq.k_sf.shape[-1] == dp // 32
 
 
 @pytest.mark.cuda

@@ -75,6 +75,16 @@ def test_instruction_case_is_laid_out_as_the_ptx_model_reads_it(tid_a, tid_b):
         assert ((val.abs() > 0) & (val.abs() < 0.5 * 2.0**-6)).any()
 
 
+@pytest.mark.parametrize("tid_a, tid_b, byte_id", [(0, 0, 0), (1, 3, 2), (0, 2, 3)])
+def test_8bit_instruction_case_is_laid_out_as_the_ptx_model_reads_it(tid_a, tid_b, byte_id):
+    from test_mma_model import mma8, ptx_model8
+
+    gen = torch.Generator().manual_seed(6)
+    (a, b, sfa, sfb, c), (a_val, b_val, c_val) = selftest.mxf8_probe_registers(gen, tid_a, tid_b, byte_id, "cpu")
+    d = mma8(ptx_model8(), a, b, sfa, sfb, c.double(), tid_a, tid_b, byte_id)
+    assert torch.equal(selftest._unpack_d(d), a_val @ b_val.T + c_val)
+
+
 def _fake_checks(ok):
     return (selftest.Check("instruction", True, "fine"), selftest.Check("quantiser", ok, "k_sf differs in 3 of 9"),
             selftest.Check("attention", True, "fine"))

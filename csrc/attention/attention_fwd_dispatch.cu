@@ -32,77 +32,60 @@ cudaError_t attention_fwd(const AttentionFwdParams& p, int head_dim, bool with_l
   }());
 }
 
-template <class Mma, int kTidA, int kTidB>
-__global__ void mma_fp4_probe_kernel(const uint32_t* a, const uint32_t* b, const uint32_t* sfa,
-                                     const uint32_t* sfb, const float* c, float* d) {
-  if constexpr (Mma::kCompiledHere) {
-    const int l = threadIdx.x;
-    const uint32_t ra[4] = {a[4 * l], a[4 * l + 1], a[4 * l + 2], a[4 * l + 3]};
-    const uint32_t rb[2] = {b[2 * l], b[2 * l + 1]};
-    float acc[4] = {c[4 * l], c[4 * l + 1], c[4 * l + 2], c[4 * l + 3]};
-    Mma::template mma<kTidA, kTidB>(acc, ra, rb, sfa[l], sfb[l]);
-    for (int i = 0; i < 4; ++i) d[4 * l + i] = acc[i];
-  } else {
-    __trap();
+// The single-MMA probes: one warp runs one MMA of a back-end with given per-lane registers, for
+// selector combination I (Fp4Probe: I = 4 * thread-id-a + thread-id-b, the 8 legal pairs of
+// scale_vec::4X; Mxf8Probe: I = 16 * thread-id-a + 4 * thread-id-b + byte-id, the 32 of 1X).
+template <class Mma>
+struct Fp4Probe {
+  static constexpr bool kCompiledHere = Mma::kCompiledHere;
+  static constexpr int kCombinations = 8;
+  template <int I>
+  static __device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2],
+                                             uint32_t sfa, uint32_t sfb) {
+    Mma::template mma<I / 4, I % 4>(d, a, b, sfa, sfb);
   }
-}
-
-template <class Mma, int kTidA, int kTidB>
-static cudaError_t launch_probe(const uint32_t* a, const uint32_t* b, const uint32_t* sfa, const uint32_t* sfb,
-                                const float* c, float* d, cudaStream_t stream) {
-  mma_fp4_probe_kernel<Mma, kTidA, kTidB><<<1, 32, 0, stream>>>(a, b, sfa, sfb, c, d);
-  return cudaGetLastError();
-}
+};
 
 template <class Mma>
-static cudaError_t probe_dispatch(const uint32_t* a, const uint32_t* b, const uint32_t* sfa, const uint32_t* sfb,
-                                  const float* c, float* d, int tid_a, int tid_b, cudaStream_t stream) {
-  // Every legal selector pair (PTX Table 37 for scale_vec::4X): thread-id-a 0..1, thread-id-b 0..3.
-  switch (tid_a * 4 + tid_b) {
-    case 0: return launch_probe<Mma, 0, 0>(a, b, sfa, sfb, c, d, stream);
-    case 1: return launch_probe<Mma, 0, 1>(a, b, sfa, sfb, c, d, stream);
-    case 2: return launch_probe<Mma, 0, 2>(a, b, sfa, sfb, c, d, stream);
-    case 3: return launch_probe<Mma, 0, 3>(a, b, sfa, sfb, c, d, stream);
-    case 4: return launch_probe<Mma, 1, 0>(a, b, sfa, sfb, c, d, stream);
-    case 5: return launch_probe<Mma, 1, 1>(a, b, sfa, sfb, c, d, stream);
-    case 6: return launch_probe<Mma, 1, 2>(a, b, sfa, sfb, c, d, stream);
-    case 7: return launch_probe<Mma, 1, 3>(a, b, sfa, sfb, c, d, stream);
-    default: return cudaErrorInvalidValue;
+struct Mxf8Probe {
+  static constexpr bool kCompiledHere = Mma::kCompiledHere;
+  static constexpr int kCombinations = 32;
+  template <int I>
+  static __device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2],
+                                             uint32_t sfa, uint32_t sfb) {
+    Mma::template mma_mxf8<I / 16, (I / 4) % 4, I % 4>(d, a, b, sfa, sfb);
   }
-}
+};
 
-// The 8-bit probe: one m16n8k32 kind::mxf8f6f4 MMA (MmaNative::mma_mxf8 / MmaEmulated::mma_mxf8)
-// for selectors I = 16 * thread-id-a + 4 * thread-id-b + byte-id.
-template <class Mma, int I>
-__global__ void mma_mxf8_probe_kernel(const uint32_t* a, const uint32_t* b, const uint32_t* sfa,
-                                      const uint32_t* sfb, const float* c, float* d) {
-  if constexpr (Mma::kCompiledHere) {
+template <class Probe, int I>
+__global__ void mma_probe_kernel(const uint32_t* a, const uint32_t* b, const uint32_t* sfa, const uint32_t* sfb,
+                                 const float* c, float* d) {
+  if constexpr (Probe::kCompiledHere) {
     const int l = threadIdx.x;
     const uint32_t ra[4] = {a[4 * l], a[4 * l + 1], a[4 * l + 2], a[4 * l + 3]};
     const uint32_t rb[2] = {b[2 * l], b[2 * l + 1]};
     float acc[4] = {c[4 * l], c[4 * l + 1], c[4 * l + 2], c[4 * l + 3]};
-    Mma::template mma_mxf8<I / 16, (I / 4) % 4, I % 4>(acc, ra, rb, sfa[l], sfb[l]);
+    Probe::template mma<I>(acc, ra, rb, sfa[l], sfb[l]);
     for (int i = 0; i < 4; ++i) d[4 * l + i] = acc[i];
   } else {
     __trap();
   }
 }
 
-using Mxf8ProbeKernel = void (*)(const uint32_t*, const uint32_t*, const uint32_t*, const uint32_t*, const float*,
-                                 float*);
+using ProbeKernel = void (*)(const uint32_t*, const uint32_t*, const uint32_t*, const uint32_t*, const float*, float*);
 
-template <class Mma, int... I>
-static constexpr std::array<Mxf8ProbeKernel, sizeof...(I)> mxf8_probe_table(std::integer_sequence<int, I...>) {
-  return {&mma_mxf8_probe_kernel<Mma, I>...};
+template <class Probe, int... I>
+static constexpr std::array<ProbeKernel, sizeof...(I)> probe_table(std::integer_sequence<int, I...>) {
+  return {&mma_probe_kernel<Probe, I>...};
 }
 
-cudaError_t mma_mxf8_probe(const uint32_t* a, const uint32_t* b, const uint32_t* sfa, const uint32_t* sfb,
-                           const float* c, float* d, int tid_a, int tid_b, int byte_id, bool native,
-                           cudaStream_t stream) {
-  if (tid_a < 0 || tid_a > 1 || tid_b < 0 || tid_b > 3 || byte_id < 0 || byte_id > 3) return cudaErrorInvalidValue;
-  static constexpr auto kNative = mxf8_probe_table<MmaNative>(std::make_integer_sequence<int, 32>{});
-  static constexpr auto kEmulated = mxf8_probe_table<MmaEmulated>(std::make_integer_sequence<int, 32>{});
-  const int i = 16 * tid_a + 4 * tid_b + byte_id;
+template <template <class> class Probe>
+static cudaError_t launch_probe(const uint32_t* a, const uint32_t* b, const uint32_t* sfa, const uint32_t* sfb,
+                                const float* c, float* d, int i, bool native, cudaStream_t stream) {
+  constexpr int n = Probe<MmaNative>::kCombinations;
+  static constexpr auto kNative = probe_table<Probe<MmaNative>>(std::make_integer_sequence<int, n>{});
+  static constexpr auto kEmulated = probe_table<Probe<MmaEmulated>>(std::make_integer_sequence<int, n>{});
+  if (i < 0 || i >= n) return cudaErrorInvalidValue;
   (native ? kNative : kEmulated)[i]<<<1, 32, 0, stream>>>(a, b, sfa, sfb, c, d);
   return cudaGetLastError();
 }
@@ -110,8 +93,14 @@ cudaError_t mma_mxf8_probe(const uint32_t* a, const uint32_t* b, const uint32_t*
 cudaError_t mma_fp4_probe(const uint32_t* a, const uint32_t* b, const uint32_t* sfa, const uint32_t* sfb,
                           const float* c, float* d, int tid_a, int tid_b, bool native, cudaStream_t stream) {
   if (tid_a < 0 || tid_a > 1 || tid_b < 0 || tid_b > 3) return cudaErrorInvalidValue;
-  return native ? probe_dispatch<MmaNative>(a, b, sfa, sfb, c, d, tid_a, tid_b, stream)
-                : probe_dispatch<MmaEmulated>(a, b, sfa, sfb, c, d, tid_a, tid_b, stream);
+  return launch_probe<Fp4Probe>(a, b, sfa, sfb, c, d, 4 * tid_a + tid_b, native, stream);
+}
+
+cudaError_t mma_mxf8_probe(const uint32_t* a, const uint32_t* b, const uint32_t* sfa, const uint32_t* sfb,
+                           const float* c, float* d, int tid_a, int tid_b, int byte_id, bool native,
+                           cudaStream_t stream) {
+  if (tid_a < 0 || tid_a > 1 || tid_b < 0 || tid_b > 3 || byte_id < 0 || byte_id > 3) return cudaErrorInvalidValue;
+  return launch_probe<Mxf8Probe>(a, b, sfa, sfb, c, d, 16 * tid_a + 4 * tid_b + byte_id, native, stream);
 }
 
 }  // namespace nvfp4_dit

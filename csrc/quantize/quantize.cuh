@@ -86,6 +86,11 @@ struct QuantizeQkvParams {
   uint32_t* work_counters;  // [quantize_qkv_workspace_counters], zero on entry
 
   QuantizeKernel kernel;
+
+  // Q and K as NVFP4 (above) or MXFP8: e4m3 data q_data [B, H, Sqp, Dp], k_data [B, Hkv, Skp, Dp]
+  // and one ue8m0 byte per 32 elements, q_sf [B, H, Sqp, Dp/32], k_sf [B, Hkv, Skp, Dp/32]. The
+  // streaming kernel writes NVFP4 only (it returns cudaErrorNotSupported for MXFP8).
+  bool qk_mxfp8;
 };
 
 constexpr int kTileRows = 128;  // rows of a Q/K tile and tokens of a V^T tile, in every kernel
@@ -129,7 +134,7 @@ __host__ __device__ inline int64_t quantize_qkv_workspace_counters(int64_t batch
 cudaError_t launch_quantize_qkv(const QuantizeQkvParams& params, cudaStream_t stream);
 
 // The streaming kernel behind launch_quantize_qkv (quantize_stream.cu) for bf16/fp16 inputs whose
-// rows are contiguous and 16-byte aligned with D == Dp, on sm_90 and newer (TMA). Returns
+// rows are contiguous and 16-byte aligned with D == Dp, NVFP4 Q/K, on sm_90 and newer (TMA). Returns
 // cudaErrorNotSupported, launching nothing, for any other input or device.
 cudaError_t launch_quantize_qkv_stream(const QuantizeQkvParams& params, cudaStream_t stream);
 

@@ -166,6 +166,29 @@ __device__ __forceinline__ void store_u64(uint8_t* p, uint32_t lo, uint32_t hi) 
   *reinterpret_cast<uint2*>(p) = make_uint2(lo, hi);
 }
 
+__device__ __forceinline__ void store_u128(uint8_t* p, const uint32_t (&w)[4]) {
+  *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// MXFP8 Q/K (format.quantize_mx_blocks): this lane's 16 values are half of a 32-element block whose
+// other half the xor-1 lane holds; every lane of the warp calls it (one shuffle, so also for
+// padding rows, whose zeros give a zero block). The block's ue8m0 byte e + 127 (ue8m0_scale_byte),
+// then e4m3(x / 2^e): the division by a power of two is exact (ldexpf), so each code is rounded
+// once, as in format.py. 16 bytes into w; returns whether the block holds a NaN or an inf.
+__device__ __forceinline__ bool quantize_mx_half32(const float (&v)[16], uint32_t (&w)[4], uint32_t& sf_bits) {
+  const float half_amax = abs_max16(v);
+  const float amax = max_nan(half_amax, __shfl_xor_sync(0xFFFFFFFFu, half_amax, 1));
+  sf_bits = nvfp4_dit::ue8m0_scale_byte(amax);
+  const int e = int(sf_bits) - nvfp4_dit::kUe8m0Bias;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t lo = nvfp4_dit::float2_to_e4m3x2(ldexpf(v[4 * i], -e), ldexpf(v[4 * i + 1], -e));
+    const uint32_t hi = nvfp4_dit::float2_to_e4m3x2(ldexpf(v[4 * i + 2], -e), ldexpf(v[4 * i + 3], -e));
+    w[i] = lo | (hi << 16);
+  }
+  return !(amax <= FLT_MAX);
+}
+
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }

@@ -909,7 +909,7 @@ cudaError_t launch_stream_typed(const QuantizeQkvParams& p, cudaStream_t stream)
 }  // namespace
 
 cudaError_t launch_quantize_qkv_stream(const QuantizeQkvParams& p, cudaStream_t stream) {
-  if (p.dtype == InputDtype::kFloat32 || !vector_loads_ok(p.q, 2, p.head_dim, p.head_dim_padded) ||
+  if (p.qk_mxfp8 || p.dtype == InputDtype::kFloat32 || !vector_loads_ok(p.q, 2, p.head_dim, p.head_dim_padded) ||
       !vector_loads_ok(p.k, 2, p.head_dim, p.head_dim_padded) || !vector_loads_ok(p.v, 2, p.head_dim, p.head_dim_padded))
     return cudaErrorNotSupported;
   const bool bf16 = p.dtype == InputDtype::kBFloat16;

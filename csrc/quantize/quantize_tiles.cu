@@ -416,7 +416,38 @@ __device__ __forceinline__ void q_tile_deviation(const SharedStorage<DP>& sm, co
       }
 }
 
-template <InputDtype DT, int DP, bool VEC>
+// Bytes of one Q/K row's data and scales, and of one thread's 16 columns: NVFP4 or MXFP8 (kMx).
+template <int DP, bool kMx>
+struct QkRowBytes {
+  static constexpr int kData = kMx ? DP : DP / 2;
+  static constexpr int kScales = kMx ? DP / 32 : DP / 16;
+  static constexpr int kBlockData = kMx ? 16 : 8;
+  // The scale byte of column block cb (MXFP8: written by the even lane of each pair).
+  __device__ __forceinline__ static int scale_col(int cb) { return kMx ? cb / 2 : cb; }
+};
+
+// Quantise this thread's 16 values v of a Q or K row (zeros for padding rows) and store them at
+// data / sf (the thread's place in its row): NVFP4 blocks of 16, or half an MXFP8 block of 32
+// (every lane takes part: the pair shares its amax). Returns whether a valid row met NaN/inf.
+template <int DP, bool kMx>
+__device__ __forceinline__ bool quantize_qk_block(const float (&v)[16], bool valid, const ScaleTables& tables,
+                                                  int cb, uint8_t* data, uint8_t* sf) {
+  if constexpr (kMx) {
+    uint32_t w[4], sf_bits;
+    const bool nonfinite = quantize_mx_half32(v, w, sf_bits);
+    store_u128(data, w);
+    if ((cb & 1) == 0) *sf = static_cast<uint8_t>(sf_bits);
+    return nonfinite && valid;
+  } else {
+    uint32_t lo = 0, hi = 0, sf_bits = 0;
+    const bool nonfinite = valid && quantize_block16(v, tables, lo, hi, sf_bits);
+    store_u64(data, lo, hi);
+    *sf = static_cast<uint8_t>(sf_bits);
+    return nonfinite;
+  }
+}
+
+template <InputDtype DT, int DP, bool VEC, bool kMx>
 __device__ __forceinline__ void q_tile(const QuantizeQkvParams& p, SharedStorage<DP>& sm, int64_t tile) {
   using Map = RowTileMap<DP>;
   const RowTile<DP> t = RowTile<DP>::queries(p, tile);  // tile = bh * n_blocks + blk
@@ -445,16 +476,17 @@ __device__ __forceinline__ void q_tile(const QuantizeQkvParams& p, SharedStorage
   __syncthreads();
 
   // This thread's outputs of pass 0; pass ps writes kRowsPerPass * ps rows further.
-  uint8_t* data = p.q_data + (tile * kTileRows + r0) * (DP / 2) + cb * 8;
-  uint8_t* sf = p.q_sf + (tile * kTileRows + r0) * (DP / 16) + cb;
+  using Row = QkRowBytes<DP, kMx>;
+  uint8_t* data = p.q_data + (tile * kTileRows + r0) * Row::kData + cb * Row::kBlockData;
+  uint8_t* sf = p.q_sf + (tile * kTileRows + r0) * Row::kScales + Row::scale_col(cb);
   bool nonfinite = false;
 #pragma unroll
   for (int ps = 0; ps < Map::kPasses; ++ps) {
     const int r = r0 + ps * Map::kRowsPerPass;
-    uint32_t lo = 0, hi = 0, sf_bits = 0;
     float dot = 0.0f;
+    float v[16] = {};
     if (r < valid_rows) {
-      float v[16], off[16], f[16], km[16];
+      float off[16], f[16], km[16];
       load_column_block(sm.offset, cb, off);
       load_column_block(sm.factor, cb, f);
       load_column_block(sm.km, cb, km);
@@ -464,10 +496,10 @@ __device__ __forceinline__ void q_tile(const QuantizeQkvParams& p, SharedStorage
         v[e] = fmaf(xe, f[e], -off[e]);  // (x - qm) * f, one rounding: f is a power of two
         dot = fmaf(xe, km[e], dot);
       }
-      nonfinite |= quantize_block16(v, sm.tables, lo, hi, sf_bits);
     }
-    store_u64(data + ps * Map::kRowsPerPass * (DP / 2), lo, hi);
-    sf[ps * Map::kRowsPerPass * (DP / 16)] = static_cast<uint8_t>(sf_bits);
+    nonfinite |= quantize_qk_block<DP, kMx>(v, r < valid_rows, sm.tables, cb,
+                                            data + ps * Map::kRowsPerPass * Row::kData,
+                                            sf + ps * Map::kRowsPerPass * Row::kScales);
     // q . km: the kColBlocks threads of a row are consecutive lanes.
 #pragma unroll
     for (int off = 1; off < Map::kColBlocks; off <<= 1) dot += __shfl_xor_sync(0xFFFFFFFFu, dot, off);
@@ -490,7 +522,7 @@ __device__ __forceinline__ void key_tile_columns(const QuantizeQkvParams& p, Sha
   }
 }
 
-template <InputDtype DT, int DP, bool VEC>
+template <InputDtype DT, int DP, bool VEC, bool kMx>
 __device__ __forceinline__ void k_tile(const QuantizeQkvParams& p, SharedStorage<DP>& sm, int64_t tile) {
   using Map = RowTileMap<DP>;
   const RowTile<DP> t = RowTile<DP>::keys(p, tile);  // tile = bh * n_blocks + blk
@@ -506,23 +538,24 @@ __device__ __forceinline__ void k_tile(const QuantizeQkvParams& p, SharedStorage
   // This thread's outputs of pass 0, rows permuted; pass ps writes kRowsPerPass * ps rows further
   // (the permutation stays inside 32-row groups).
   static_assert(Map::kRowsPerPass % 32 == 0, "passes move whole 32-key groups");
-  uint8_t* data = p.k_data + (tile * kTileRows + k_row_perm(r0)) * (DP / 2) + cb * 8;
-  uint8_t* sf = p.k_sf + (tile * kTileRows + k_row_perm(r0)) * (DP / 16) + cb;
+  using Row = QkRowBytes<DP, kMx>;
+  uint8_t* data = p.k_data + (tile * kTileRows + k_row_perm(r0)) * Row::kData + cb * Row::kBlockData;
+  uint8_t* sf = p.k_sf + (tile * kTileRows + k_row_perm(r0)) * Row::kScales + Row::scale_col(cb);
   bool nonfinite = false;
 #pragma unroll
   for (int ps = 0; ps < Map::kPasses; ++ps) {
     const int r = r0 + ps * Map::kRowsPerPass;
-    uint32_t lo = 0, hi = 0, sf_bits = 0;
+    float v[16] = {};
     if (r < valid_rows) {
-      float v[16], off[16], f[16];
+      float off[16], f[16];
       load_column_block(sm.offset, cb, off);
       load_column_block(sm.factor, cb, f);
 #pragma unroll
       for (int e = 0; e < 16; ++e) v[e] = fmaf(x[ps].get(e), f[e], -off[e]);
-      nonfinite |= quantize_block16(v, sm.tables, lo, hi, sf_bits);
     }
-    store_u64(data + ps * Map::kRowsPerPass * (DP / 2), lo, hi);
-    sf[ps * Map::kRowsPerPass * (DP / 16)] = static_cast<uint8_t>(sf_bits);
+    nonfinite |= quantize_qk_block<DP, kMx>(v, r < valid_rows, sm.tables, cb,
+                                            data + ps * Map::kRowsPerPass * Row::kData,
+                                            sf + ps * Map::kRowsPerPass * Row::kScales);
   }
   raise_flag(p.nonfinite_kv + bh, nonfinite);
 }
@@ -639,7 +672,7 @@ __global__ void __launch_bounds__(kThreads, kKeyStatsMinCtasPerSm) key_stats_ker
 // Launch 2: blocks [0, kv_tiles) quantize K tiles, then the Q tiles, then the V^T tiles. Each
 // CTA first prefetches (L2) the input tile of the block `prefetch_distance` ahead, about one wave
 // of resident CTAs: that CTA starts about when this one ends.
-template <InputDtype DT, int DP, bool VEC>
+template <InputDtype DT, int DP, bool VEC, bool kMx>
 __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
     tiles_kernel(const QuantizeQkvParams p, int64_t prefetch_distance) {
   using Raw = typename InputTraits<DT>::Raw;
@@ -657,9 +690,9 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
       prefetch_tile_l2<Raw, DP>(p, p.v, p.heads_kv, n_kblocks, ahead - kv_tiles - q_tiles, true);
   }
   if (item < kv_tiles) {
-    k_tile<DT, DP, VEC>(p, sm, item);
+    k_tile<DT, DP, VEC, kMx>(p, sm, item);
   } else if (item < kv_tiles + q_tiles) {
-    q_tile<DT, DP, VEC>(p, sm, item - kv_tiles);
+    q_tile<DT, DP, VEC, kMx>(p, sm, item - kv_tiles);
   } else {
     fill_scale_tables(sm.tables);  // v_tile synchronises before its first block
     v_tile<DT, DP, VEC>(p, sm, item - kv_tiles - q_tiles);
@@ -702,7 +735,11 @@ cudaError_t launch_typed(const QuantizeQkvParams& p, cudaStream_t stream) {
   const int64_t prefetch_distance = int64_t(kPrefetchWaves) * sms * kMinCtasPerSm;
   key_stats_kernel<DT, DP, VEC><<<unsigned(first), kThreads, 0, stream>>>(p);
   if ((err = cudaGetLastError()) != cudaSuccess) return err;
-  tiles_kernel<DT, DP, VEC><<<unsigned(second), kThreads, 0, stream>>>(p, prefetch_distance);
+  if (p.qk_mxfp8) {
+    tiles_kernel<DT, DP, VEC, true><<<unsigned(second), kThreads, 0, stream>>>(p, prefetch_distance);
+  } else {
+    tiles_kernel<DT, DP, VEC, false><<<unsigned(second), kThreads, 0, stream>>>(p, prefetch_distance);
+  }
   return cudaGetLastError();
 }
 
