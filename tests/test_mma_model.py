@@ -300,6 +300,27 @@ def _check_tables_cover(tab):
         assert (offs % 16 == 0).all()
 
 
+def _accumulators_from_delta(delta, keys):
+    """[32 lanes, 16 n8 tiles, 4] score accumulators holding the correction of their keys (the
+    kernel's C operand: rows g and g+8 of a lane share a key)."""
+    acc = torch.empty(32, 16, 4, dtype=torch.float64)
+    for j in range(16):
+        for e in range(2):
+            acc[:, j, e] = acc[:, j, 2 + e] = delta[keys[j, T, e]]
+    return acc
+
+
+def _scores_in_key_order(acc, keys):
+    """The accumulators as [16 rows, 128 keys] in natural key order (score_key)."""
+    got = torch.full((16, 128), float("nan"), dtype=torch.float64)
+    for j in range(16):
+        for r in range(2):
+            for e in range(2):
+                got[G + 8 * r, keys[j, T, e]] = acc[:, j, 2 * r + e]
+    assert not got.isnan().any(), "score_key must cover the tile"
+    return got
+
+
 def run_qk(tab, model, gen, d):
     """The kernel's Q·K^T of one warp (16 rows) over one 128-key tile, on ``model``.
     Returns (scores from the model [16, 128] in natural key order, dense reference)."""
@@ -321,11 +342,8 @@ def run_qk(tab, model, gen, d):
 
     qa = word_at(q_bytes, tab["q_data"].permute(2, 0, 1))          # [lane, kc, reg]
     qsf = word_at(q_sf_bytes, tab["q_scale"].T)                     # [lane, kc]
-    acc = torch.empty(32, 16, 4, dtype=torch.float64)
     keys = tab["score_key"]                                         # [j, t, e]
-    for j in range(16):
-        for e in range(2):
-            acc[:, j, e] = acc[:, j, 2 + e] = delta[keys[j, T, e]]
+    acc = _accumulators_from_delta(delta, keys)
     for grp in range(4):
         for kc in range(tab["kKChunks"]):
             sfb = word_at(smem, tab["k_scale"][grp, kc])
@@ -336,13 +354,7 @@ def run_qk(tab, model, gen, d):
                     j = tab["pair_tile"][grp, jj, x]
                     acc[:, j] = mma(model, qa[:, kc], b, qsf[:, kc], sfb, acc[:, j], tab["kTidA"],
                                     int(tab["tid_b"][jj, x]))
-    got = torch.full((16, 128), float("nan"), dtype=torch.float64)
-    for j in range(16):
-        for r in range(2):
-            for e in range(2):
-                got[G + 8 * r, keys[j, T, e]] = acc[:, j, 2 * r + e]
-    assert not got.isnan().any(), "score_key must cover the tile"
-    return got, dense
+    return _scores_in_key_order(acc, keys), dense
 
 
 def run_pv(tab, model, gen, d):
@@ -492,11 +504,8 @@ def run_qk_mx(tab, model, gen, d):
 
     qa = word_at(q_bytes, tab["q_data"].permute(2, 0, 1))                      # [lane, kc, reg]
     qsf = word_at(q_sf_bytes, tab["q_scale"].reshape(tab["kSfWords"], 32).T)   # [lane, w]
-    acc = torch.empty(32, 16, 4, dtype=torch.float64)
     keys = tab["score_key"]
-    for j in range(16):
-        for e in range(2):
-            acc[:, j, e] = acc[:, j, 2 + e] = delta[keys[j, T, e]]
+    acc = _accumulators_from_delta(delta, keys)
     k_scale = tab["k_scale"].reshape(4, tab["kSfWords"], 32)
     for grp in range(4):
         for kc in range(tab["kKChunks"]):
@@ -508,13 +517,7 @@ def run_qk_mx(tab, model, gen, d):
                     j = tab["pair_tile"][grp, jj, x]
                     acc[:, j] = mma8(model, qa[:, kc], r[:, tab["ldsm_result"][x]], qsf[:, w], sfb, acc[:, j],
                                      tab["kTidA"], int(tab["tid_b"][jj, x]), byte_id)
-    got = torch.full((16, 128), float("nan"), dtype=torch.float64)
-    for j in range(16):
-        for r in range(2):
-            for e in range(2):
-                got[G + 8 * r, keys[j, T, e]] = acc[:, j, 2 * r + e]
-    assert not got.isnan().any(), "score_key must cover the tile"
-    return got, dense
+    return _scores_in_key_order(acc, keys), dense
 
 
 def _rel_err(got, want):
@@ -586,19 +589,18 @@ def test_kernel_key_order_and_delta_loads(kernel_tables):
                     assert keys[j, t, e] == 32 * (stored_row // 32) + perm[stored_row % 32]
 
 
-@pytest.mark.parametrize("d", HEAD_DIMS)
-def test_kernel_qk_on_the_ptx_model_is_exact(kernel_tables, d):
-    gen = torch.Generator().manual_seed(d)
-    for _ in range(2):
-        got, dense = run_qk(kernel_tables[d], ptx_model(), gen, d)
-        assert torch.equal(got, dense)
+# product -> (the kernel's construction, its Q·Kᵀ format, the hardware model)
+PRODUCTS = {"qk": (run_qk, "nvfp4", ptx_model), "pv": (run_pv, "nvfp4", ptx_model),
+            "qk_mxfp8": (run_qk_mx, "mxfp8", ptx_model8)}
 
 
 @pytest.mark.parametrize("d", HEAD_DIMS)
-def test_kernel_pv_on_the_ptx_model_is_exact(kernel_tables, d):
-    gen = torch.Generator().manual_seed(100 + d)
+@pytest.mark.parametrize("product", list(PRODUCTS))
+def test_kernel_products_on_the_ptx_model_are_exact(all_tables, d, product):
+    run, qk_format, model = PRODUCTS[product]
+    gen = torch.Generator().manual_seed(d + 100 * list(PRODUCTS).index(product))
     for _ in range(2):
-        got, dense = run_pv(kernel_tables[d], ptx_model(), gen, d)
+        got, dense = run(all_tables[(d, qk_format)], model(), gen, d)
         assert torch.equal(got, dense)
 
 
@@ -630,14 +632,6 @@ def test_mx_tables_share_the_fp4_data_addresses(kernel_tables, mx_tables):
         assert mx["kKChunks"] == 2 * fp4["kKChunks"] and mx["kSfRowBytes"] == d // 32
         assert torch.equal(mx["byte_id"], torch.arange(d // 32) % 4) and torch.equal(mx["sf_word"], torch.arange(d // 32) // 4)
         _check_tables_cover(mx)
-
-
-@pytest.mark.parametrize("d", HEAD_DIMS)
-def test_kernel_mxfp8_qk_on_the_ptx_model_is_exact(mx_tables, d):
-    gen = torch.Generator().manual_seed(200 + d)
-    for _ in range(2):
-        got, dense = run_qk_mx(mx_tables[d], ptx_model8(), gen, d)
-        assert torch.equal(got, dense)
 
 
 @pytest.mark.parametrize("variant", WRONG_MODELS_8BIT)
