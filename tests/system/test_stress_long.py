@@ -52,11 +52,13 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def memory_budget(q, k, v, return_lse: bool) -> int:
+def memory_budget(q, k, v, return_lse: bool, qk_format: str = "nvfp4") -> int:
     """Bytes the cuda back-end may allocate on top of its inputs (bf16/fp16 inputs)."""
     out = _nbytes(q)
     lse = q.numel() // q.shape[-1] * 4 if return_lse else 0
-    packed = 0.3 * (_nbytes(q) + _nbytes(k) + _nbytes(v))         # e2m1 data (1/4) + ue4m3 scales (1/32)
+    # e2m1 data (1/4) + ue4m3 scales (1/32); MXFP8 Q/K: e4m3 data (1/2) + ue8m0 scales (1/64)
+    qk_share = 0.52 if qk_format == "mxfp8" else 0.3
+    packed = qk_share * (_nbytes(q) + _nbytes(k)) + 0.3 * _nbytes(v)
     correction = 1 * GiB                                         # the default chunk budget
     small = q.numel() // q.shape[-1] * 8 + 512 * (1 << 20)       # q . km, means, flags, workspaces, slack
     return int(out + lse + packed + correction + small)
@@ -77,7 +79,7 @@ def _poison_allocator(nbytes: int) -> None:
     del junk
 
 
-def check_sampled(q, k, v, out, lse, *, layout, causal=False, kv_lens=None, blocks, heads):
+def check_sampled(q, k, v, out, lse, *, layout, causal=False, kv_lens=None, blocks, heads, qk_format="nvfp4"):
     """Compare the cuda output rows of Q blocks ``blocks`` and q heads ``heads`` with the reference."""
     h, hkv = fmt.to_hnd(q, layout).shape[1], fmt.to_hnd(k, layout).shape[1]
     group = h // hkv
@@ -90,7 +92,8 @@ def check_sampled(q, k, v, out, lse, *, layout, causal=False, kv_lens=None, bloc
     overrides = {name: value[:, q_heads if name == "q_mean" else kv_heads].contiguous()
                  for name, value in means.items() if value is not None}
     del means
-    qq = fmt.quantize_qkv(qs, ks, vs, layout=layout, kv_lens=kv_lens, balance_qk=True, **overrides)
+    qq = fmt.quantize_qkv(qs, ks, vs, layout=layout, kv_lens=kv_lens, balance_qk=True, qk_format=qk_format,
+                          **overrides)
     sq = fmt.to_hnd(q, layout).shape[2]
     out_h, lse_sel = fmt.to_hnd(sel(out, q_heads), layout), lse[:, q_heads]
     for blk in blocks:
@@ -119,8 +122,10 @@ def _blocks(nblk: int, seed: int) -> list[int]:
 
 
 STRESS = {
-    # name: (B, S, H, Hkv, causal, kv_lens)
+    # name: (B, S, H, Hkv, causal, kv_lens); a name ending in _mxfp8 runs qk_format="mxfp8"
     "wan_77k": (1, 77_000, 40, 40, False, None),
+    "wan_77k_mxfp8": (1, 77_000, 40, 40, False, None),
+    "hunyuan_118k_gqa_causal_mxfp8": (2, 118_800, 24, 8, True, [118_800, 118_037]),
     "wan_77k_causal": (1, 77_000, 40, 40, True, None),
     "hunyuan_118k_cfg_kv_lens": (2, 118_800, 24, 24, False, [118_800, 118_037]),
     "hunyuan_118k_gqa_causal": (2, 118_800, 24, 8, True, None),
@@ -134,6 +139,7 @@ STRESS = {
 @pytest.mark.parametrize("name", list(STRESS))
 def test_long_sequences(cuda_device, name):
     b, s, h, hkv, causal, lens = STRESS[name]
+    qk_format = "mxfp8" if name.endswith("_mxfp8") else "nvfp4"
     g = torch.Generator(device=cuda_device).manual_seed(zlib.crc32(name.encode()))
     layout = "HND" if "gqa" in name else "NHD"
     shape_q, shape_kv = ((b, s, h, 128), (b, s, hkv, 128)) if layout == "NHD" else ((b, h, s, 128), (b, hkv, s, 128))
@@ -142,12 +148,12 @@ def test_long_sequences(cuda_device, name):
     v = torch.randn(shape_kv, device=cuda_device, dtype=torch.bfloat16, generator=g)
     kv_lens = None if lens is None else torch.tensor(lens, device=cuda_device, dtype=torch.int32)
     _poison_allocator(_nbytes(q) + (32 << 20))
-    out, lse, peak = run_cuda_measured(q, k, v, layout=layout, causal=causal, kv_lens=kv_lens)
-    budget = memory_budget(q, k, v, True)
+    out, lse, peak = run_cuda_measured(q, k, v, layout=layout, causal=causal, kv_lens=kv_lens, qk_format=qk_format)
+    budget = memory_budget(q, k, v, True, qk_format)
     assert peak <= budget, f"peak {peak / GiB:.2f} GiB above the budget {budget / GiB:.2f} GiB"
     nblk = (s + TILE - 1) // TILE
     check_sampled(q, k, v, out, lse, layout=layout, causal=causal, kv_lens=kv_lens,
-                  blocks=_blocks(nblk, s), heads=[0, h - 1])
+                  blocks=_blocks(nblk, s), heads=[0, h - 1], qk_format=qk_format)
     del out, lse
     # The context is healthy after the long call.
     small = torch.randn(1, 256, 2, 64, device=cuda_device, dtype=torch.bfloat16)
