@@ -192,10 +192,11 @@ def test_markdown_report_shows_every_section():
 # ---------------------------------------------------------------------------------------------
 
 @pytest.mark.cuda
-def test_selftest_passes_on_this_gpu(cuda_device):
-    for verdict in selftest.verify(cuda_device):
-        print(f"D={verdict.key.head_dim} {verdict.key.arch} {verdict.key.mma}: {verdict.seconds * 1e3:.1f} ms; " +
-              "; ".join(f"{c.name}: {c.detail}" for c in verdict.checks))
+@pytest.mark.parametrize("qk_format", fmt.QK_FORMATS)
+def test_selftest_passes_on_this_gpu(cuda_device, qk_format):
+    for verdict in selftest.verify(cuda_device, qk_format=qk_format):
+        print(f"D={verdict.key.head_dim} {qk_format} {verdict.key.arch} {verdict.key.mma}: "
+              f"{verdict.seconds * 1e3:.1f} ms; " + "; ".join(f"{c.name}: {c.detail}" for c in verdict.checks))
         assert verdict.ok, verdict.checks
 
 
