@@ -25,7 +25,6 @@ import torch
 from nvfp4_dit import format as fmt
 from nvfp4_dit.fallback import warn_once
 from nvfp4_dit.masks import NotPerKeyMask, reduce_key_mask
-from nvfp4_dit.calibration import FP4_PRECISIONS
 from nvfp4_dit.policy import AttentionPolicy
 
 logger = logging.getLogger("nvfp4_dit.comfyui")
@@ -147,7 +146,7 @@ class NVFP4AttentionOverride:
         self.policy = policy
         self.previous = previous
         # A calibrated policy: the uniform policy of each NVFP4 precision a layer may run in.
-        self._precision_policies = {p: policy.for_precision(p) for p in FP4_PRECISIONS} if policy.per_layer else {}
+        self._precision_policies = policy.precision_policies() if policy.per_layer else {}
 
     def __repr__(self) -> str:
         return f"NVFP4AttentionOverride({self.policy}, previous={self.previous!r})"
@@ -325,7 +324,7 @@ class CalibratingOverride(NVFP4AttentionOverride):
         super().__init__(measure, previous)
         self.base, self.path, self.budget, self.model_class = base, path, budget, model_class
         self.table = CalibrationTable()
-        self._measure = {p: measure.for_precision(p) for p in FP4_PRECISIONS}
+        self._measure = measure.precision_policies()
         self._saved_step = None
 
     def __call__(self, func: Callable, *args: Any, **kwargs: Any):
@@ -340,19 +339,17 @@ class CalibratingOverride(NVFP4AttentionOverride):
         if plan is None or layer is None:
             return exact
         import nvfp4_dit
-        from nvfp4_dit.calibration import relative_error_terms
+
+        def run_in(precision):
+            pol = self._measure[precision]
+            return self.run(dict(plan, balance_qk=pol.balance_qk, qk_format=pol.qk_format))
 
         step = sampling_step(options)
         try:
-            terms = {p: relative_error_terms(self.run(dict(plan, balance_qk=pol.balance_qk, qk_format=pol.qk_format)),
-                                             exact)
-                     for p, pol in self._measure.items()}
+            self.table.measure(layer, step, exact, run_in)
         except (nvfp4_dit.BackendUnavailableError, ValueError, TypeError) as error:
             _warn_once(f"calibration could not run nvfp4_dit.attention ({error})")
             return exact
-        for precision, (err2, ref2) in terms.items():
-            self.table.add(layer, step, precision, err2, ref2)
-        self.table.count_call(layer, step)
         if step is None or step != self._saved_step or step[0] == step[1] - 1:
             self.calibrated_policy().save(self.path)
             self._saved_step = step

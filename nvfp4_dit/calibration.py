@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
-from .policy import PRECISION_COST, PRECISIONS, AttentionPolicy, LayerPrecision, step_bucket
+from .policy import FP4_PRECISIONS, PRECISION_COST, AttentionPolicy, LayerPrecision, step_bucket
 
 # Relative L2 error of a layer's attention output that calibration accepts by default.  Measured
 # with the FP4 path against exact attention on bf16 inputs (docs/report): iid 0.19, RoPE'd Q/K
@@ -27,9 +27,6 @@ from .policy import PRECISION_COST, PRECISIONS, AttentionPolicy, LayerPrecision,
 # logits twice as sharp as iid 0.33, three times 0.43.  0.25 keeps the first group in FP4 and
 # sends the sharp heads to exact attention.
 DEFAULT_BUDGET = 0.25
-
-FP4_PRECISIONS = tuple(p for p in PRECISIONS if p != "dense")
-
 
 def relative_error_terms(out: torch.Tensor, exact: torch.Tensor) -> tuple[float, float]:
     """(||out - exact||^2, ||exact||^2) in float64, as Python floats."""
@@ -43,7 +40,6 @@ class CalibrationTable:
     def __init__(self):
         # (layer, bucket) -> precision -> [sum of squared error, sum of squared exact norm]
         self._sums: dict = defaultdict(lambda: defaultdict(lambda: [0.0, 0.0]))
-        self.calls: dict = defaultdict(int)  # (layer, bucket) -> observed calls
 
     def add(self, layer: str, step: Optional[tuple[int, int]], precision: str, err2: float, ref2: float) -> None:
         if precision not in FP4_PRECISIONS:
@@ -52,8 +48,21 @@ class CalibrationTable:
         s[0] += err2
         s[1] += ref2
 
-    def count_call(self, layer: str, step: Optional[tuple[int, int]]) -> None:
-        self.calls[(layer, step_bucket(step))] += 1
+    def measure(self, layer: str, step: Optional[tuple[int, int]], exact: torch.Tensor,
+                run: Callable[[str], Optional[torch.Tensor]]) -> bool:
+        """Run one observed call in every NVFP4 precision (``run(precision)``: its output, or None
+        where that precision cannot take the call) and add each error against ``exact``. Adds
+        nothing (returns False) unless every precision ran."""
+        terms = {}
+        for precision in FP4_PRECISIONS:
+            out = run(precision)
+            if out is None:
+                return False
+            terms[precision] = relative_error_terms(out, exact)
+            del out   # one extra output in memory at a time
+        for precision, (err2, ref2) in terms.items():
+            self.add(layer, step, precision, err2, ref2)
+        return True
 
     def errors(self) -> dict:
         """(layer, bucket) -> {precision: relative L2 error}."""

@@ -44,6 +44,7 @@ _BLOCK_INDEX = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
 # rate; exact attention costs several times more.
 PRECISIONS = ("nvfp4-unbalanced", "nvfp4", "mxfp8", "dense")
 PRECISION_COST = {p: i for i, p in enumerate(PRECISIONS)}
+FP4_PRECISIONS = tuple(p for p in PRECISIONS if p != "dense")   # the ones that run nvfp4_dit.attention
 STEP_BUCKETS = ("first", "middle", "last")
 POLICY_FILE_VERSION = 1
 
@@ -250,6 +251,11 @@ class AttentionPolicy:
         if self.per_layer is None and self.balance_qk == balance and self.qk_format == qk_format:
             return self
         return dataclasses.replace(self, balance_qk=balance, qk_format=qk_format, per_layer=None)
+
+    def precision_policies(self) -> dict:
+        """{precision: :meth:`for_precision`} for every non-dense precision, built once by a caller
+        that looks precisions up per call."""
+        return {p: self.for_precision(p) for p in FP4_PRECISIONS}
 
     def check_layers(self, model_class: str, layers: Iterable[str]) -> None:
         """Raise ValueError unless ``per_layer`` was calibrated on ``model_class`` and names only

@@ -230,7 +230,7 @@ def mma_probe_registers(gen: torch.Generator, tid_a: int, tid_b: int, device):
     sfa_reg[4 * rows + 2 * tid_a] = _word(sfa[rows])
     sfa_reg[4 * rows + 2 * tid_a + 1] = _word(sfa[rows + 8])
     sfb_reg[4 * rows + tid_b] = _word(sfb[rows])
-    c_reg = torch.stack([c[g, 2 * t], c[g, 2 * t + 1], c[g + 8, 2 * t], c[g + 8, 2 * t + 1]], 1)
+    c_reg = _pack_cd(c)
     a_val = fmt.e2m1_decode(a_codes.to(torch.uint8)).double() * \
         fmt.e4m3_decode(sfa.to(torch.uint8)).double().repeat_interleave(16, 1)
     b_val = fmt.e2m1_decode(b_codes.to(torch.uint8)).double() * \
@@ -267,10 +267,17 @@ def mxf8_probe_registers(gen: torch.Generator, tid_a: int, tid_b: int, byte_id: 
     put(sfa_reg, 4 * rows + 2 * tid_a, sfa[rows])
     put(sfa_reg, 4 * rows + 2 * tid_a + 1, sfa[rows + 8])
     put(sfb_reg, 4 * rows + tid_b, sfb[rows])
-    c_reg = torch.stack([c[g, 2 * t], c[g, 2 * t + 1], c[g + 8, 2 * t], c[g + 8, 2 * t + 1]], 1)
+    c_reg = _pack_cd(c)
     a_val = fmt.e4m3_decode(a_codes.to(torch.uint8)).double() * fmt.ue8m0_decode(sfa).double()[:, None]
     b_val = fmt.e4m3_decode(b_codes.to(torch.uint8)).double() * fmt.ue8m0_decode(sfb).double()[:, None]
     return (a_reg, b_reg, sfa_reg, sfb_reg, c_reg), (a_val, b_val, c.double())
+
+
+def _pack_cd(c: torch.Tensor) -> torch.Tensor:
+    """[16, 8] -> the C/D registers [32 lanes, 4] of an m16n8 MMA (the inverse of _unpack_d)."""
+    lanes = torch.arange(32, device=c.device)
+    g, t = lanes // 4, lanes % 4
+    return torch.stack([c[g, 2 * t], c[g, 2 * t + 1], c[g + 8, 2 * t], c[g + 8, 2 * t + 1]], 1)
 
 
 def _unpack_d(d_reg: torch.Tensor) -> torch.Tensor:
@@ -296,12 +303,13 @@ def check_instruction(device, native: bool, qk_format: str = "nvfp4") -> tuple[b
     for kind, tid_a, tid_b, byte_id in cases:
         if kind == "fp4":
             (a, b, sfa, sfb, c), (a_val, b_val, c_val) = mma_probe_registers(gen, tid_a, tid_b, device)
-            regs = (_as_int32(a), _as_int32(b), _as_int32(sfa), _as_int32(sfb), c.contiguous())
-            d = _unpack_d(ext.mma_fp4_probe(*regs, tid_a, tid_b, native))
+            selectors = (tid_a, tid_b)
         else:
             (a, b, sfa, sfb, c), (a_val, b_val, c_val) = mxf8_probe_registers(gen, tid_a, tid_b, byte_id, device)
-            regs = (_as_int32(a), _as_int32(b), _as_int32(sfa), _as_int32(sfb), c.contiguous())
-            d = _unpack_d(ext.mma_mxf8_probe(*regs, tid_a, tid_b, byte_id, native))
+            selectors = (tid_a, tid_b, byte_id)
+        probe = ext.mma_fp4_probe if kind == "fp4" else ext.mma_mxf8_probe
+        d = _unpack_d(probe(_as_int32(a), _as_int32(b), _as_int32(sfa), _as_int32(sfb), c.contiguous(), *selectors,
+                            native))
         dense = a_val @ b_val.T + c_val
         magnitude = a_val.abs() @ b_val.abs().T + c_val.abs()
         excess = ((d - dense).abs() / (magnitude * MMA_ACCUMULATION_BOUND + 1e-30)).max().item()

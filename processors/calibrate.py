@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Callable, Iterable, Optional
 
-from nvfp4_dit.calibration import DEFAULT_BUDGET, FP4_PRECISIONS, CalibrationTable, relative_error_terms
+from nvfp4_dit.calibration import DEFAULT_BUDGET, CalibrationTable
 from nvfp4_dit.policy import AttentionPolicy
 
 from . import routing
@@ -67,7 +67,7 @@ def calibrate(
         if not step_set or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in step_set):
             raise ValueError(f"steps must be non-negative step indices, got {steps!r}")
     base = base.replace(per_layer=None, model_class=None, budget=None)
-    per_precision = {p: base.for_precision(p) for p in FP4_PRECISIONS}
+    per_precision = base.precision_policies()
     table = CalibrationTable()
 
     def observe(info, q, k, v, out):
@@ -76,17 +76,13 @@ def calibrate(
         if step_set is not None and (info.step is None or info.step[0] not in step_set):
             return
         return_lse = isinstance(out, tuple)
-        exact = out[0] if return_lse else out
-        results = {}
-        for precision, p in per_precision.items():
-            res, path = routing.rerun(info, q, k, v, p, lambda: out, return_lse=return_lse)
-            if path != "fp4":
-                return  # short or not expressible in FP4: it runs exact whatever the entry says
-            results[precision] = relative_error_terms(res[0] if return_lse else res, exact)
-            del res
-        for precision, (err2, ref2) in results.items():
-            table.add(info.layer, info.step, precision, err2, ref2)
-        table.count_call(info.layer, info.step)
+
+        def run_in(precision):
+            # None where the call is short or not expressible in FP4: it runs exact whatever the entry says.
+            res, path = routing.rerun(info, q, k, v, per_precision[precision], lambda: out, return_lse=return_lse)
+            return None if path != "fp4" else (res[0] if return_lse else res)
+
+        table.measure(info.layer, info.step, out[0] if return_lse else out, run_in)
 
     handle = apply(pipe_or_model, policy=base.replace(dense_steps=(0, 0)), observe_only=True, timesteps=timesteps)
     routing.add_observer(observe)

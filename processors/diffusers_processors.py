@@ -33,7 +33,6 @@ from typing import Optional
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from nvfp4_dit.calibration import FP4_PRECISIONS
 from nvfp4_dit.policy import AttentionPolicy
 
 from . import backend as _backend
@@ -148,7 +147,7 @@ class NVFP4AttnProcessorBase:
         self.name = name
         self.enabled = policy.layer_allowed(name)  # no name + an allow-list: stays dense
         # A calibrated policy: the uniform policy of each NVFP4 precision this layer may run in.
-        self._precision_policies = {p: policy.for_precision(p) for p in FP4_PRECISIONS} if policy.per_layer else {}
+        self._precision_policies = policy.precision_policies() if policy.per_layer else {}
         if cls.route == ROUTE_DISPATCH:
             self._fp4 = copy.copy(original)
             self._fp4._attention_backend = _backend.backend_member()

@@ -227,7 +227,7 @@ def phase_clocks(c: dict, stage_wavefronts: int = 0) -> dict:
     }
 
 
-def mma_per_tile(head_dim: int, qk_format: str) -> tuple[int, int]:
+def mma_counts(head_dim: int, qk_format: str) -> tuple[int, int]:
     """(Q·Kᵀ, P·V) MMAs per warp and 128-key tile: m16n8k64 FP4, or m16n8k32 8-bit for MXFP8 Q·Kᵀ."""
     qk, pv = check_sass.mma_per_warp_tile(head_dim)
     return (2 * qk if qk_format == "mxfp8" else qk), pv
@@ -237,7 +237,7 @@ def model_kernel(fn: Function, head_dim: int, causal: bool, rescale_lines: set[i
                  mma_per_tile: tuple[int, int] | None = None, qk_format: str = "nvfp4") -> dict:
     """The row of one kernel; ``mma_per_tile`` = (Q·Kᵀ, P·V) MMAs per warp and tile (default: the
     kernel's layout for ``head_dim`` and ``qk_format``)."""
-    qk, pv = mma_per_tile or globals()["mma_per_tile"](head_dim, qk_format)
+    qk, pv = mma_per_tile or mma_counts(head_dim, qk_format)
     first, last = tile_loop(fn, qk + pv)
     cold = cold_regions(fn, first, last, rescale_lines)
     skip = cold["slow path"] | (set() if causal else cold["mask"] | cold["rescale"])

@@ -86,7 +86,7 @@ def test_model_of_the_native_build_against_the_recorded_baseline():
     assert {(r["qk_format"], r["head_dim"], r["causal"]) for r in rows} == {
         (f, d, c) for f in ("nvfp4", "mxfp8") for d in (64, 128) for c in (False, True)}
     for r in rows:
-        qk, pv = model_sm120.mma_per_tile(r["head_dim"], r["qk_format"])
+        qk, pv = model_sm120.mma_counts(r["head_dim"], r["qk_format"])
         assert r["tensor"] == qk + pv and r["tensor_clocks_per_tile"] == 2 * 16 * (qk + pv)
         assert r["tensor_clocks_per_tile"] <= r["overlapped_clocks"] <= r["clocks_per_tile"]
     out = model_sm120.gpu_rows(rows)

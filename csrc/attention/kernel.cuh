@@ -265,17 +265,15 @@ __device__ __forceinline__ void attention_fwd_body(const AttentionFwdParams& p) 
       }
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
+        uint32_t sfb = 0;   // the K scale word of the chunk: loaded at its word's first chunk
 #pragma unroll
-        for (int w = 0; w < F::kSfWords; ++w) {
-          const uint32_t sfb = load_sf_word<kSfRow>(sp + F::k_scale(q, 0, g, t), w);
+        for (int kc = 0; kc < kKC; ++kc) {
+          const int w = QkFmt::sf_word(kc);
+          if (QkFmt::byte_id(kc) == 0) sfb = load_sf_word<kSfRow>(sp + F::k_scale(q, 0, g, t), w);
 #pragma unroll
-          for (int kc = 0; kc < kKC; ++kc) {
-            if (QkFmt::sf_word(kc) != w) continue;
-#pragma unroll
-            for (int jj = 0; jj < 2; ++jj) {
-              detail::ldsm_mma_pair<QkMma, F>(jj, QkFmt::byte_id(kc), &s[4 * q], qa[kc], qsf[w], sfb,
-                                              sb + F::k_ldsm(q, kc, jj, lane));
-            }
+          for (int jj = 0; jj < 2; ++jj) {
+            detail::ldsm_mma_pair<QkMma, F>(jj, QkFmt::byte_id(kc), &s[4 * q], qa[kc], qsf[w], sfb,
+                                            sb + F::k_ldsm(q, kc, jj, lane));
           }
         }
       }
