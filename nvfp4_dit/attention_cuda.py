@@ -20,6 +20,7 @@ import torch
 
 from . import build
 from . import format as fmt
+from . import kernels
 from . import quantize
 
 
@@ -58,14 +59,13 @@ def run_kernel(qq: fmt.QuantizedQKV, corrections, out_hnd: torch.Tensor, lse: Op
     ``lse [B, H, Sq]``; each launch writes the rows of its Q blocks. ``native`` picks the MMA kind.
     """
     lens = None if kv_lens is None else kv_lens.to(device=out_hnd.device, dtype=torch.int32).contiguous()
-    op = build.load_extension().attention_fwd
     scales = (qq.q_scale.contiguous(), qq.k_scale.contiguous(), qq.v_scale.contiguous(), qq.v_mean.contiguous())
     for b0, b1, delta in corrections:
         if delta.stride(-1) != 1 or delta.data_ptr() % 16 or any(s % 4 for s in delta.stride()[:3]):
             delta = delta.contiguous()
-        op(qq.q_data, qq.q_sf, qq.k_data, qq.k_sf, qq.vt_data, qq.vt_sf, delta, qq.q_dot_km, *scales, lens, out_hnd,
-           lse, qq.seq_q, qq.seq_k, b0, b1, float(scale), bool(causal), bool(native),
-           fmt.QK_FORMATS.index(qq.qk_format))
+        kernels.attention_fwd(qq.q_data, qq.q_sf, qq.k_data, qq.k_sf, qq.vt_data, qq.vt_sf, delta, qq.q_dot_km, *scales,
+                              lens, out_hnd, lse, qq.seq_q, qq.seq_k, b0, b1, float(scale), bool(causal), bool(native),
+                              qq.qk_format)
         del delta
 
 

@@ -30,7 +30,7 @@ from typing import Iterator, Optional, Union
 
 import torch
 
-from . import build
+from . import kernels
 from . import format as fmt
 from .checks import validate_attention_args
 
@@ -90,8 +90,8 @@ def launch_quantize_qkv(q, k, v, *, layout: str, kv_lens: Optional[torch.Tensor]
     them once): CUDA tensors, kv_lens on their device."""
     qh, kh, vh = (fmt.to_hnd(t, layout) for t in (q, k, v))
     (q_data, q_sf, k_data, k_sf, vt_data, vt_sf, q_mean, k_mean, v_mean, q_scale, k_scale, v_scale, balance,
-     q_dot_km, nonfinite_q, nonfinite_kv) = build.load_extension().quantize_qkv(qh, kh, vh, kv_lens, balance_qk,
-                                                                                 qk_format == "mxfp8")
+     q_dot_km, nonfinite_q, nonfinite_kv) = kernels.quantize_qkv(qh, kh, vh, kv_lens, balance_qk,
+                                                                     qk_format == "mxfp8")
     d = qh.shape[3]
     return KernelQuantizedQKV(
         q_data=q_data, q_sf=q_sf, k_data=k_data, k_sf=k_sf, vt_data=vt_data, vt_sf=vt_sf,
@@ -183,8 +183,7 @@ def correction(qq: KernelQuantizedQKV, block_start: int = 0, block_end: Optional
         raise ValueError(f"out must be a float32 {list(shape)} tensor on {qq.q_mean.device} with a contiguous "
                          f"last dim, got {out.dtype} {list(out.shape)} strides {out.stride()}")
     if block_end > block_start:
-        build.load_extension().correction(qq.q_mean, qq.k_input, qq.k_mean, qq.q_scale, qq.k_scale, qq.kv_lens,
-                                          block_start, out)
+        kernels.correction(qq.q_mean, qq.k_input, qq.k_mean, qq.q_scale, qq.k_scale, qq.kv_lens, block_start, out)
     return out
 
 

@@ -292,9 +292,8 @@ def _unpack_d(d_reg: torch.Tensor) -> torch.Tensor:
 def check_instruction(device, native: bool, qk_format: str = "nvfp4") -> tuple[bool, str]:
     """One MMA per legal selector combination against a dense product: the FP4 MMA (8 pairs),
     and for ``qk_format="mxfp8"`` also the 8-bit one (32: pairs x byte-id)."""
-    from . import build
+    from . import kernels
 
-    ext = build.load_extension()
     gen = torch.Generator(device=device).manual_seed(2024)
     cases = [("fp4", a, b, None) for a in range(2) for b in range(4)]
     if qk_format == "mxfp8":
@@ -307,7 +306,7 @@ def check_instruction(device, native: bool, qk_format: str = "nvfp4") -> tuple[b
         else:
             (a, b, sfa, sfb, c), (a_val, b_val, c_val) = mxf8_probe_registers(gen, tid_a, tid_b, byte_id, device)
             selectors = (tid_a, tid_b, byte_id)
-        probe = ext.mma_fp4_probe if kind == "fp4" else ext.mma_mxf8_probe
+        probe = kernels.mma_fp4_probe if kind == "fp4" else kernels.mma_mxf8_probe
         d = _unpack_d(probe(_as_int32(a), _as_int32(b), _as_int32(sfa), _as_int32(sfb), c.contiguous(), *selectors,
                             native))
         dense = a_val @ b_val.T + c_val
@@ -446,12 +445,12 @@ def environment(device=None) -> dict:
         driver_api = "unknown"
     try:
         arch = build.arch_for_capability(*cc)
-    except build.ExtensionBuildError:
+    except build.KernelBuildError:
         arch = "none"
     return {**info, "gpu": props.name, "compute_capability": f"{cc[0]}.{cc[1]}", "sms": props.multi_processor_count,
             "memory_gib": round(props.total_memory / 2**30, 1), "driver": _display_driver(),
             "cuda_driver_api": driver_api, "arch": arch, "mma": build.mma_kind(cc) or "none",
-            "nvcc": build._cached_nvcc_version(), "extension": str(build._built.get(arch, "not loaded"))}
+            "kernels": build.describe_loaded(arch)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -623,7 +622,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if reason is not None:
         print(f"\nnvfp4_dit self-test: the CUDA kernel cannot run here: {reason}", file=sys.stderr)
         return 2
-    env = environment(device)   # now with the loaded extension
+    env = environment(device)   # now with the loaded kernels
     note = None
     if env["mma"] == "emulated":
         note = (f"{env['arch']}: the FP4 MMA is emulated with fp16 MMAs (same registers, same kernel). This checks "

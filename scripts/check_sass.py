@@ -12,7 +12,7 @@ Checks, per kernel instantiation:
   * the scale selectors of every OMMA: thread-id-a 0 and thread-id-b 0..3, each thread-id-b on a
     quarter of the MMAs (the B fragments of each pair of n8 tiles use 2jj and 2jj + 1). In SASS
     the selectors are one uniform-register operand; its encoding is read off the single-MMA probe
-    kernels (csrc/attention/attention_fwd_dispatch.cu), which instantiate every legal
+    kernels (csrc/attention/mma_probe.cu), which instantiate every legal
     (thread-id-a, thread-id-b) pair, and each kernel's operand value off the UMOV that sets it;
   * the MXFP8 Q·Kᵀ kernels: ``QMMA.SF.16832.F32.E4M3.E4M3.E8`` (m16n8k32 kind::mxf8f6f4,
     ue8m0 scale_vec::1X) (128/8) * (D/32) times, all in the loop (64 at D=128, 32 at D=64), with
@@ -46,6 +46,7 @@ QMMA = "QMMA.SF.16832.F32.E4M3.E4M3.E8"   # m16n8k32 kind::mxf8f6f4 e4m3, ue8m0 
 UNITS = {d: f"attention/attention_fwd_native_d{d}.cu" for d in fmt.SUPPORTED_HEAD_DIMS}
 MX_UNITS = {d: f"attention/attention_fwd_native_mxfp8_d{d}.cu" for d in fmt.SUPPORTED_HEAD_DIMS}
 ARCHS = tuple(a[3:] for a in build.NATIVE_ARCHS)  # "120a", "121a"
+ATTENTION_PREFIX = "nvfp4_dit_attention_fwd_"   # the entry points (csrc/common/launch.h)
 
 
 def mma_per_warp_tile(head_dim: int, block_n: int = 128) -> tuple[int, int]:
@@ -169,16 +170,16 @@ def sass_counts(sass: str) -> dict[str, dict]:
     return counts
 
 
-PROBE_UNIT = "attention/attention_fwd_dispatch.cu"
+PROBE_UNIT = "attention/mma_probe.cu"
 
 
 def _probe_encoding(arch: str, out_dir: Path, probe: str, kind: str, count: int) -> dict[int, int]:
-    """{selector operand value: combination I} of the probe kernels mma_probe_kernel<probe<MmaNative>, I>
-    (csrc/attention/attention_fwd_dispatch.cu), which instantiate every legal combination."""
+    """{selector operand value: combination I} of the native probe kernels nvfp4_dit_mma_probe_<probe>_native_<I>
+    (csrc/attention/mma_probe.cu), which instantiate every legal combination."""
     cubin, _ = compile_cubin(PROBE_UNIT, arch, out_dir)
     encoding: dict[int, int] = {}
     for kernel, c in sass_counts(disassemble(cubin)).items():
-        m = re.search(rf"mma_probe_kernelINS_{len(probe)}{probe}INS_9MmaNativeEEELi(\d+)E", kernel)
+        m = re.fullmatch(rf"nvfp4_dit_mma_probe_{probe}_native_(\d+)", kernel)
         if m is None:
             continue
         selectors = c["selectors" if kind == "omma" else "qmma_selectors"]
@@ -192,13 +193,13 @@ def _probe_encoding(arch: str, out_dir: Path, probe: str, kind: str, count: int)
 
 def selector_encoding(arch: str, out_dir: Path) -> dict[int, tuple[int, int]]:
     """{selector operand value: (thread-id-a, thread-id-b)} of the FP4 MMA."""
-    return {v: (i // 4, i % 4) for v, i in _probe_encoding(arch, out_dir, "Fp4Probe", "omma", 8).items()}
+    return {v: (i // 4, i % 4) for v, i in _probe_encoding(arch, out_dir, "fp4", "omma", 8).items()}
 
 
 def mx_selector_encoding(arch: str, out_dir: Path) -> dict[int, tuple[int, int, int]]:
     """{selector operand value: (thread-id-a, thread-id-b, byte-id)} of the 8-bit MMA."""
     return {v: (i // 16, (i // 4) % 4, i % 4)
-            for v, i in _probe_encoding(arch, out_dir, "Mxf8Probe", "qmma", 32).items()}
+            for v, i in _probe_encoding(arch, out_dir, "mxf8", "qmma", 32).items()}
 
 
 def selector_failures(name: str, selectors: list, encoding: dict, count: int, byte_ids: int = 0) -> list[str]:
@@ -241,9 +242,9 @@ def _check_unit(arch: str, d: int, qk_format: str, tmp: Path, encoding: dict, mx
         want_qmma, want_omma = 0, expected_mma_in_sass(d)
     else:
         want_qmma, want_omma = expected_mx_mma_in_sass(d)
-    for kernel in sorted(k for k in sass if "attention_fwd_kernel" in k):
+    for kernel in sorted(k for k in sass if k.startswith(ATTENTION_PREFIX)):
         p, s = ptx.get(kernel, {}), sass[kernel]
-        row = dict(arch=f"sm_{arch}", head_dim=d, qk_format=qk_format, lse="Lb1" in kernel, omma=s["omma"],
+        row = dict(arch=f"sm_{arch}", head_dim=d, qk_format=qk_format, lse=kernel.endswith("_lse"), omma=s["omma"],
                    expected=want_omma, qmma=s["qmma"], expected_qmma=want_qmma,
                    registers=p.get("registers"), spill=p.get("spill_stores", -1) + p.get("spill_loads", -1),
                    stack=p.get("stack"), local=s["local"], smem=smem,
@@ -266,7 +267,7 @@ def _check_unit(arch: str, d: int, qk_format: str, tmp: Path, encoding: dict, mx
                             f"{s['local']} local memory instructions")
         if smem > 99 * 1024:
             failures.append(f"{name}: {smem} B shared memory exceeds sm_120's 99 KB")
-    if not any("attention_fwd_kernel" in k for k in sass):
+    if not any(k.startswith(ATTENTION_PREFIX) for k in sass):
         failures.append(f"sm_{arch} D={d} {qk_format}: no attention kernel in the cubin")
     return rows, failures
 

@@ -312,7 +312,7 @@ def model(arch: str = "120a") -> list[dict]:
             for d in fmt.SUPPORTED_HEAD_DIMS:
                 stage_bytes = check_sass.dynamic_smem_bytes(d, Path(tmp), "kStageBytes", qk_format)
                 funcs = parse_nvdisasm(disassemble_with_lines(compile_with_lines(units[d], arch, Path(tmp))))
-                name = next(n for n in funcs if "attention_fwd_kernel" in n and "Lb0E" in n)   # without the LSE
+                name = next(n for n in funcs if n.startswith(check_sass.ATTENTION_PREFIX) and not n.endswith("_lse"))
                 for causal in (False, True):
                     rows.append(model_kernel(funcs[name], d, causal, rescale, stage_bytes, qk_format=qk_format))
     return rows

@@ -40,7 +40,9 @@ def kernel():
         pytest.skip("needs a CUDA GPU")
     reason = build.unavailable_reason()
     assert reason is None, reason
-    return torch.ops.nvfp4_dit_cuda
+    from nvfp4_dit import kernels
+
+    return kernels
 
 
 def _qkv(b, sq, h, d, sk=None, hkv=None, dtype=torch.bfloat16, seed=0, layout="NHD"):
@@ -365,3 +367,62 @@ def test_public_op_short_cross_attention_matches_reference(kernel):
     out = nvfp4_dit.attention(q, k, v, backend="cuda")
     ref = nvfp4_dit.attention(q, k, v, backend="reference")
     assert _cos(out, ref) >= 0.9999
+
+
+# ---------------------------------------------------------------------------------------------
+# The driver-API launcher: CUDA graphs, and no kernels to load
+
+
+@pytest.mark.cuda
+def test_public_op_replays_from_a_cuda_graph(kernel):
+    """Every launch goes through cuLaunchKernel on torch's current stream and nothing synchronises,
+    so the whole call (quantiser, correction, kernel) captures into a CUDA graph."""
+    import nvfp4_dit
+
+    q, k, v = _qkv(1, 384, 4, 128, hkv=2, seed=21)
+    eager = nvfp4_dit.attention(q, k, v, backend="cuda", causal=True)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            nvfp4_dit.attention(q, k, v, backend="cuda", causal=True)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = nvfp4_dit.attention(q, k, v, backend="cuda", causal=True)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, eager)
+    q.copy_(torch.randn_like(q))   # new inputs in the same buffers: the replay follows them
+    graph.replay()
+    assert torch.equal(captured, nvfp4_dit.attention(q, k, v, backend="cuda", causal=True))
+
+
+@pytest.mark.cuda
+def test_no_usable_cubin_and_no_compiler_falls_back_with_one_warning(kernel, monkeypatch, tmp_path):
+    """No prebuilt cubins for this GPU, an empty cache, neither NVRTC nor nvcc: the call gives the
+    exact result with one FallbackWarning that says what to install."""
+    import warnings
+
+    import nvfp4_dit
+    from nvfp4_dit import compile as kc
+    from nvfp4_dit import fallback
+
+    monkeypatch.setenv(build.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(build, "PREBUILT_DIR", tmp_path / "none")
+    monkeypatch.setattr(build, "_libraries", {})
+    monkeypatch.setattr(build, "_load_failures", {})
+    monkeypatch.setattr(fallback, "_reported", set())
+    monkeypatch.setattr(kc, "cuda_home", lambda: None)
+    monkeypatch.setattr(kc.shutil, "which", lambda name: None)
+    monkeypatch.setattr(kc, "nvrtc_version", lambda: (_ for _ in ()).throw(kc.KernelBuildError("NVRTC cannot be loaded")))
+    q, k, v = _qkv(1, 256, 2, 64, seed=5)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = nvfp4_dit.attention(q, k, v, backend="cuda")
+        nvfp4_dit.attention(q, k, v, backend="cuda")
+    notes = [w for w in caught if issubclass(w.category, nvfp4_dit.ops.FallbackWarning)]
+    assert len(notes) == 1, [str(w.message) for w in caught]
+    assert "pip install" in str(notes[0].message) and "NVRTC" in str(notes[0].message)
+    exact = torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2).float() for t in (q, k, v)))
+    assert _cos(out, exact.transpose(1, 2).to(out.dtype)) >= 0.9999

@@ -1,5 +1,6 @@
-"""The build module: architectures, the one C++ statement of them (csrc/common/config.h), cache
-keys, sources, errors, the ahead-of-time command."""
+"""The build modules (nvfp4_dit.compile, nvfp4_dit.build): architectures, the one C++ statement of
+them (csrc/common/config.h), translation units, source hashes, entry points, errors, the cache
+and the ahead-of-time command."""
 
 import os
 import shutil
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from nvfp4_dit import build
+from nvfp4_dit import compile as kc
 from nvfp4_dit import format as fmt
 
 try:
@@ -30,7 +32,7 @@ def test_arch_for_capability(cc, arch):
 
 @pytest.mark.parametrize("cc", [(7, 5), (10, 0), (11, 0), (12, 2)])
 def test_unsupported_capability_is_a_clear_error(cc):
-    with pytest.raises(build.ExtensionBuildError, match=f"{cc[0]}.{cc[1]}"):
+    with pytest.raises(build.KernelBuildError, match=f"{cc[0]}.{cc[1]}"):
         build.arch_for_capability(*cc)
 
 
@@ -84,26 +86,32 @@ def test_arch_env_override(monkeypatch):
         build.device_arch()
 
 
-def test_sources_exist_and_cover_every_translation_unit():
+def test_units_cover_every_translation_unit():
     root = build.csrc_dir()
     assert root == REPO / "csrc"
-    assert all((root / s).is_file() for s in build.SOURCES)
     on_disk = sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.suffix in (".cu", ".cpp"))
-    assert sorted(build.SOURCES) == on_disk, "a translation unit is missing from build.SOURCES"
+    assert sorted(kc.ALL_UNITS) == on_disk, "a translation unit is missing from nvfp4_dit.compile"
+    for arch, kind in kc.ARCHS.items():
+        assert set(kc.units(arch)) == set(kc.COMMON_UNITS) | set(kc.ATTENTION_UNITS[kind])
+        assert all(f"_{kind}" in u for u in kc.ATTENTION_UNITS[kind])
+    assert len({kc.cubin_name(u) for u in kc.ALL_UNITS}) == len(kc.ALL_UNITS)  # one folder per arch holds them
 
 
-def test_source_hash_tracks_sources_and_arch(tmp_path):
+def test_source_hash_tracks_sources(tmp_path):
     root = tmp_path / "csrc"
     shutil.copytree(build.csrc_dir(), root)
-    base = build.source_hash("sm_90a", root)
-    assert base == build.source_hash("sm_90a", root)
-    assert base != build.source_hash("sm_120a", root)
-    header = root / "quantize" / "quantize.cuh"
+    base = kc.source_hash(root)
+    assert base == kc.source_hash(root) == kc.source_hash(build.csrc_dir())
+    header = root / "quantize" / "params.h"
     header.write_text(header.read_text() + "\n// changed\n")
-    assert build.source_hash("sm_90a", root) != base
+    changed = kc.source_hash(root)
+    assert changed != base
     (root / "nested").mkdir()
     (root / "nested" / "extra.cuh").write_text("// a header in a subfolder counts too\n")
-    assert build.source_hash("sm_90a", root) not in (base,)
+    assert kc.source_hash(root) not in (base, changed)
+    (root / "NOTES.md").write_text("documentation is not a source\n")
+    (root / "nested" / "extra.cuh").unlink()
+    assert kc.source_hash(root) == changed
 
 
 def test_cache_root_env_override(monkeypatch, tmp_path):
@@ -114,53 +122,114 @@ def test_cache_root_env_override(monkeypatch, tmp_path):
 
 
 def test_missing_nvcc_is_a_clear_error(monkeypatch):
-    monkeypatch.setattr(build, "cuda_home", lambda: None)
-    monkeypatch.setattr(build.shutil, "which", lambda name: None)
-    with pytest.raises(build.ExtensionBuildError, match="nvcc .*not found"):
-        build.nvcc_path()
+    monkeypatch.setattr(kc, "cuda_home", lambda: None)
+    monkeypatch.setattr(kc.shutil, "which", lambda name: None)
+    with pytest.raises(kc.KernelBuildError, match="nvcc .*not found"):
+        kc.nvcc_path()
 
 
-def test_missing_nvcc_stops_the_build_before_compiling(monkeypatch, tmp_path):
+def test_no_compiler_is_a_clear_error_naming_what_to_install(monkeypatch):
+    monkeypatch.setattr(kc, "cuda_home", lambda: None)
+    monkeypatch.setattr(kc.shutil, "which", lambda name: None)
+    monkeypatch.setattr(kc, "nvrtc_version", lambda: (_ for _ in ()).throw(kc.KernelBuildError("NVRTC cannot be loaded")))
+    with pytest.raises(kc.KernelBuildError, match="no CUDA compiler.*nvrtc: NVRTC cannot be loaded.*nvcc: nvcc"):
+        kc.find_compiler()
+
+
+def test_min_driver_version():
+    assert kc.min_driver_version("sm_120a", (12, 9)) == 12080
+    assert kc.min_driver_version("sm_121a", (12, 9)) == 12090
+    assert kc.min_driver_version("sm_90a", (12, 9)) == 12000
+    assert kc.min_driver_version("sm_90a", (13, 0)) == kc.min_driver_version("sm_120a", (13, 1)) == 13000
+    assert kc.driver_version_text(12080) == "12.8"
+
+
+def test_kernel_entries_read_the_cubin_sections(tmp_path):
+    """kernel_entries lists a cubin's entry points (ELF .text.<name> sections) of ours only."""
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("nvcc not found")
+    src = tmp_path / "k.cu"
+    src.write_text('extern "C" __global__ void nvfp4_dit_b(int* x) { x[0] = 1; }\n'
+                   'extern "C" __global__ void nvfp4_dit_a(int* x) { x[1] = 2; }\n'
+                   '__global__ void other(int* x) { x[2] = 3; }\n')
+    out = tmp_path / "k.cubin"
+    subprocess.run([nvcc, "-cubin", "-arch=sm_90a", str(src), "-o", str(out)], check=True, capture_output=True)
+    assert kc.kernel_entries(out.read_bytes()) == ["nvfp4_dit_a", "nvfp4_dit_b"]
+    with pytest.raises(ValueError, match="ELF"):
+        kc.kernel_entries(b"not a cubin")
+
+
+def test_ninja_lines_escape_paths_and_commands():
+    assert kc._ninja_path(Path("/a b/c:d$e")) == "/a$ b/c$:d$$e"
+    assert kc._ninja_command(["x", "a b", "$y"]) == "x 'a b' '$$y'"
+
+
+def test_without_prebuilt_kernels_and_without_a_compiler_the_reason_says_what_to_install(monkeypatch, tmp_path):
+    """No cubins in this install, none cached and no compiler: the KernelBuildError names each
+    source's reason and what to install (the fallback warning repeats it)."""
     monkeypatch.setenv(build.CACHE_ENV, str(tmp_path))
-    monkeypatch.setattr(build, "cuda_home", lambda: None)
-    monkeypatch.setattr(build.shutil, "which", lambda name: None)
-    monkeypatch.setattr(build, "_nvcc_version_memo", None)
-    monkeypatch.setattr(build, "_built", {})
-    with pytest.raises(build.ExtensionBuildError, match="nvcc"):
-        build.build_extension("sm_80")
+    monkeypatch.setattr(build, "PREBUILT_DIR", tmp_path / "none")
+    monkeypatch.setattr(build, "_libraries", {})
+    monkeypatch.setattr(kc, "cuda_home", lambda: None)
+    monkeypatch.setattr(kc.shutil, "which", lambda name: None)
+    monkeypatch.setattr(kc, "nvrtc_version", lambda: (_ for _ in ()).throw(kc.KernelBuildError("NVRTC cannot be loaded")))
+    with pytest.raises(kc.KernelBuildError) as e:
+        build.load_library("sm_90a")
+    text = str(e.value)
+    assert "no prebuilt kernels" in text and "NVRTC cannot be loaded" in text and "nvcc" in text
+    assert "pip install" in text
 
 
 @pytest.mark.slow
 def test_ahead_of_time_build_and_cache_hit(tmp_path):
-    """`python -m nvfp4_dit.build --arch sm_90a` builds the whole library; a second run reuses it."""
-    if shutil.which("nvcc") is None:
-        pytest.skip("nvcc not found")
+    """`python -m nvfp4_dit.build --arch sm_90a` builds every unit's cubin and a manifest naming each
+    kernel the launcher uses; a second run reuses them."""
+    from nvfp4_dit import kernel_abi as abi
+
+    try:
+        kc.find_compiler()
+    except kc.KernelBuildError as e:
+        pytest.skip(str(e))
     env = dict(os.environ, **{build.CACHE_ENV: str(tmp_path)})
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     cmd = [sys.executable, "-m", "nvfp4_dit.build", "--arch", "sm_90a"]
     first = subprocess.run(cmd, capture_output=True, text=True, env=env)
     assert first.returncode == 0, first.stderr[-4000:]
-    lib = Path(first.stdout.strip().split(": ", 1)[1])
-    assert lib.is_file() and lib.parent.parent == tmp_path and (lib.parent / "complete").is_file()
-    mtime = lib.stat().st_mtime
+    folder = Path(first.stdout.strip().split(": ", 1)[1])
+    assert folder.parent == tmp_path and (folder / "complete").is_file()
+    manifest = kc.read_manifest(folder)
+    cubins = manifest["archs"]["sm_90a"]["cubins"]
+    assert sorted(cubins) == sorted(kc.cubin_name(u) for u in kc.units("sm_90a"))
+    names = {n for entries in cubins.values() for n in entries}
+    wanted = {abi.attention_entry("emulated", f, d, lse) for f in fmt.QK_FORMATS for d in fmt.SUPPORTED_HEAD_DIMS
+              for lse in (False, True)}
+    wanted |= {abi.probe_entry(p, k, i) for p, n in (("fp4", 8), ("mxf8", 32)) for k in ("native", "emulated")
+               for i in range(n)}
+    for dt in abi.INPUT_DTYPES:
+        for d in fmt.SUPPORTED_HEAD_DIMS:
+            for vec in (False, True):
+                wanted |= {abi.balance_statistics_entry(dt, d, vec), abi.key_stats_entry(dt, d, vec)}
+                wanted |= {abi.quantize_tiles_entry(dt, d, vec, f) for f in fmt.QK_FORMATS}
+                wanted |= {abi.correction_entry(dt, d, vec, st) for st in (False, True)}
+            if dt != "fp32":
+                wanted.add(abi.quantize_stream_entry(dt, d))
+    assert names == wanted
+    mtime = (folder / "complete").stat().st_mtime
     t0 = time.perf_counter()
     second = subprocess.run(cmd, capture_output=True, text=True, env=env)
     assert second.returncode == 0, second.stderr[-4000:]
-    assert second.stdout == first.stdout and lib.stat().st_mtime == mtime
-    assert time.perf_counter() - t0 < 60  # no recompilation (a full build takes minutes on 2 cores)
-    # The library registers the quantize ops.
-    check = subprocess.run([sys.executable, "-c", f"import torch; torch.ops.load_library({str(lib)!r}); "
-                            "print(torch.ops.nvfp4_dit_cuda.quantize_qkv.default._schema)"],
-                           capture_output=True, text=True, env=env)
-    assert check.returncode == 0 and "quantize_qkv(Tensor q" in check.stdout, check.stderr[-2000:]
+    assert second.stdout == first.stdout and (folder / "complete").stat().st_mtime == mtime
+    assert time.perf_counter() - t0 < 30  # no recompilation (a build takes a minute or more on 2 cores)
 
 
 @pytest.mark.cuda
-def test_load_extension_on_the_device():
-    ops = build.load_extension()
-    assert hasattr(ops, "quantize_qkv") and hasattr(ops, "correction") and hasattr(ops, "attention_fwd")
-    assert build.load_extension() is ops  # loaded once per process
+def test_load_library_on_the_device():
+    assert build.unavailable_reason() is None
+    library = build.load_library()
+    assert build.load_library() is library  # loaded once per process
     major, minor = torch.cuda.get_device_capability()
-    other = "sm_80" if build.arch_for_capability(major, minor) != "sm_80" else "sm_90a"
-    with pytest.raises(build.ExtensionBuildError, match="already loaded"):
-        build.load_extension(other)
+    name = f"nvfp4_dit_attention_fwd_{build.mma_kind((major, minor))}_nvfp4_d128"
+    kernel = library.kernel(name, torch.cuda.current_device())
+    assert kernel.name == name and library.kernel(name, torch.cuda.current_device()) is kernel
+    assert kernel.blocks_per_sm(256, 75776) >= 1

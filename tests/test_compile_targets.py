@@ -1,9 +1,10 @@
-"""Every torch-free kernel TU (nvfp4_dit.build.KERNEL_SOURCES) compiles standalone with nvcc for each target.
+"""Every kernel TU (nvfp4_dit.compile.ALL_UNITS) compiles standalone with nvcc for each target.
 
 No GPU needed: this is the CI guard for the arch matrix (native sm_120a/sm_121a, emulated sm_90a
 and sm_80). All (TU, arch) compiles start at once on a thread pool sized to the CPU count; each
 parametrized test then reads its result. ptxas runs at -O1: it still assembles and checks every
-instruction for the target, at about half the time of -O3 (the JIT build uses -O3).
+instruction for the target, at about half the time of -O3 (the builds use -O3). The wheel test
+(tests/test_wheel.py) builds the same units with NVRTC.
 """
 
 import os
@@ -14,10 +15,11 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from nvfp4_dit import build
+from nvfp4_dit import compile as kc
 
 CSRC = build.csrc_dir()
 ARCHS = tuple(build.ARCHS)
-TUS = build.KERNEL_SOURCES
+TUS = kc.ALL_UNITS
 
 
 def _compile(nvcc: str, tu: str, arch: str) -> subprocess.CompletedProcess:

@@ -1,9 +1,6 @@
-// Instantiations of the attention forward kernel: head dim 128, NVFP4 Q·Kᵀ, fp16-emulated MMA (sm_80/sm_90; a trap on other targets).
-// Torch-free; compiles standalone with nvcc. The only place this back-end meets this head dim and format.
-#include "attention/launcher.cuh"
+// Entry points of the attention forward kernel: head dim 128, NVFP4 Q·Kᵀ, emulated MMA (sm_80/sm_90: fp16 mma.sync from the same registers; a trap on other targets).
+// Torch-free; compiles standalone with nvcc or NVRTC into a cubin of its own (common/launch.h).
+#include "attention/kernel.cuh"
 #include "attention/mma_emulated.cuh"
 
-namespace nvfp4_dit {
-template cudaError_t launch_attention_fwd<128, false, MmaEmulated, QkNvfp4>(AttentionFwdParams, cudaStream_t);
-template cudaError_t launch_attention_fwd<128, true, MmaEmulated, QkNvfp4>(AttentionFwdParams, cudaStream_t);
-}  // namespace nvfp4_dit
+NVFP4_DIT_ATTENTION_ENTRIES(emulated, MmaEmulated, nvfp4, QkNvfp4, 128)

@@ -1,9 +1,6 @@
-// Instantiations of the attention forward kernel: head dim 64, MXFP8 Q·Kᵀ, native block-scaled MMA (sm_120a/sm_121a; a trap on other targets).
-// Torch-free; compiles standalone with nvcc. The only place this back-end meets this head dim and format.
-#include "attention/launcher.cuh"
+// Entry points of the attention forward kernel: head dim 64, MXFP8 Q·Kᵀ, native MMA (sm_120a/sm_121a; a trap on other targets).
+// Torch-free; compiles standalone with nvcc or NVRTC into a cubin of its own (common/launch.h).
+#include "attention/kernel.cuh"
 #include "attention/mma_native.cuh"
 
-namespace nvfp4_dit {
-template cudaError_t launch_attention_fwd<64, false, MmaNative, QkMxfp8>(AttentionFwdParams, cudaStream_t);
-template cudaError_t launch_attention_fwd<64, true, MmaNative, QkMxfp8>(AttentionFwdParams, cudaStream_t);
-}  // namespace nvfp4_dit
+NVFP4_DIT_ATTENTION_ENTRIES(native, MmaNative, mxfp8, QkMxfp8, 64)

@@ -6,7 +6,7 @@
 // Lane l = 4g + t (g = l >> 2, t = l & 3). Shared-memory offsets are bytes from the start of a
 // pipeline stage (AttentionTraits). Torch-free; host and device.
 #pragma once
-#include <cstdint>
+#include "common/portable.h"
 
 #include "attention/traits.cuh"
 

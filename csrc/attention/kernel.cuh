@@ -14,7 +14,7 @@
 // Persistent: gridDim.x CTAs stride over (batch, head, Q block) work items; within a head the
 // Q blocks are adjacent so concurrent CTAs share K/V in L2; causal runs the longest blocks first.
 #pragma once
-#include <cstdint>
+#include "common/portable.h"
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -23,6 +23,7 @@
 #include "attention/params.h"
 #include "attention/softmax.cuh"
 #include "attention/traits.cuh"
+#include "common/launch.h"
 
 namespace nvfp4_dit {
 
@@ -407,8 +408,11 @@ __device__ __forceinline__ void attention_fwd_body(const AttentionFwdParams& p) 
 }
 
 template <int kHeadDim, bool kWithLse, class Mma, class QkFmt>
-__global__ void __launch_bounds__(AttentionTraits<kHeadDim, QkFmt>::kThreads, 1)
-attention_fwd_kernel(const __grid_constant__ AttentionFwdParams p) {
+__device__ __forceinline__ void attention_fwd_entry(const AttentionFwdParams& p) {
+  static_assert(AttentionTraits<kHeadDim, QkFmt>::kThreads == launch::kAttentionThreads &&
+                    AttentionTraits<kHeadDim, QkFmt>::kSmemBytes ==
+                        launch::kAttentionSmemBytes[QkFmt::kFormatIndex][kHeadDim == 64 ? 0 : 1],
+                "common/launch.h states the attention kernel's launch geometry");
   if constexpr (Mma::kCompiledHere) {
     attention_fwd_body<kHeadDim, kWithLse, Mma, QkFmt>(p);
   } else {
@@ -417,3 +421,16 @@ attention_fwd_kernel(const __grid_constant__ AttentionFwdParams p) {
 }
 
 }  // namespace nvfp4_dit
+
+// The entry points of one back-end, Q·Kᵀ format and head dim, without and with the LSE
+// (common/launch.h); each instantiation TU (attention_fwd_*.cu) expands it once.
+#define NVFP4_DIT_ATTENTION_ENTRIES(KIND, MMA, FORMAT, FMT, D)                                                \
+  extern "C" __global__ void __launch_bounds__(nvfp4_dit::launch::kAttentionThreads, 1)                       \
+      nvfp4_dit_attention_fwd_##KIND##_##FORMAT##_d##D(const __grid_constant__ nvfp4_dit::AttentionFwdParams p) { \
+    nvfp4_dit::attention_fwd_entry<D, false, nvfp4_dit::MMA, nvfp4_dit::FMT>(p);                               \
+  }                                                                                                            \
+  extern "C" __global__ void __launch_bounds__(nvfp4_dit::launch::kAttentionThreads, 1)                       \
+      nvfp4_dit_attention_fwd_##KIND##_##FORMAT##_d##D##_lse(                                                  \
+          const __grid_constant__ nvfp4_dit::AttentionFwdParams p) {                                           \
+    nvfp4_dit::attention_fwd_entry<D, true, nvfp4_dit::MMA, nvfp4_dit::FMT>(p);                                \
+  }

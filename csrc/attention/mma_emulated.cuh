@@ -13,7 +13,7 @@
 // All of this thread's k in step j lie in k-block kb = 2h + (t >> 1).
 // Scales come from the lanes the selectors name (three quad shuffles).
 #pragma once
-#include <cstdint>
+#include "common/portable.h"
 #include <cuda_fp16.h>
 
 #include "attention/mma_selectors.cuh"

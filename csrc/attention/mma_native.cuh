@@ -8,7 +8,7 @@
 //   SF_A: lane 4g + 2*kTidA gives row g, lane 4g + 2*kTidA + 1 gives row g+8.
 //   SF_B: lane 4g + kTidB gives column g.
 #pragma once
-#include <cstdint>
+#include "common/portable.h"
 
 #include "attention/mma_selectors.cuh"
 #include "common/config.h"

@@ -2,7 +2,7 @@
 // the binding fills it, the kernel takes it as a __grid_constant__. Every stride and offset is
 // int64 (the correction tensor alone passes 2^31 elements near 80k tokens at 40 heads).
 #pragma once
-#include <cstdint>
+#include "common/portable.h"
 
 namespace nvfp4_dit {
 

@@ -11,7 +11,7 @@
 // (Q loads, the K stage, ldmatrix) is the same function of the row's byte count. Only the row
 // sizes, the scale words and the MMA differ; they are here.
 #pragma once
-#include <cstdint>
+#include "common/portable.h"
 
 namespace nvfp4_dit {
 
@@ -42,6 +42,7 @@ struct Mxf8MmaOp {
 
 struct QkNvfp4 {
   static constexpr const char* kName = "nvfp4";
+  static constexpr int kFormatIndex = 0;   // position in QK_FORMATS (and common/launch.h tables)
   static constexpr int kChunkElems = 64;   // elements of D per MMA (32 bytes)
   template <int kHeadDim>
   static constexpr int kRowBytes = kHeadDim / 2;
@@ -56,6 +57,7 @@ struct QkNvfp4 {
 
 struct QkMxfp8 {
   static constexpr const char* kName = "mxfp8";
+  static constexpr int kFormatIndex = 1;
   static constexpr int kChunkElems = 32;
   template <int kHeadDim>
   static constexpr int kRowBytes = kHeadDim;

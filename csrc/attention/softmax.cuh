@@ -4,7 +4,7 @@
 // A row of the m16n8 accumulator is spread over the 4 lanes of a quad (lanes 4g..4g+3), so row
 // reductions use shfl-xor 1 and 2 only; xor 4 would mix rows g and g+1 (FlashInfer #3838).
 #pragma once
-#include <cstdint>
+#include "common/portable.h"
 #include "common/exact_division.cuh"
 #include "common/format.cuh"
 

@@ -1,7 +1,7 @@
 // Tile geometry and shared-memory layout of the attention kernel, as constexpr.
 // Sized for sm_120's ~99 KB per block so the emulated build on sm_80/90 runs the same layouts.
 #pragma once
-#include <cstdint>
+#include "common/portable.h"
 
 #include "attention/qk_format.cuh"
 #include "common/config.h"

@@ -5,9 +5,7 @@
 // Torch-free, host and device.
 #pragma once
 
-#include <cstdint>
-
-#include <cuda_runtime_api.h>
+#include "common/portable.h"
 
 namespace nvfp4_dit {
 
@@ -19,7 +17,7 @@ constexpr int kMaxHeadDim = kHeadDims[kNumHeadDims - 1];
 
 // The padded head dim of head dim d, or 0 when there is none (d < 1 or d > kMaxHeadDim). Written
 // without indexing kHeadDims so that device code can call it; the asserts tie the two together.
-__host__ __device__ constexpr int64_t padded_head_dim(int64_t d) { return d < 1 || d > 128 ? 0 : d <= 64 ? 64 : 128; }
+NVFP4_DIT_HOST_DEVICE constexpr int64_t padded_head_dim(int64_t d) { return d < 1 || d > 128 ? 0 : d <= 64 ? 64 : 128; }
 static_assert(kNumHeadDims == 2 && padded_head_dim(1) == kHeadDims[0] && padded_head_dim(kHeadDims[0]) == kHeadDims[0] &&
                   padded_head_dim(kHeadDims[0] + 1) == kHeadDims[1] && padded_head_dim(kHeadDims[1]) == kHeadDims[1] &&
                   padded_head_dim(kMaxHeadDim + 1) == 0,
@@ -35,28 +33,12 @@ constexpr int kEmulatedMaxCapability = 90;
 
 // Device passes that can issue each MMA kind. The native instruction exists only on the
 // arch-specific targets (plain sm_120 rejects it); the emulated one needs fp16 mma.sync.
-#if defined(__CUDA_ARCH__) && (defined(__CUDA_ARCH_FEAT_SM120_ALL) || defined(__CUDA_ARCH_FEAT_SM121_ALL))
+// NVRTC defines only __CUDA_ARCH_SPECIFIC__ (1200, 1210) for the arch-specific targets, nvcc both.
+#if defined(__CUDA_ARCH__) &&                                                            \
+    (defined(__CUDA_ARCH_FEAT_SM120_ALL) || defined(__CUDA_ARCH_FEAT_SM121_ALL) ||      \
+     (defined(__CUDA_ARCH_SPECIFIC__) && (__CUDA_ARCH_SPECIFIC__ == 1200 || __CUDA_ARCH_SPECIFIC__ == 1210)))
 #define NVFP4_DIT_NATIVE_MMA 1
 #endif
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800 && __CUDA_ARCH__ < 1000
 #define NVFP4_DIT_EMULATED_MMA 1
 #endif
-
-// Runs the expression __VA_ARGS__ (returning cudaError_t) with `constexpr int NAME` set to the
-// padded head dim DP, or returns cudaErrorInvalidValue for any other value: the one place where a
-// run-time head dim meets the instantiated ones.
-#define NVFP4_DIT_HEAD_DIM_SWITCH(DP, NAME, ...)                    \
-  [&]() -> cudaError_t {                                             \
-    static_assert(::nvfp4_dit::kNumHeadDims == 2 && ::nvfp4_dit::kHeadDims[0] == 64 && \
-                      ::nvfp4_dit::kHeadDims[1] == 128,                                 \
-                  "NVFP4_DIT_HEAD_DIM_SWITCH lists kHeadDims");                          \
-    if ((DP) == 64) {                                                \
-      constexpr int NAME = 64;                                       \
-      return __VA_ARGS__;                                            \
-    }                                                                \
-    if ((DP) == 128) {                                               \
-      constexpr int NAME = 128;                                      \
-      return __VA_ARGS__;                                            \
-    }                                                                \
-    return cudaErrorInvalidValue;                                    \
-  }()

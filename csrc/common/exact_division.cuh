@@ -10,8 +10,7 @@
 // encode as 0 either way; inf is handled by the caller.
 #pragma once
 
-#include <cmath>
-#include <cstdint>
+#include "common/portable.h"
 
 namespace nvfp4_dit {
 

@@ -8,9 +8,7 @@
 // Torch-free: included by kernel translation units that compile standalone with nvcc.
 #pragma once
 
-#include <cstdint>
-#include <cmath>
-#include <cstring>
+#include "common/portable.h"
 #include <cuda_fp16.h>
 
 namespace nvfp4_dit {
@@ -19,6 +17,7 @@ namespace nvfp4_dit {
 // rejects them for plain sm_120 and for sm_90a).
 #if defined(__CUDA_ARCH_FEAT_SM120_ALL) || defined(__CUDA_ARCH_FEAT_SM121_ALL) || \
     defined(__CUDA_ARCH_FEAT_SM100_ALL) ||                                        \
+    (defined(__CUDA_ARCH_SPECIFIC__) && (__CUDA_ARCH_SPECIFIC__ == 1200 || __CUDA_ARCH_SPECIFIC__ == 1210)) || \
     (defined(__CUDA_ARCH_FAMILY_SPECIFIC__) && (__CUDA_ARCH_FAMILY_SPECIFIC__ >= 1000))
 #define NVFP4_DIT_NATIVE_E2M1_CVT 1
 #else

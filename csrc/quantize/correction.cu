@@ -1,5 +1,5 @@
 // The per-Q-block correction delta = qm . (k - km)^T / (q_scale k_scale) for a range of Q blocks
-// (quantize.cuh).
+// (params.h).
 //
 // The full tensor is B*H*S^2/128 fp32 (17.6 GB at 118,800 tokens x 40 heads), so the pipeline
 // asks for it one chunk of Q blocks at a time, sized to a memory budget, and the attention
@@ -12,15 +12,16 @@
 // multiplied). Every offset is int64.
 #include <cuda_fp16.h>
 
-#include "quantize/quantize.cuh"
+#include "common/launch.h"
+#include "quantize/params.h"
 #include "quantize/quantize_math.cuh"
 
 namespace nvfp4_dit {
 namespace {
 
-constexpr int kThreads = 128;
-constexpr int kTileM = 64;    // Q blocks per CTA
-constexpr int kTileN = 128;   // keys per CTA (one per thread when loading)
+constexpr int kThreads = launch::kCorrectionThreads;
+constexpr int kTileM = launch::kCorrectionTileM;  // Q blocks per CTA
+constexpr int kTileN = launch::kCorrectionTileN;  // keys per CTA (one per thread when loading)
 constexpr int kSliceD = 16;   // head-dim slice per pipeline stage (two stages in shared memory)
 constexpr int kPadN = 4;      // keeps float4 alignment, breaks the row-to-row bank pattern
 
@@ -80,7 +81,7 @@ __device__ __forceinline__ float slice_k(const SliceRegs<DT>& r, int e) {
 }
 
 template <InputDtype DT, int DP, bool VEC_LOAD, bool VEC_STORE>
-__global__ void __launch_bounds__(kThreads) correction_kernel(const CorrectionParams p) {
+__device__ __forceinline__ void correction_kernel(const CorrectionParams& p) {
   using Raw = typename InputTraits<DT>::Raw;
   __shared__ __align__(16) float qs[2][kSliceD][kTileM];
   __shared__ __align__(16) float ks[2][kSliceD][kTileN + kPadN];
@@ -175,47 +176,24 @@ __global__ void __launch_bounds__(kThreads) correction_kernel(const CorrectionPa
   }
 }
 
-template <InputDtype DT, int DP>
-cudaError_t launch_typed(const CorrectionParams& p, cudaStream_t stream) {
-  const int64_t rows = p.block_end - p.block_begin;
-  const dim3 grid(unsigned(p.seq_k_padded / kTileN), unsigned((rows + kTileM - 1) / kTileM),
-                  unsigned(p.batch * p.heads_q));
-  const bool vec_store = (reinterpret_cast<uintptr_t>(p.delta) & 15u) == 0 && p.delta_stride_b % 4 == 0 &&
-                         p.delta_stride_h % 4 == 0 && p.delta_stride_blk % 4 == 0;
-  constexpr int64_t per16 = 16 / int64_t(sizeof(typename InputTraits<DT>::Raw));
-  const bool vec_load = p.head_dim == DP && p.k.stride_d == 1 && (reinterpret_cast<uintptr_t>(p.k.ptr) & 15u) == 0 &&
-                        p.k.stride_b % per16 == 0 && p.k.stride_h % per16 == 0 && p.k.stride_s % per16 == 0;
-  if (vec_load) {
-    if (vec_store) correction_kernel<DT, DP, true, true><<<grid, kThreads, 0, stream>>>(p);
-    else correction_kernel<DT, DP, true, false><<<grid, kThreads, 0, stream>>>(p);
-  } else {
-    if (vec_store) correction_kernel<DT, DP, false, true><<<grid, kThreads, 0, stream>>>(p);
-    else correction_kernel<DT, DP, false, false><<<grid, kThreads, 0, stream>>>(p);
-  }
-  return cudaGetLastError();
-}
-
-template <InputDtype DT>
-cudaError_t launch_dtype(const CorrectionParams& p, cudaStream_t stream) {
-  return NVFP4_DIT_HEAD_DIM_SWITCH(p.head_dim_padded, DP, launch_typed<DT, DP>(p, stream));
-}
-
 }  // namespace
-
-cudaError_t launch_correction(const CorrectionParams& p, cudaStream_t stream) {
-  const int64_t rows = p.block_end - p.block_begin;
-  if (p.batch <= 0 || p.heads_q <= 0 || p.heads_kv <= 0 || p.heads_q % p.heads_kv != 0 ||
-      p.block_begin < 0 || p.block_end > p.num_q_blocks || rows < 0 || p.seq_k_padded % kTileN != 0 ||
-      p.seq_k_padded < p.seq_k || padded_head_dim(p.head_dim) != p.head_dim_padded)
-    return cudaErrorInvalidValue;
-  if (rows == 0) return cudaSuccess;
-  if (p.batch * p.heads_q > 65535 || (rows + kTileM - 1) / kTileM > 65535) return cudaErrorInvalidConfiguration;
-  switch (p.dtype) {
-    case InputDtype::kBFloat16: return launch_dtype<InputDtype::kBFloat16>(p, stream);
-    case InputDtype::kFloat16: return launch_dtype<InputDtype::kFloat16>(p, stream);
-    case InputDtype::kFloat32: return launch_dtype<InputDtype::kFloat32>(p, stream);
-  }
-  return cudaErrorInvalidValue;
-}
-
 }  // namespace nvfp4_dit
+
+// Entry points (common/launch.h): every input dtype and padded head dim, 16-byte or scalar loads of
+// K (16-byte ones need D == Dp, unit stride and 16-byte rows) and float4 or scalar stores of delta.
+#define NVFP4_DIT_CORRECTION_ENTRY(NAME, DT, DP, LOAD, VEC_LOAD, STORE, VEC_STORE)                            \
+  extern "C" __global__ void __launch_bounds__(nvfp4_dit::kThreads)                                          \
+      nvfp4_dit_correction_##NAME##_d##DP##_##LOAD##_##STORE(const __grid_constant__ nvfp4_dit::CorrectionParams p) {         \
+    nvfp4_dit::correction_kernel<nvfp4_dit::InputDtype::DT, DP, VEC_LOAD, VEC_STORE>(p);                    \
+  }
+#define NVFP4_DIT_CORRECTION_ENTRIES(NAME, DT, DP)                                       \
+  NVFP4_DIT_CORRECTION_ENTRY(NAME, DT, DP, vec, true, vecstore, true)                  \
+  NVFP4_DIT_CORRECTION_ENTRY(NAME, DT, DP, vec, true, scalarstore, false)              \
+  NVFP4_DIT_CORRECTION_ENTRY(NAME, DT, DP, scalar, false, vecstore, true)              \
+  NVFP4_DIT_CORRECTION_ENTRY(NAME, DT, DP, scalar, false, scalarstore, false)
+NVFP4_DIT_CORRECTION_ENTRIES(bf16, kBFloat16, 64)
+NVFP4_DIT_CORRECTION_ENTRIES(bf16, kBFloat16, 128)
+NVFP4_DIT_CORRECTION_ENTRIES(fp16, kFloat16, 64)
+NVFP4_DIT_CORRECTION_ENTRIES(fp16, kFloat16, 128)
+NVFP4_DIT_CORRECTION_ENTRIES(fp32, kFloat32, 64)
+NVFP4_DIT_CORRECTION_ENTRIES(fp32, kFloat32, 128)

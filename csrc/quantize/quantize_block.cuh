@@ -3,13 +3,12 @@
 // memory). Torch-free; device code only, in an unnamed namespace so each TU has its own copy.
 #pragma once
 
-#include <cfloat>
-#include <cstdint>
+#include "common/portable.h"
 
 #include <cuda_fp16.h>
 
 #include "common/format.cuh"
-#include "quantize/quantize.cuh"
+#include "quantize/params.h"
 #include "quantize/quantize_math.cuh"
 
 namespace nvfp4_dit {
@@ -104,7 +103,7 @@ __device__ __noinline__ Block16Bytes quantize_block16_ieee(float4 v0, float4 v1,
 
 // The caller has synchronised the CTA since fill_scale_tables. Returns whether the block holds a
 // NaN or an inf (then amax does: max.NaN keeps NaN): the scale saturates and hides them, so the
-// caller raises a flag instead (quantize.cuh, nonfinite_*), at no cost on the finite path.
+// caller raises a flag instead (params.h, nonfinite_*), at no cost on the finite path.
 __device__ __forceinline__ bool quantize_block16(const float (&v)[16], const ScaleTables& tables, uint32_t& lo,
                                                  uint32_t& hi, uint32_t& sf_bits) {
   const float amax = abs_max16(v);
@@ -368,14 +367,6 @@ __device__ __forceinline__ void finish_head_statistics(const QuantizeQkvParams& 
     p.k_scale[bh] = tensor_scale(k_dev_max);
     p.v_scale[bh] = tensor_scale(top_v);
   }
-}
-
-// Host side: whether input t can be read as 16-byte vectors: D == Dp, unit stride along D and
-// 16-byte aligned rows.
-inline bool vector_loads_ok(const StridedInput& t, int64_t elem_bytes, int64_t head_dim, int64_t dp) {
-  const int64_t per16 = 16 / elem_bytes;
-  return head_dim == dp && t.stride_d == 1 && (reinterpret_cast<uintptr_t>(t.ptr) & 15u) == 0 &&
-         t.stride_b % per16 == 0 && t.stride_h % per16 == 0 && t.stride_s % per16 == 0;
 }
 
 }  // namespace

@@ -8,13 +8,13 @@
 // Torch-free and self-contained apart from common/format.cuh.
 #pragma once
 
-#include <cstdint>
+#include "common/portable.h"
 
 #include <cuda_fp16.h>
 
 #include "common/exact_division.cuh"
 #include "common/format.cuh"
-#include "quantize/quantize.cuh"
+#include "quantize/params.h"
 
 namespace nvfp4_dit {
 

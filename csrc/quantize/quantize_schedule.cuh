@@ -13,9 +13,9 @@
 // schedule_shape().
 #pragma once
 
-#include <cstdint>
+#include "common/portable.h"
 
-#include "quantize/quantize.cuh"
+#include "quantize/params.h"
 
 namespace nvfp4_dit {
 
@@ -23,12 +23,6 @@ enum ItemKind : int32_t { kEnd = 0, kKStatTile = 1, kVTile = 2, kKTile = 3, kQTi
 
 __host__ __device__ __forceinline__ bool is_stat_tile(int32_t kind) { return kind == kKStatTile || kind == kVStatTile; }
 
-// The ticket order's shape (see the schedule below), chosen on the host: kv heads per unit and
-// units of statistics lookahead.
-struct ScheduleShape {
-  int64_t unit_heads;  // divides B * Hkv
-  int64_t lookahead;
-};
 
 // Tickets of one kv head g in the schedule below: its V^T tiles, K and V statistics tiles and K
 // tiles, and the Q tiles of its query heads.
@@ -37,7 +31,7 @@ __host__ __device__ inline int64_t tickets_per_kv_head(const QuantizeQkvParams& 
 }
 
 // Host side: whether every ticket of these sizes fits the streaming schedule's 32-bit counts.
-inline bool schedule_fits_32_bits(const QuantizeQkvParams& p) {
+NVFP4_DIT_HOST_DEVICE inline bool schedule_fits_32_bits(const QuantizeQkvParams& p) {
   return p.batch * p.heads_q <= 0x7FFFFFFFLL && tickets_per_kv_head(p) <= 0x7FFFFFFFLL / (p.batch * p.heads_kv);
 }
 
@@ -47,7 +41,7 @@ inline bool schedule_fits_32_bits(const QuantizeQkvParams& p) {
 // fetch. A unit is the fewest heads that divides B * Hkv and reaches the depth (all heads where none
 // does). The statistics run ahead of the tiles that need them by about three depths: a tile's
 // producer then finds them ready instead of waiting for statistics tiles still queued behind it.
-inline ScheduleShape schedule_shape(const QuantizeQkvParams& p, int64_t depth) {
+NVFP4_DIT_HOST_DEVICE inline ScheduleShape schedule_shape(const QuantizeQkvParams& p, int64_t depth) {
   const int64_t heads = p.batch * p.heads_kv, n_kv = p.seq_k_padded / kTileRows;
   int64_t unit_heads = heads;
   for (int64_t g = 1; g < heads; ++g)

@@ -1,6 +1,6 @@
 // Streaming NVFP4 preprocessing of contiguous 16-bit rows (bf16/fp16, D == Dp, unit stride along
 // D, 16-byte aligned rows), sm_90 and newer. Same contract and same bytes as quantize_tiles.cu
-// (quantize.cuh; per-block code shared through quantize_block.cuh). The default where it applies
+// (params.h; per-block code shared through quantize_block.cuh). The default where it applies
 // (QuantizeKernel::kAuto); docs/quantize.md has the numbers.
 //
 // Why a second kernel: quantize_tiles.cu gives each CTA one tile, loaded into registers and then
@@ -25,14 +25,13 @@
 //
 // Stages hold TMA boxes with the 128-byte swizzle, under which the thread layouts below read
 // shared memory without bank conflicts (16-byte row reads, 4-byte V column reads and ldmatrix).
-#include <cfloat>
-#include <type_traits>
+#include "common/portable.h"
 
-#include <cuda.h>  // CUtensorMap and its enums (types only: the encoder comes from the runtime)
 #include <cuda_fp16.h>
 
 #include "common/format.cuh"
-#include "quantize/quantize.cuh"
+#include "common/launch.h"
+#include "quantize/params.h"
 #include "quantize/quantize_block.cuh"
 #include "quantize/quantize_math.cuh"
 #include "quantize/quantize_schedule.cuh"
@@ -97,14 +96,9 @@ struct SharedLayout {
   static constexpr int kFixedBytes = int(sizeof(StreamShared<DP>)) + 1023;
 };
 
-// The TMA descriptors of Q, K and V: logical [B, H, S, D] through the inputs' strides, boxes of 64
-// columns x 128 rows, rows past S read as zeros.
-struct StreamMaps {
-  CUtensorMap q, k, v;
-};
 
-// The device code needs sm_90 (mbarrier transaction counts, TMA); an sm_80 build keeps only an
-// empty kernel, which the launcher never starts (cudaFuncAttributes::binaryVersion).
+// The device code needs sm_90 (mbarrier transaction counts, TMA); an sm_80 build keeps only empty
+// entry points, which the launcher never starts.
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
 
 constexpr int kConsumerBarrier = 1;  // named barrier of the consumer warps (0 is __syncthreads)
@@ -190,7 +184,7 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
                "l"(reinterpret_cast<uint64_t>(map)), "r"(d0), "r"(row0), "r"(h), "r"(b), "r"(smem_addr(bar)) \
                : "memory")
 
-__device__ __forceinline__ void load_box(uint32_t dst, const CUtensorMap* map, int d0, int row0, int h, int b,
+__device__ __forceinline__ void load_box(uint32_t dst, const TensorMap* map, int d0, int row0, int h, int b,
                                          uint64_t* bar, bool keep_in_l2) {
   if (keep_in_l2) NVFP4_DIT_LOAD_BOX("evict_last");
   else NVFP4_DIT_LOAD_BOX("evict_first");
@@ -303,7 +297,7 @@ struct StageRing {
 // Where an item's rows come from: its tensor map, batch and head, and the rows of data (the rest
 // of the tile is padding: past S, or keys past kv_lens[b]).
 struct ItemSource {
-  const CUtensorMap* map;
+  const TensorMap* map;
   uint32_t b, h;
   int64_t rows;
 };
@@ -672,7 +666,7 @@ template <int DP>
 __device__ __forceinline__ void reduce_stat_rows(const float* rows, int64_t n, float (&sum)[DP / 32],
                                                  float (&lo)[DP / 32], float (&hi)[DP / 32]) {
   constexpr int kCols = DP / 32;
-  using Vec = typename std::conditional<kCols == 4, float4, float2>::type;
+  using Vec = typename Select<kCols == 4, float4, float2>::type;
   const int lane = threadIdx.x & 31;
   for (int64_t r0 = 0; r0 < n; r0 += kChunkTiles) {
 #pragma unroll
@@ -794,8 +788,8 @@ __device__ void consume(const QuantizeQkvParams& p, StreamShared<DP>& sh, uint32
 #endif  // sm_90+
 
 template <InputDtype DT, int DP>
-__global__ void __launch_bounds__(kStreamThreads, 2) quantize_qkv_stream_kernel(
-    const QuantizeQkvParams p, const __grid_constant__ StreamMaps maps, int num_stages, const ScheduleShape shape) {
+__device__ __forceinline__ void quantize_qkv_stream(const QuantizeQkvParams& p, const StreamMaps& maps, int num_stages,
+                                                    const ScheduleShape& shape) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   extern __shared__ __align__(128) unsigned char smem[];
   auto& sh = *reinterpret_cast<StreamShared<DP>*>(smem);
@@ -821,101 +815,26 @@ __global__ void __launch_bounds__(kStreamThreads, 2) quantize_qkv_stream_kernel(
 #endif
 }
 
-// cuTensorMapEncodeTiled from the driver, through the runtime (no link against libcuda).
-using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
-                                 const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
-                                 CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-
-EncodeTiled encode_tiled() {
-  static const EncodeTiled fn = [] {
-    void* f = nullptr;
-    cudaDriverEntryPointQueryResult status;
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &status) !=
-            cudaSuccess ||
-        status != cudaDriverEntryPointSuccess)
-      return EncodeTiled(nullptr);
-    return reinterpret_cast<EncodeTiled>(f);
-  }();
-  return fn;
-}
-
-// TMA descriptor of one logical [B, H, S, D] input (D == DP, unit stride along D). A dimension of
-// extent 1 gets a nominal stride: only coordinate 0 is ever read there.
-template <int DP>
-bool encode_input_map(CUtensorMap* map, const StridedInput& t, InputDtype dtype, int64_t batch, int64_t heads,
-                      int64_t seq) {
-  const EncodeTiled encode = encode_tiled();
-  if (encode == nullptr || seq <= 0 || seq > 0x7FFFFFFFLL) return false;
-  const cuuint64_t row_bytes = cuuint64_t(t.stride_s) * 2;
-  const cuuint64_t dims[4] = {cuuint64_t(DP), cuuint64_t(seq), cuuint64_t(heads), cuuint64_t(batch)};
-  const cuuint64_t strides[3] = {seq == 1 ? cuuint64_t(DP) * 2 : row_bytes,
-                                 heads == 1 ? 16 : cuuint64_t(t.stride_h) * 2,
-                                 batch == 1 ? 16 : cuuint64_t(t.stride_b) * 2};
-  if (t.stride_s < 0 || t.stride_h < 0 || t.stride_b < 0) return false;
-  const cuuint32_t box[4] = {StageGeometry<DP>::kBoxCols, kTileRows, 1, 1};
-  const cuuint32_t element_strides[4] = {1, 1, 1, 1};
-  const CUtensorMapDataType type =
-      dtype == InputDtype::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
-  return encode(map, type, 4, const_cast<void*>(t.ptr), dims, strides, box, element_strides,
-                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
-}
-
-template <InputDtype DT, int DP>
-cudaError_t launch_stream_typed(const QuantizeQkvParams& p, cudaStream_t stream) {
-  auto kernel = quantize_qkv_stream_kernel<DT, DP>;
-  cudaFuncAttributes attr;
-  cudaError_t err = cudaFuncGetAttributes(&attr, kernel);
-  if (err != cudaSuccess) return err;
-  if (attr.binaryVersion < 90) return cudaErrorNotSupported;  // built for sm_80: no TMA
-  if (!schedule_fits_32_bits(p)) return cudaErrorNotSupported;
-  int device = 0, sms = 0, smem_sm = 0, smem_block = 0, reserved = 0;
-  if ((err = cudaGetDevice(&device)) != cudaSuccess ||
-      (err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device)) != cudaSuccess ||
-      (err = cudaDeviceGetAttribute(&smem_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device)) != cudaSuccess ||
-      (err = cudaDeviceGetAttribute(&smem_block, cudaDevAttrMaxSharedMemoryPerBlockOptin, device)) != cudaSuccess ||
-      (err = cudaDeviceGetAttribute(&reserved, cudaDevAttrReservedSharedMemoryPerBlock, device)) != cudaSuccess)
-    return err;
-  // Two CTAs per SM where three stages each fit (the H200), else one, which QuantizeKernel::kAuto
-  // leaves to the tile kernel (measured only on the H200).
-  constexpr int kStage = StageGeometry<DP>::kBytes;
-  constexpr int kFixed = SharedLayout<DP>::kFixedBytes;
-  int stages = (smem_sm / 2 - reserved - kFixed) / kStage;
-  if (stages < 3) {
-    if (p.kernel == QuantizeKernel::kAuto) return cudaErrorNotSupported;
-    stages = (smem_block - kFixed) / kStage;
-  }
-  if (stages > kMaxStages) stages = kMaxStages;
-  if (stages < 2) return cudaErrorNotSupported;
-  const int smem = kFixed + stages * kStage;
-  if ((err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem)) != cudaSuccess)
-    return err;
-  int per_sm = 0;
-  if ((err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kStreamThreads, smem)) != cudaSuccess)
-    return err;
-  if (per_sm < 1) return cudaErrorNotSupported;
-  // The descriptors last: where the kernel does not apply (kAuto then runs the tile kernel), no
-  // driver call is spent on them.
-  StreamMaps maps;
-  if (!encode_input_map<DP>(&maps.q, p.q, p.dtype, p.batch, p.heads_q, p.seq_q) ||
-      !encode_input_map<DP>(&maps.k, p.k, p.dtype, p.batch, p.heads_kv, p.seq_k) ||
-      !encode_input_map<DP>(&maps.v, p.v, p.dtype, p.batch, p.heads_kv, p.seq_k))
-    return cudaErrorNotSupported;
-  const int64_t grid = int64_t(sms) * per_sm;
-  kernel<<<unsigned(grid), kStreamThreads, smem, stream>>>(p, maps, stages, schedule_shape(p, grid * stages));
-  return cudaGetLastError();
-}
-
 }  // namespace
 
-cudaError_t launch_quantize_qkv_stream(const QuantizeQkvParams& p, cudaStream_t stream) {
-  if (p.qk_mxfp8 || p.dtype == InputDtype::kFloat32 || !vector_loads_ok(p.q, 2, p.head_dim, p.head_dim_padded) ||
-      !vector_loads_ok(p.k, 2, p.head_dim, p.head_dim_padded) || !vector_loads_ok(p.v, 2, p.head_dim, p.head_dim_padded))
-    return cudaErrorNotSupported;
-  const bool bf16 = p.dtype == InputDtype::kBFloat16;
-  return NVFP4_DIT_HEAD_DIM_SWITCH(p.head_dim_padded, DP,
-                                   bf16 ? launch_stream_typed<InputDtype::kBFloat16, DP>(p, stream)
-                                        : launch_stream_typed<InputDtype::kFloat16, DP>(p, stream));
-}
+static_assert(launch::kStreamThreads == kStreamThreads && launch::kStreamMaxStages == kMaxStages &&
+                  launch::kStreamStageBytes[0] == StageGeometry<64>::kBytes &&
+                  launch::kStreamStageBytes[1] == StageGeometry<128>::kBytes &&
+                  launch::kStreamFixedSmemBytes[0] == SharedLayout<64>::kFixedBytes &&
+                  launch::kStreamFixedSmemBytes[1] == SharedLayout<128>::kFixedBytes,
+              "common/launch.h states the streaming kernel's launch geometry");
 
 }  // namespace nvfp4_dit
+
+// Entry points (common/launch.h).
+#define NVFP4_DIT_STREAM_ENTRY(NAME, DT, DP)                                                             \
+  extern "C" __global__ void __launch_bounds__(nvfp4_dit::kStreamThreads, 2)                              \
+      nvfp4_dit_quantize_stream_##NAME##_d##DP(const __grid_constant__ nvfp4_dit::QuantizeQkvParams p,                      \
+                                               const __grid_constant__ nvfp4_dit::StreamMaps maps,        \
+                                               int num_stages, const nvfp4_dit::ScheduleShape shape) {    \
+    nvfp4_dit::quantize_qkv_stream<nvfp4_dit::InputDtype::DT, DP>(p, maps, num_stages, shape);            \
+  }
+NVFP4_DIT_STREAM_ENTRY(bf16, kBFloat16, 64)
+NVFP4_DIT_STREAM_ENTRY(bf16, kBFloat16, 128)
+NVFP4_DIT_STREAM_ENTRY(fp16, kFloat16, 64)
+NVFP4_DIT_STREAM_ENTRY(fp16, kFloat16, 128)

@@ -1,4 +1,4 @@
-// The tile kernel of the NVFP4 preprocessing of Q, K and V (contract: quantize.cuh). It takes any
+// The tile kernel of the NVFP4 preprocessing of Q, K and V (contract: params.h). It takes any
 // input (fp32, strided, D < Dp, any GPU); quantize_stream.cu is the faster kernel for contiguous
 // 16-bit rows on sm_90+.
 //
@@ -24,30 +24,28 @@
 //
 // Every offset is int64. No fast-math: the scale and data divisions are correctly rounded
 // (quantize_math.cuh, checked exhaustively on the host), so the bytes equal format.py's.
-#include <cfloat>
-#include <type_traits>
+#include "common/portable.h"
 
 #include <cuda_fp16.h>
 
 #include "common/format.cuh"
-#include "quantize/quantize.cuh"
+#include "common/launch.h"
+#include "quantize/params.h"
 #include "quantize/quantize_block.cuh"
 #include "quantize/quantize_math.cuh"
 
 namespace nvfp4_dit {
 namespace {
 
-constexpr int kThreads = 256;
+constexpr int kThreads = launch::kQuantizeThreads;
 // CTAs per SM for __launch_bounds__: 4 caps registers at 64 (a few bytes spill on bf16/fp16 with
 // D = 128), and the extra warps hide more memory latency than the spill costs (faster than 3 or 2
 // on the H200).
-constexpr int kMinCtasPerSm = 4;
+constexpr int kMinCtasPerSm = launch::kTilesMinCtasPerSm;
 // The statistics chunks keep a sum, a minimum and a maximum of 16 columns per thread (48
 // registers) next to their loads in flight: two CTAs per SM (128 registers) hold them unspilled.
 constexpr int kKeyStatsMinCtasPerSm = 2;
 constexpr int kWarps = kThreads / 32;
-// How far ahead (in waves of resident CTAs) a CTA prefetches a tile into L2.
-constexpr int kPrefetchWaves = 1;
 constexpr int kVTileBytes = 32 * 1024;  // shared memory of one V sub-tile
 
 ////////////////////////////////////////////////////////////////////////////////////////////////
@@ -664,17 +662,16 @@ __device__ __forceinline__ void v_tile(const QuantizeQkvParams& p, SharedStorage
 
 // Launch 1: the K and V statistics items (key_stats_item; each prefetches its own chunk).
 template <InputDtype DT, int DP, bool VEC>
-__global__ void __launch_bounds__(kThreads, kKeyStatsMinCtasPerSm) key_stats_kernel(const QuantizeQkvParams p) {
+__device__ __forceinline__ void key_stats_kernel(const QuantizeQkvParams& p) {
   __shared__ __align__(16) SharedStorage<DP> sm;
   key_stats_item<DT, DP, VEC>(p, sm, blockIdx.x);
 }
 
 // Launch 2: blocks [0, kv_tiles) quantize K tiles, then the Q tiles, then the V^T tiles. Each
 // CTA first prefetches (L2) the input tile of the block `prefetch_distance` ahead, about one wave
-// of resident CTAs: that CTA starts about when this one ends.
+// of resident CTAs (launch::kPrefetchWaves): that CTA starts about when this one ends.
 template <InputDtype DT, int DP, bool VEC, bool kMx>
-__global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
-    tiles_kernel(const QuantizeQkvParams p, int64_t prefetch_distance) {
+__device__ __forceinline__ void tiles_kernel(const QuantizeQkvParams& p, int64_t prefetch_distance) {
   using Raw = typename InputTraits<DT>::Raw;
   __shared__ __align__(16) SharedStorage<DP> sm;
   const int64_t n_kblocks = p.seq_k_padded / kTileRows, n_qblocks = p.seq_q_padded / kTileRows;
@@ -702,7 +699,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
 // The balance statistics: one CTA per Q tile, max |q - qm| per column into the kv head's
 // q_channel_amax (fp32 bits of non-negative values, or NaN: they order like unsigned integers).
 template <InputDtype DT, int DP, bool VEC>
-__global__ void __launch_bounds__(kThreads, kMinCtasPerSm) balance_statistics_kernel(const QuantizeQkvParams p) {
+__device__ __forceinline__ void balance_statistics_kernel(const QuantizeQkvParams& p) {
   __shared__ __align__(16) SharedStorage<DP> sm;
   const int64_t tile = blockIdx.x;
   using Map = RowTileMap<DP>;
@@ -721,85 +718,35 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) balance_statistics_ke
   }
 }
 
-template <InputDtype DT, int DP, bool VEC>
-cudaError_t launch_typed(const QuantizeQkvParams& p, cudaStream_t stream) {
-  const int64_t kv_tiles = p.batch * p.heads_kv * (p.seq_k_padded / kTileRows);
-  const int64_t q_tiles = p.batch * p.heads_q * (p.seq_q_padded / kTileRows);
-  const int64_t first = p.batch * p.heads_kv * kStatTensors * quantize_qkv_k_chunks(p.seq_k);
-  const int64_t second = 2 * kv_tiles + q_tiles;
-  if (first > 0x7FFFFFFFLL || second > 0x7FFFFFFFLL) return cudaErrorInvalidConfiguration;
-  int device = 0, sms = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  if (err != cudaSuccess) return err;
-  const int64_t prefetch_distance = int64_t(kPrefetchWaves) * sms * kMinCtasPerSm;
-  key_stats_kernel<DT, DP, VEC><<<unsigned(first), kThreads, 0, stream>>>(p);
-  if ((err = cudaGetLastError()) != cudaSuccess) return err;
-  if (p.qk_mxfp8) {
-    tiles_kernel<DT, DP, VEC, true><<<unsigned(second), kThreads, 0, stream>>>(p, prefetch_distance);
-  } else {
-    tiles_kernel<DT, DP, VEC, false><<<unsigned(second), kThreads, 0, stream>>>(p, prefetch_distance);
-  }
-  return cudaGetLastError();
-}
-
-template <InputDtype DT>
-bool vector_loads(const QuantizeQkvParams& p) {
-  const int64_t eb = sizeof(typename InputTraits<DT>::Raw);
-  return vector_loads_ok(p.q, eb, p.head_dim, p.head_dim_padded) &&
-         vector_loads_ok(p.k, eb, p.head_dim, p.head_dim_padded) &&
-         vector_loads_ok(p.v, eb, p.head_dim, p.head_dim_padded);
-}
-
-template <InputDtype DT>
-cudaError_t launch_dtype(const QuantizeQkvParams& p, cudaStream_t stream) {
-  const bool vec = vector_loads<DT>(p);
-  return NVFP4_DIT_HEAD_DIM_SWITCH(
-      p.head_dim_padded, DP, vec ? launch_typed<DT, DP, true>(p, stream) : launch_typed<DT, DP, false>(p, stream));
-}
-
-template <InputDtype DT>
-cudaError_t launch_balance_dtype(const QuantizeQkvParams& p, cudaStream_t stream) {
-  const int64_t q_tiles = p.batch * p.heads_q * (p.seq_q_padded / kTileRows);
-  if (q_tiles > 0x7FFFFFFFLL) return cudaErrorInvalidConfiguration;
-  const bool vec = vector_loads<DT>(p);
-  return NVFP4_DIT_HEAD_DIM_SWITCH(p.head_dim_padded, DP, [&] {
-    if (vec) balance_statistics_kernel<DT, DP, true><<<unsigned(q_tiles), kThreads, 0, stream>>>(p);
-    else balance_statistics_kernel<DT, DP, false><<<unsigned(q_tiles), kThreads, 0, stream>>>(p);
-    return cudaGetLastError();
-  }());
-}
-
-template <typename Launch>
-cudaError_t by_dtype(const QuantizeQkvParams& p, Launch launch) {
-  switch (p.dtype) {
-    case InputDtype::kBFloat16: return launch(std::integral_constant<InputDtype, InputDtype::kBFloat16>());
-    case InputDtype::kFloat16: return launch(std::integral_constant<InputDtype, InputDtype::kFloat16>());
-    case InputDtype::kFloat32: return launch(std::integral_constant<InputDtype, InputDtype::kFloat32>());
-  }
-  return cudaErrorInvalidValue;
-}
-
-bool params_ok(const QuantizeQkvParams& p) {
-  return !(p.batch <= 0 || p.heads_q <= 0 || p.heads_kv <= 0 || p.heads_q % p.heads_kv != 0 ||
-           p.seq_q_padded % kTileRows != 0 || p.seq_k_padded % kTileRows != 0 || p.seq_q_padded < p.seq_q ||
-           p.seq_k_padded < p.seq_k || p.seq_q_padded <= 0 || p.seq_k_padded <= 0 ||
-           padded_head_dim(p.head_dim) != p.head_dim_padded || (p.balance_qk && p.q_channel_amax == nullptr));
-}
-
 }  // namespace
-
-cudaError_t launch_quantize_qkv(const QuantizeQkvParams& p, cudaStream_t stream) {
-  if (!params_ok(p)) return cudaErrorInvalidValue;
-  if (p.balance_qk) {  // the balance needs every row of Q before any K or Q tile
-    const cudaError_t err = by_dtype(p, [&](auto dt) { return launch_balance_dtype<decltype(dt)::value>(p, stream); });
-    if (err != cudaSuccess) return err;
-  }
-  if (p.kernel != QuantizeKernel::kTiles) {
-    const cudaError_t err = launch_quantize_qkv_stream(p, stream);
-    if (err != cudaErrorNotSupported || p.kernel == QuantizeKernel::kStream) return err;
-  }
-  return by_dtype(p, [&](auto dt) { return launch_dtype<decltype(dt)::value>(p, stream); });
-}
-
 }  // namespace nvfp4_dit
+
+// Entry points (common/launch.h): every input dtype, padded head dim and load width.
+#define NVFP4_DIT_TILES_ENTRIES(NAME, DT, DP, LOAD, VEC)                                                        \
+  extern "C" __global__ void __launch_bounds__(nvfp4_dit::kThreads, nvfp4_dit::kMinCtasPerSm)                   \
+      nvfp4_dit_balance_statistics_##NAME##_d##DP##_##LOAD(const __grid_constant__ nvfp4_dit::QuantizeQkvParams p) {               \
+    nvfp4_dit::balance_statistics_kernel<nvfp4_dit::InputDtype::DT, DP, VEC>(p);                                \
+  }                                                                                                              \
+  extern "C" __global__ void __launch_bounds__(nvfp4_dit::kThreads, nvfp4_dit::kKeyStatsMinCtasPerSm)           \
+      nvfp4_dit_key_stats_##NAME##_d##DP##_##LOAD(const __grid_constant__ nvfp4_dit::QuantizeQkvParams p) {                        \
+    nvfp4_dit::key_stats_kernel<nvfp4_dit::InputDtype::DT, DP, VEC>(p);                                         \
+  }                                                                                                              \
+  extern "C" __global__ void __launch_bounds__(nvfp4_dit::kThreads, nvfp4_dit::kMinCtasPerSm)                   \
+      nvfp4_dit_quantize_tiles_##NAME##_d##DP##_##LOAD##_nvfp4(const __grid_constant__ nvfp4_dit::QuantizeQkvParams p,            \
+                                                               int64_t prefetch_distance) {                      \
+    nvfp4_dit::tiles_kernel<nvfp4_dit::InputDtype::DT, DP, VEC, false>(p, prefetch_distance);                   \
+  }                                                                                                              \
+  extern "C" __global__ void __launch_bounds__(nvfp4_dit::kThreads, nvfp4_dit::kMinCtasPerSm)                   \
+      nvfp4_dit_quantize_tiles_##NAME##_d##DP##_##LOAD##_mxfp8(const __grid_constant__ nvfp4_dit::QuantizeQkvParams p,            \
+                                                               int64_t prefetch_distance) {                      \
+    nvfp4_dit::tiles_kernel<nvfp4_dit::InputDtype::DT, DP, VEC, true>(p, prefetch_distance);                    \
+  }
+#define NVFP4_DIT_TILES_LOADS(NAME, DT, DP)          \
+  NVFP4_DIT_TILES_ENTRIES(NAME, DT, DP, vec, true) \
+  NVFP4_DIT_TILES_ENTRIES(NAME, DT, DP, scalar, false)
+NVFP4_DIT_TILES_LOADS(bf16, kBFloat16, 64)
+NVFP4_DIT_TILES_LOADS(bf16, kBFloat16, 128)
+NVFP4_DIT_TILES_LOADS(fp16, kFloat16, 64)
+NVFP4_DIT_TILES_LOADS(fp16, kFloat16, 128)
+NVFP4_DIT_TILES_LOADS(fp32, kFloat32, 64)
+NVFP4_DIT_TILES_LOADS(fp32, kFloat32, 128)

@@ -75,9 +75,10 @@ def _tensors_in_module_state() -> list[str]:
 _ALLOWED_CONSTANTS = {"nvfp4_dit.format._E2M1_TABLE"}
 
 # Per-process records that a first call may add: the self-test verdict (the FP4 path's one piece
-# of state), the loaded kernel build, and the once-per-reason warning bookkeeping.
-_FIRST_CALL_STATE = {"nvfp4_dit.selftest._verdicts", "nvfp4_dit.build._built", "nvfp4_dit.build._load_failures",
-                     "nvfp4_dit.build._nvcc_version_memo", "nvfp4_dit.fallback._reported"}
+# of state), the loaded kernels (and the device attributes their launches read), and the
+# once-per-reason warning bookkeeping.
+_FIRST_CALL_STATE = {"nvfp4_dit.selftest._verdicts", "nvfp4_dit.build._libraries", "nvfp4_dit.build._load_failures",
+                     "nvfp4_dit.driver._device_attributes", "nvfp4_dit.fallback._reported"}
 
 
 def _module_state() -> dict[str, str]:

@@ -1,17 +1,15 @@
-// Fused NVFP4 preprocessing of Q, K, V for the attention kernel, and the per-Q-block
-// correction term qm . (k - km)^T computed in chunks.
+// Launch parameters of the NVFP4 preprocessing of Q, K, V for the attention kernel (the tile and
+// streaming kernels) and of the per-Q-block correction term qm . (k - km)^T computed in chunks.
 //
-// Torch-free: plain pointers, int64 element strides, a cudaStream_t. The kernels live in
-// quantize_tiles.cu and correction.cu; this header only declares the host entry points, so
-// the torch binding (csrc/quantize_binding.cpp, a host C++ TU) can include it.
+// Plain data: no torch, no CUDA types. The host launcher (nvfp4_dit/kernels.py) fills a mirror of
+// these structs (nvfp4_dit/kernel_abi.py; tests/test_kernel_abi.py compiles this header with the
+// host compiler and checks every field's offset); the kernels take them by value.
 //
 // The byte format is the one of nvfp4_dit/format.py (the contract: CONTRIBUTING.md): blocks of 16,
 // sf = e4m3_satfinite(amax16 / 6), data = e2m1(x / float(sf)), zero padding to 128 rows.
 #pragma once
 
-#include <cstdint>
-
-#include <cuda_runtime.h>
+#include "common/portable.h"
 
 #include "common/config.h"
 
@@ -29,12 +27,6 @@ struct StridedInput {
   int64_t stride_s;
   int64_t stride_d;
 };
-
-// Which kernel launch_quantize_qkv runs: the tile kernel (quantize_tiles.cu, any input), the streaming
-// kernel (quantize_stream.cu: it fails with cudaErrorNotSupported where it does not apply), or
-// (kAuto, the default) the streaming kernel where it applies in the configuration measured faster
-// on the H200 (two CTAs of three or more stages per SM), else the tile kernel (docs/quantize.md).
-enum class QuantizeKernel : int32_t { kTiles = 0, kStream = 1, kAuto = 2 };
 
 struct QuantizeQkvParams {
   StridedInput q, k, v;
@@ -70,7 +62,7 @@ struct QuantizeQkvParams {
 
   // Channel balance (format.channel_balance): on, Q is multiplied by s and K divided by it.
   // q_channel_amax holds max |q - qm| per (b, kv head, channel) over the group's rows as fp32
-  // bits (zero on entry), written by launch_quantize_qkv's first launch.
+  // bits (zero on entry), written by the balance statistics kernel, which runs first.
   bool balance_qk;
   const uint32_t* q_channel_amax;  // [B, Hkv, Dp], or nullptr when balance_qk is off
 
@@ -85,12 +77,28 @@ struct QuantizeQkvParams {
                             // tile statistics [B * Hkv, kStatTensors, k_tiles, kStatVectors, Dp]; no initial value
   uint32_t* work_counters;  // [quantize_qkv_workspace_counters], zero on entry
 
-  QuantizeKernel kernel;
-
   // Q and K as NVFP4 (above) or MXFP8: e4m3 data q_data [B, H, Sqp, Dp], k_data [B, Hkv, Skp, Dp]
   // and one ue8m0 byte per 32 elements, q_sf [B, H, Sqp, Dp/32], k_sf [B, Hkv, Skp, Dp/32]. The
-  // streaming kernel writes NVFP4 only (it returns cudaErrorNotSupported for MXFP8).
+  // streaming kernel writes NVFP4 only.
   bool qk_mxfp8;
+};
+
+// The streaming kernel's other parameters (quantize_stream.cu). The TMA descriptors of Q, K and V:
+// logical [B, H, S, D] through the inputs' strides, boxes of 64 columns x 128 rows, the 128-byte
+// swizzle, rows past S read as zeros; each is the driver's CUtensorMap (128 opaque bytes, 64-byte
+// aligned), encoded by the host launcher.
+struct alignas(64) TensorMap {
+  uint64_t opaque[16];
+};
+struct StreamMaps {
+  TensorMap q, k, v;
+};
+
+// The ticket order's shape (quantize_schedule.cuh), chosen on the host: kv heads per unit and
+// units of statistics lookahead.
+struct ScheduleShape {
+  int64_t unit_heads;  // divides B * Hkv
+  int64_t lookahead;
 };
 
 constexpr int kTileRows = 128;  // rows of a Q/K tile and tokens of a V^T tile, in every kernel
@@ -105,38 +113,26 @@ constexpr int64_t kKeyMeanChunk = 1024;
 constexpr int kStatTensors = 2;  // 0: K, 1: V
 constexpr int kStatVectors = 3;  // 0: sum, 1: min, 2: max
 
-__host__ __device__ inline int64_t quantize_qkv_k_chunks(int64_t seq_k) {
+NVFP4_DIT_HOST_DEVICE inline int64_t quantize_qkv_k_chunks(int64_t seq_k) {
   return seq_k <= 0 ? 1 : (seq_k + kKeyMeanChunk - 1) / kKeyMeanChunk;
 }
 
-__host__ __device__ inline int64_t quantize_qkv_k_tiles(int64_t seq_k) { return seq_k <= 0 ? 1 : (seq_k + 127) / 128; }
+NVFP4_DIT_HOST_DEVICE inline int64_t quantize_qkv_k_tiles(int64_t seq_k) { return seq_k <= 0 ? 1 : (seq_k + 127) / 128; }
 
 // Floats of k_partial_sums needed for these sizes: per (b, kv-head) and tensor the statistics of
 // each chunk, and for the streaming kernel then those of each 128-key tile (its first level).
-__host__ __device__ inline int64_t quantize_qkv_workspace_floats(int64_t batch, int64_t heads_kv, int64_t seq_k,
+NVFP4_DIT_HOST_DEVICE inline int64_t quantize_qkv_workspace_floats(int64_t batch, int64_t heads_kv, int64_t seq_k,
                                                                  int64_t head_dim_padded, bool streaming) {
   const int64_t per_head = quantize_qkv_k_chunks(seq_k) + (streaming ? quantize_qkv_k_tiles(seq_k) : 0);
   return batch * heads_kv * kStatTensors * per_head * kStatVectors * head_dim_padded;
 }
 
-// 32-bit counters of work_counters (zero them before every launch_quantize_qkv): the streaming
+// 32-bit counters of work_counters (zeroed before every quantisation): the streaming
 // kernel's ticket dispenser, per (b, kv-head) the chunk arrivals and the statistics-ready flag, then
 // per (b, kv-head), tensor and chunk its tile arrivals (the tile kernel uses only the chunk arrivals).
-__host__ __device__ inline int64_t quantize_qkv_workspace_counters(int64_t batch, int64_t heads_kv, int64_t seq_k) {
+NVFP4_DIT_HOST_DEVICE inline int64_t quantize_qkv_workspace_counters(int64_t batch, int64_t heads_kv, int64_t seq_k) {
   return 1 + 2 * batch * heads_kv + batch * heads_kv * kStatTensors * quantize_qkv_k_chunks(seq_k);
 }
-
-// Kernel launches on `stream` that reduce the K and V statistics (means, tensor scales, the
-// balance) and quantize every Q, K and V^T tile (and write the Q block means and scales and q . km):
-// two for the tile kernel (the statistics, then the tiles), one for the streaming kernel; with
-// balance_qk, first one more that reads Q for the balance statistics (q_channel_amax). Returns
-// the launch error.
-cudaError_t launch_quantize_qkv(const QuantizeQkvParams& params, cudaStream_t stream);
-
-// The streaming kernel behind launch_quantize_qkv (quantize_stream.cu) for bf16/fp16 inputs whose
-// rows are contiguous and 16-byte aligned with D == Dp, NVFP4 Q/K, on sm_90 and newer (TMA). Returns
-// cudaErrorNotSupported, launching nothing, for any other input or device.
-cudaError_t launch_quantize_qkv_stream(const QuantizeQkvParams& params, cudaStream_t stream);
 
 struct CorrectionParams {
   const float* q_mean;  // [B, H, num_q_blocks, Dp], contiguous
@@ -164,9 +160,5 @@ struct CorrectionParams {
   int64_t block_end;
 };
 
-// delta[b, h, m - block_begin, j] = sum_d q_mean[b, h, m, d] * (k[b, kvh, j, d] - k_mean[b, kvh, d])
-// / (q_scale[b, h, m] * k_scale[b, kvh]) in fp32 (the division by a power of two is exact) for valid
-// keys j < min(kv_lens[b], Sk), and 0 for the padded ones. One launch.
-cudaError_t launch_correction(const CorrectionParams& params, cudaStream_t stream);
 
 }  // namespace nvfp4_dit

@@ -1,0 +1,54 @@
+// What the host launcher (nvfp4_dit/kernels.py) needs to start each kernel: the extern "C" entry
+// points' names, block sizes and dynamic shared memory. nvfp4_dit/kernel_abi.py mirrors these
+// constants and tests/test_kernel_abi.py checks the mirror against this header (compiled with the
+// host compiler); the kernel translation units static_assert that their traits agree with it.
+//
+// Entry points (extern "C", so that the launcher finds them by name in a cubin):
+//   attention/attention_fwd_{native,emulated}[_mxfp8]_d{64,128}.cu:
+//     nvfp4_dit_attention_fwd_{native,emulated}_{nvfp4,mxfp8}_d{64,128}[_lse](AttentionFwdParams)
+//   attention/mma_probe_{native,emulated}.cu:
+//     nvfp4_dit_mma_probe_fp4_{native,emulated}_{4 * thread-id-a + thread-id-b}(a, b, sfa, sfb, c, d)
+//     nvfp4_dit_mma_probe_mxf8_{native,emulated}_{16 * thread-id-a + 4 * thread-id-b + byte-id}(...)
+//   quantize/quantize_tiles.cu, for each input {bf16,fp16,fp32}, padded head dim d{64,128} and
+//   load width {vec,scalar} (16-byte vector loads need D == Dp, unit stride and 16-byte rows):
+//     nvfp4_dit_balance_statistics_<dtype>_d<DP>_<load>(QuantizeQkvParams)      launch 0 (balance_qk)
+//     nvfp4_dit_key_stats_<dtype>_d<DP>_<load>(QuantizeQkvParams)               launch 1
+//     nvfp4_dit_quantize_tiles_<dtype>_d<DP>_<load>_{nvfp4,mxfp8}(QuantizeQkvParams, int64 prefetch)  launch 2
+//   quantize/quantize_stream.cu (sm_90 and newer; bf16/fp16, vector loads, NVFP4 Q/K):
+//     nvfp4_dit_quantize_stream_{bf16,fp16}_d<DP>(QuantizeQkvParams, StreamMaps, int stages, ScheduleShape)
+//   quantize/correction.cu:
+//     nvfp4_dit_correction_<dtype>_d<DP>_<load>_{vecstore,scalarstore}(CorrectionParams)
+#pragma once
+
+namespace nvfp4_dit {
+namespace launch {
+
+// Attention: one persistent CTA of 8 warps per 128-row Q block at a time; dynamic shared memory
+// per [Q·Kᵀ format: nvfp4, mxfp8][padded head dim: 64, 128] (AttentionTraits::kSmemBytes).
+constexpr int kAttentionThreads = 256;
+constexpr int kAttentionSmemBytes[2][2] = {{38912, 75776}, {54272, 79872}};
+
+// The MMA probes: one warp.
+constexpr int kProbeThreads = 32;
+
+// The tile quantiser: one CTA per work item. Tiles prefetch the input of the item one wave of
+// resident CTAs ahead (kTilesMinCtasPerSm of them per SM, the kernel's __launch_bounds__).
+constexpr int kQuantizeThreads = 256;
+constexpr int kTilesMinCtasPerSm = 4;
+constexpr int kPrefetchWaves = 1;
+
+// The streaming quantiser: 8 consumer warps, a producer and a reducer warp; dynamic shared memory
+// of kStreamFixedSmemBytes (barriers, tables; [padded head dim 64, 128]) plus 2 to kStreamMaxStages
+// stages of kStreamStageBytes (one 128-row tile as 64-column TMA boxes).
+constexpr int kStreamThreads = 320;
+constexpr int kStreamMaxStages = 8;
+constexpr int kStreamStageBytes[2] = {16384, 32768};
+constexpr int kStreamFixedSmemBytes[2] = {9151, 15295};
+
+// The correction GEMM: CTA tiles of kCorrectionTileM Q blocks x kCorrectionTileN keys.
+constexpr int kCorrectionThreads = 128;
+constexpr int kCorrectionTileM = 64;
+constexpr int kCorrectionTileN = 128;
+
+}  // namespace launch
+}  // namespace nvfp4_dit

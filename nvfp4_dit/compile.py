@@ -1,0 +1,404 @@
+"""Compile the CUDA kernels (``csrc/``) into cubins: one per translation unit and architecture.
+
+Torch-free, and importable by file path, so that the wheel build (``setup.py``) runs it without
+the package's dependencies. Two compilers give the same cubins' entry points:
+
+* NVRTC, the run-time compiler NVIDIA ships as a pip package (``nvidia-cuda-nvrtc``), through
+  ``cuda.bindings.nvrtc``: no toolkit install, no host compiler. Preferred.
+* nvcc from a CUDA toolkit, where NVRTC is missing or cannot build a unit.
+
+ninja runs the units of a build in parallel (one edge per unit; an NVRTC edge runs this file as a
+script). Every build writes ``manifest.json`` beside its cubins: the source hash, the compiler,
+per architecture its MMA kind, the oldest driver that loads it and, per cubin, the kernel entry
+points read off its ELF symbols.
+
+Architectures (:data:`ARCHS`): compute capability 12.0 / 12.1 build ``sm_120a`` / ``sm_121a``, the
+native block-scaled FP4 MMA; 9.0 builds ``sm_90a`` and 8.x ``sm_80``, the emulated MMA (the same
+kernel with fp16 ``mma.sync``). ``csrc/common/config.h`` states the same table for C++.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+# Build target -> MMA kind. Native: the block-scaled FP4 mma.sync (arch-specific targets only).
+ARCHS = {"sm_120a": "native", "sm_121a": "native", "sm_90a": "emulated", "sm_80": "emulated"}
+NATIVE_ARCHS = tuple(a for a, kind in ARCHS.items() if kind == "native")
+EMULATED_ARCHS = tuple(a for a, kind in ARCHS.items() if kind == "emulated")
+# The first driver (CUDA version, 1000 * major + 10 * minor) that knows each target.
+FIRST_DRIVER = {"sm_120a": 12080, "sm_121a": 12090, "sm_90a": 12000, "sm_80": 11000}
+
+# Translation units, relative to csrc/: those every target builds, and the attention kernels of
+# each MMA kind (a native unit on an emulated target would only hold traps, and the reverse).
+COMMON_UNITS = (
+    "attention/mma_probe.cu",
+    "quantize/quantize_tiles.cu",
+    "quantize/quantize_stream.cu",
+    "quantize/correction.cu",
+)
+ATTENTION_UNITS = {
+    kind: tuple(f"attention/attention_fwd_{kind}{'_mxfp8' if fmt == 'mxfp8' else ''}_d{d}.cu"
+                for fmt in ("nvfp4", "mxfp8") for d in (64, 128))
+    for kind in ("native", "emulated")
+}
+ALL_UNITS = COMMON_UNITS + ATTENTION_UNITS["native"] + ATTENTION_UNITS["emulated"]
+
+# No fast-math anywhere: the quantize kernels' divisions must be IEEE for byte-exact output.
+NVCC_FLAGS = ("-cubin", "-O3", "-std=c++17")
+NVRTC_FLAGS = ("-std=c++17",)
+MANIFEST = "manifest.json"
+MANIFEST_FORMAT = 1
+ENTRY_PREFIX = "nvfp4_dit_"
+_HASHED_SUFFIXES = (".cu", ".cuh", ".h")
+
+
+class KernelBuildError(RuntimeError):
+    """The CUDA kernels cannot be built or loaded here (no compiler, unsupported device, old driver)."""
+
+
+def check_arch(arch: str) -> str:
+    if arch not in ARCHS:
+        raise ValueError(f"arch must be one of {tuple(ARCHS)}, got {arch!r}")
+    return arch
+
+
+def units(arch: str) -> tuple[str, ...]:
+    """The translation units of ``arch``'s build."""
+    return COMMON_UNITS + ATTENTION_UNITS[ARCHS[check_arch(arch)]]
+
+
+def cubin_name(unit: str) -> str:
+    return Path(unit).stem + ".cubin"
+
+
+def gencode_flags(arch: str) -> list[str]:
+    """nvcc flags for ``arch``: the arch-specific (``a``) targets need an explicit gencode pair."""
+    number = check_arch(arch)[3:]
+    return [f"-gencode=arch=compute_{number},code=sm_{number}"]
+
+
+def csrc_dir() -> Path:
+    """The CUDA sources: ``nvfp4_dit/_csrc`` in a wheel, ``<repo>/csrc`` in a checkout."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "_csrc", here.parent / "csrc"):
+        if (candidate / "common" / "config.h").is_file():
+            return candidate
+    raise KernelBuildError(f"cannot find the CUDA sources: neither {here / '_csrc'} nor {here.parent / 'csrc'} "
+                           "holds common/config.h")
+
+
+def source_hash(root: Optional[Path] = None) -> str:
+    """Hash of every source file under ``root`` and of the compile flags: the cubins' identity."""
+    root = csrc_dir() if root is None else root
+    h = hashlib.sha256()
+    for p in sorted(root.rglob("*")):
+        if p.is_file() and p.suffix in _HASHED_SUFFIXES:
+            h.update(p.relative_to(root).as_posix().encode())
+            h.update(b"\0")
+            h.update(p.read_bytes().replace(b"\r\n", b"\n"))
+            h.update(b"\0")
+    h.update("\n".join([*NVCC_FLAGS, *NVRTC_FLAGS, str(MANIFEST_FORMAT)]).encode())
+    return h.hexdigest()
+
+
+def min_driver_version(arch: str, compiler_version: tuple[int, int]) -> int:
+    """The oldest driver (CUDA version as cuDriverGetVersion gives it) that loads ``arch``'s cubins
+    from a compiler of ``compiler_version``: one that knows the target and the compiler's major
+    release (cubins of a newer minor release load on older drivers of the same major)."""
+    return max(FIRST_DRIVER[check_arch(arch)], 1000 * compiler_version[0])
+
+
+def driver_version_text(version: int) -> str:
+    return f"{version // 1000}.{version % 1000 // 10}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Cubin entry points (ELF section names)
+# ---------------------------------------------------------------------------------------------
+
+def kernel_entries(cubin: bytes) -> list[str]:
+    """The kernel entry points of a cubin (its ``.text.<name>`` sections), ours only, sorted."""
+    if cubin[:4] != b"\x7fELF" or cubin[4] != 2:
+        raise ValueError("not a 64-bit ELF cubin")
+    endian = "<" if cubin[5] == 1 else ">"
+    shoff, = struct.unpack_from(endian + "Q", cubin, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from(endian + "HHH", cubin, 0x3A)
+
+    def section(i: int) -> tuple[int, int, int]:
+        name, _, _, _, offset, size = struct.unpack_from(endian + "IIQQQQ", cubin, shoff + i * shentsize)
+        return name, offset, size
+
+    _, str_off, str_size = section(shstrndx)
+    strings = cubin[str_off:str_off + str_size]
+    names = []
+    for i in range(shnum):
+        name_off = section(i)[0]
+        name = strings[name_off:strings.index(b"\0", name_off)].decode()
+        if name.startswith(".text." + ENTRY_PREFIX):
+            names.append(name[len(".text."):])
+    return sorted(names)
+
+
+# ---------------------------------------------------------------------------------------------
+# Compilers
+# ---------------------------------------------------------------------------------------------
+
+def _nvrtc_module():
+    try:
+        from cuda.bindings import nvrtc
+    except ImportError as e:
+        raise KernelBuildError(f"NVRTC is not available: cuda.bindings does not import ({e}); "
+                               "pip install cuda-bindings nvidia-cuda-nvrtc") from e
+    return nvrtc
+
+
+def _nvrtc_check(nvrtc, result, what: str):
+    err, *rest = result if isinstance(result, tuple) else (result,)
+    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        raise KernelBuildError(f"NVRTC {what} failed: {err}")
+    return rest[0] if len(rest) == 1 else rest
+
+
+def nvrtc_version() -> tuple[int, int]:
+    """NVRTC's (major, minor); KernelBuildError where NVRTC cannot be loaded."""
+    nvrtc = _nvrtc_module()
+    try:
+        major, minor = _nvrtc_check(nvrtc, nvrtc.nvrtcVersion(), "version")
+    except KernelBuildError:
+        raise
+    except Exception as e:  # noqa: BLE001 - cuda.pathfinder raises its own errors for a missing library
+        raise KernelBuildError(f"NVRTC cannot be loaded: {e} (pip install nvidia-cuda-nvrtc)") from e
+    return int(major), int(minor)
+
+
+def cuda_runtime_include_dir() -> Path:
+    """The folder of cuda_fp16.h and cuda_bf16.h that NVRTC compiles against: NVIDIA's pip package
+    (nvidia-cuda-runtime) or the toolkit, as cuda.pathfinder finds them."""
+    try:
+        from cuda import pathfinder
+        found = pathfinder.find_nvidia_header_directory("cudart")
+    except Exception:  # noqa: BLE001 - an old or missing cuda.pathfinder: try the toolkit
+        found = None
+    candidates = [found, *(os.environ.get(v) and os.path.join(os.environ[v], "include") for v in ("CUDA_HOME", "CUDA_PATH")),
+                  "/usr/local/cuda/include"]
+    for c in candidates:
+        if c and (Path(c) / "cuda_fp16.h").is_file():
+            return Path(c)
+    raise KernelBuildError("NVRTC needs the CUDA headers (cuda_fp16.h): pip install nvidia-cuda-runtime "
+                           "(or set CUDA_HOME to a CUDA toolkit)")
+
+
+def nvrtc_compile(source: Path, arch: str, out: Path, include_dirs: Sequence[Path]) -> None:
+    """Compile one translation unit with NVRTC into a cubin at ``out``."""
+    nvrtc = _nvrtc_module()
+    text = source.read_bytes()
+    prog = _nvrtc_check(nvrtc, nvrtc.nvrtcCreateProgram(text, str(source).encode(), 0, [], []), "create")
+    options = [f"--gpu-architecture={check_arch(arch)}", *NVRTC_FLAGS, *(f"-I{d}" for d in include_dirs)]
+    try:
+        result = nvrtc.nvrtcCompileProgram(prog, len(options), [o.encode() for o in options])
+        size = _nvrtc_check(nvrtc, nvrtc.nvrtcGetProgramLogSize(prog), "log size")
+        log = b" " * size
+        nvrtc.nvrtcGetProgramLog(prog, log)
+        if result[0] != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            raise KernelBuildError(f"NVRTC failed to compile {source.name} for {arch}:\n"
+                                   f"{log.decode(errors='replace').strip()}")
+        size = _nvrtc_check(nvrtc, nvrtc.nvrtcGetCUBINSize(prog), "cubin size")
+        cubin = b" " * size
+        _nvrtc_check(nvrtc, nvrtc.nvrtcGetCUBIN(prog, cubin), "cubin")
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+    tmp = out.with_suffix(".tmp")
+    tmp.write_bytes(cubin)
+    tmp.replace(out)
+
+
+def cuda_home() -> Optional[Path]:
+    """The CUDA toolkit root: the first of $CUDA_HOME, $CUDA_PATH, /usr/local/cuda and nvcc's folder
+    that has bin/nvcc, or None."""
+    candidates = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"]
+    which = shutil.which("nvcc")
+    if which:
+        candidates.append(str(Path(which).resolve().parents[1]))
+    for c in candidates:
+        if c and (Path(c) / "bin" / "nvcc").is_file():
+            return Path(c)
+    return None
+
+
+def nvcc_path() -> str:
+    """Path of nvcc, from the CUDA toolkit root or PATH; KernelBuildError if missing."""
+    home = cuda_home()
+    candidates = [home / "bin" / "nvcc"] if home else []
+    which = shutil.which("nvcc")
+    if which:
+        candidates.append(Path(which))
+    for c in candidates:
+        if c.is_file() and os.access(c, os.X_OK):
+            return str(c)
+    raise KernelBuildError("nvcc (the CUDA compiler) was not found: install a CUDA toolkit and set CUDA_HOME "
+                           "(or put nvcc on PATH)")
+
+
+def nvcc_version(nvcc: str) -> tuple[int, int]:
+    try:
+        text = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError) as e:
+        raise KernelBuildError(f"{nvcc} --version failed: {e}") from e
+    m = re.search(r"release (\d+)\.(\d+)", text)
+    if not m:
+        raise KernelBuildError(f"cannot read nvcc's version from: {text.strip()}")
+    return int(m.group(1)), int(m.group(2))
+
+
+def nvcc_command(nvcc: str, source: Path, arch: str, out: Path, root: Path) -> list[str]:
+    return [nvcc, *NVCC_FLAGS, f"-I{root}", *gencode_flags(arch), str(source), "-o", str(out)]
+
+
+class Compiler:
+    """One of the two compilers, found and versioned: ``name`` "nvrtc" or "nvcc"."""
+
+    def __init__(self, name: str):
+        if name == "nvrtc":
+            self.version = nvrtc_version()
+            self.include_dirs = [cuda_runtime_include_dir()]
+            self.path = None
+        elif name == "nvcc":
+            self.path = nvcc_path()
+            self.version = nvcc_version(self.path)
+            self.include_dirs = []
+        else:
+            raise ValueError(f"compiler must be 'nvrtc' or 'nvcc', got {name!r}")
+        self.name = name
+
+    @property
+    def tag(self) -> str:
+        return f"{self.name}{self.version[0]}.{self.version[1]}"
+
+    def command(self, source: Path, arch: str, out: Path, root: Path) -> list[str]:
+        """The command line that compiles ``source`` to ``out`` (an NVRTC one runs this file)."""
+        if self.name == "nvcc":
+            return nvcc_command(self.path, source, arch, out, root)
+        return [sys.executable, str(Path(__file__).resolve()), "nvrtc-unit", "--arch", arch, "--source", str(source),
+                "--out", str(out), *(f"--include={d}" for d in [root, *self.include_dirs])]
+
+
+def find_compiler(preference: Sequence[str] = ("nvrtc", "nvcc")) -> Compiler:
+    """The first compiler of ``preference`` that works here; KernelBuildError saying what to install."""
+    reasons = []
+    for name in preference:
+        try:
+            return Compiler(name)
+        except KernelBuildError as e:
+            reasons.append(f"{name}: {e}")
+    raise KernelBuildError("no CUDA compiler to build the kernels: " + "; ".join(reasons))
+
+
+# ---------------------------------------------------------------------------------------------
+# Builds
+# ---------------------------------------------------------------------------------------------
+
+def ninja_path() -> str:
+    try:
+        import ninja  # the PyPI package ships the binary
+        candidate = Path(ninja.BIN_DIR) / ("ninja.exe" if os.name == "nt" else "ninja")
+        if candidate.is_file():
+            return str(candidate)
+    except ImportError:
+        pass
+    which = shutil.which("ninja")
+    if which is None:
+        raise KernelBuildError("ninja is not installed (pip install ninja): it runs the compiles in parallel")
+    return which
+
+
+def _ninja_path(path: Path) -> str:
+    """A path on a ninja build line: $, : and spaces escaped."""
+    return str(path).replace("$", "$$").replace(":", "$:").replace(" ", "$ ")
+
+
+def _ninja_command(args: Sequence[str]) -> str:
+    """A command line as ninja runs it (through the shell on POSIX, CreateProcess on Windows)."""
+    import shlex
+    line = subprocess.list2cmdline(list(args)) if os.name == "nt" else shlex.join(args)
+    return line.replace("$", "$$")
+
+
+def build_cubins(archs: Sequence[str], out_root: Path, compiler: Compiler, *, root: Optional[Path] = None,
+                 jobs: Optional[int] = None, verbose: bool = False) -> dict:
+    """Compile every unit of each arch into ``out_root/<arch>/`` (ninja, in parallel) and write
+    ``out_root/manifest.json``; returns the manifest."""
+    root = (csrc_dir() if root is None else Path(root)).resolve()
+    out_root = Path(out_root).resolve()   # ninja runs in it
+    out_root.mkdir(parents=True, exist_ok=True)
+    lines = ["rule compile", "  command = $cmd", "  description = $desc", ""]
+    for arch in archs:
+        (out_root / arch).mkdir(exist_ok=True)
+        for unit in units(arch):
+            out = out_root / arch / cubin_name(unit)
+            cmd = _ninja_command(compiler.command(root / unit, arch, out, root))
+            lines += [f"build {_ninja_path(out)}: compile {_ninja_path(root / unit)}",
+                      f"  cmd = {cmd}", f"  desc = {compiler.name} {arch} {unit}", ""]
+    (out_root / "build.ninja").write_text("\n".join(lines))
+    cmd = [ninja_path(), "-C", str(out_root)] + ([f"-j{jobs}"] if jobs else [])
+    res = subprocess.run(cmd, capture_output=not verbose, text=True)
+    if res.returncode != 0:
+        raise KernelBuildError(f"the kernel build failed ({compiler.tag}):\n{(res.stdout or '')[-6000:]}"
+                               f"{(res.stderr or '')[-2000:]}")
+    manifest = {"format": MANIFEST_FORMAT, "source_hash": source_hash(root), "compiler": compiler.tag, "archs": {}}
+    for arch in archs:
+        cubins = {cubin_name(u): kernel_entries((out_root / arch / cubin_name(u)).read_bytes()) for u in units(arch)}
+        manifest["archs"][arch] = {"kind": ARCHS[arch], "min_driver_version": min_driver_version(arch, compiler.version),
+                                   "cubins": cubins}
+    (out_root / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+    for name in (".ninja_log", ".ninja_deps", "build.ninja"):
+        (out_root / name).unlink(missing_ok=True)
+    return manifest
+
+
+def read_manifest(folder: Path) -> Optional[dict]:
+    path = folder / MANIFEST
+    if not path.is_file():
+        return None
+    manifest = json.loads(path.read_text())
+    return manifest if manifest.get("format") == MANIFEST_FORMAT else None
+
+
+def _main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description="Compile the nvfp4_dit kernels into cubins (no torch needed).")
+    sub = parser.add_subparsers(dest="command", required=True)
+    unit = sub.add_parser("nvrtc-unit", help="one unit with NVRTC (what a build's ninja edge runs)")
+    unit.add_argument("--arch", required=True, choices=tuple(ARCHS))
+    unit.add_argument("--source", required=True, type=Path)
+    unit.add_argument("--out", required=True, type=Path)
+    unit.add_argument("--include", action="append", default=[], type=Path)
+    cubins = sub.add_parser("cubins", help="every unit of the given archs, with a manifest")
+    cubins.add_argument("--arch", action="append", choices=tuple(ARCHS), help="(repeatable) default: all")
+    cubins.add_argument("--out", required=True, type=Path)
+    cubins.add_argument("--compiler", choices=("nvrtc", "nvcc"), help="default: NVRTC, else nvcc")
+    cubins.add_argument("--verbose", action="store_true")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "nvrtc-unit":
+            nvrtc_compile(args.source, args.arch, args.out, args.include)
+        else:
+            compiler = find_compiler((args.compiler,) if args.compiler else ("nvrtc", "nvcc"))
+            manifest = build_cubins(args.arch or tuple(ARCHS), args.out, compiler, verbose=args.verbose)
+            print(f"{compiler.tag}: {sum(len(a['cubins']) for a in manifest['archs'].values())} cubins in {args.out}")
+    except KernelBuildError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main())

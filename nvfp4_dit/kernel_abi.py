@@ -1,0 +1,189 @@
+"""The launch interface of the CUDA kernels, mirrored from ``csrc/`` for the host launcher.
+
+The one C++ definition of each structure is in ``csrc/attention/params.h`` and
+``csrc/quantize/params.h`` (the launch constants in ``csrc/common/launch.h``); these ``ctypes``
+structures repeat them field for field, and tests/test_kernel_abi.py compiles those headers with
+the host compiler and checks every field's offset, every struct's size and every constant against
+this module. Names follow the C++ ones.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from ctypes import c_bool, c_float, c_int, c_int32, c_int64, c_uint64, c_void_p
+
+# csrc/common/launch.h
+ATTENTION_THREADS = 256
+# [Q·Kᵀ format index (format.QK_FORMATS)][head dim 64, 128]
+ATTENTION_SMEM_BYTES = ((38912, 75776), (54272, 79872))
+PROBE_THREADS = 32
+QUANTIZE_THREADS = 256
+TILES_MIN_CTAS_PER_SM = 4
+PREFETCH_WAVES = 1
+STREAM_THREADS = 320
+STREAM_MAX_STAGES = 8
+STREAM_STAGE_BYTES = (16384, 32768)        # [head dim 64, 128]
+STREAM_FIXED_SMEM_BYTES = (9151, 15295)    # [head dim 64, 128]
+CORRECTION_THREADS = 128
+CORRECTION_TILE_M = 64
+CORRECTION_TILE_N = 128
+
+# csrc/quantize/params.h
+TILE_ROWS = 128
+KEY_MEAN_CHUNK = 1024
+STAT_TENSORS = 2
+STAT_VECTORS = 3
+INPUT_DTYPES = {"bf16": 0, "fp16": 1, "fp32": 2}   # InputDtype
+
+
+def head_dim_index(head_dim_padded: int) -> int:
+    return (64, 128).index(head_dim_padded)
+
+
+class AttentionFwdParams(ctypes.Structure):
+    _fields_ = [
+        ("q_data", c_void_p), ("q_sf", c_void_p), ("k_data", c_void_p), ("k_sf", c_void_p),
+        ("vt_data", c_void_p), ("vt_sf", c_void_p),
+        ("q_stride_b", c_int64), ("q_stride_h", c_int64),
+        ("qsf_stride_b", c_int64), ("qsf_stride_h", c_int64),
+        ("k_stride_b", c_int64), ("k_stride_h", c_int64),
+        ("ksf_stride_b", c_int64), ("ksf_stride_h", c_int64),
+        ("vt_stride_b", c_int64), ("vt_stride_h", c_int64),
+        ("vtsf_stride_b", c_int64), ("vtsf_stride_h", c_int64),
+        ("delta", c_void_p), ("delta_stride_b", c_int64), ("delta_stride_h", c_int64), ("delta_stride_blk", c_int64),
+        ("q_dot_km", c_void_p), ("qdk_stride_b", c_int64), ("qdk_stride_h", c_int64),
+        ("q_scale", c_void_p), ("k_scale", c_void_p), ("v_scale", c_void_p), ("v_mean", c_void_p),
+        ("kv_lens", c_void_p),
+        ("out", c_void_p), ("out_stride_b", c_int64), ("out_stride_h", c_int64), ("out_stride_s", c_int64),
+        ("lse", c_void_p), ("lse_stride_b", c_int64), ("lse_stride_h", c_int64),
+        ("batch", c_int), ("heads", c_int), ("kv_heads", c_int),
+        ("seq_q", c_int), ("seq_k", c_int), ("seq_q_pad", c_int), ("seq_k_pad", c_int),
+        ("head_dim_out", c_int), ("q_block_begin", c_int), ("q_block_end", c_int),
+        ("scale", c_float), ("scale_log2", c_float),
+        ("causal", c_int), ("out_bf16", c_int), ("out_vec2", c_int), ("grid_size", c_int),
+    ]
+
+
+class StridedInput(ctypes.Structure):
+    _fields_ = [("ptr", c_void_p), ("stride_b", c_int64), ("stride_h", c_int64), ("stride_s", c_int64),
+                ("stride_d", c_int64)]
+
+
+class QuantizeQkvParams(ctypes.Structure):
+    _fields_ = [
+        ("q", StridedInput), ("k", StridedInput), ("v", StridedInput),
+        ("dtype", c_int32), ("kv_lens", c_void_p), ("kv_lens_int64", c_bool),
+        ("batch", c_int64), ("heads_q", c_int64), ("heads_kv", c_int64), ("seq_q", c_int64), ("seq_k", c_int64),
+        ("head_dim", c_int64), ("head_dim_padded", c_int64), ("seq_q_padded", c_int64), ("seq_k_padded", c_int64),
+        ("q_data", c_void_p), ("q_sf", c_void_p), ("k_data", c_void_p), ("k_sf", c_void_p),
+        ("vt_data", c_void_p), ("vt_sf", c_void_p),
+        ("q_mean", c_void_p), ("k_mean", c_void_p), ("v_mean", c_void_p),
+        ("q_scale", c_void_p), ("k_scale", c_void_p), ("v_scale", c_void_p),
+        ("balance", c_void_p), ("q_dot_km", c_void_p),
+        ("balance_qk", c_bool), ("q_channel_amax", c_void_p),
+        ("nonfinite_kv", c_void_p), ("nonfinite_q_blocks", c_void_p),
+        ("k_partial_sums", c_void_p), ("work_counters", c_void_p),
+        ("qk_mxfp8", c_bool),
+    ]
+
+
+class CorrectionParams(ctypes.Structure):
+    _fields_ = [
+        ("q_mean", c_void_p), ("k", StridedInput), ("dtype", c_int32), ("kv_lens", c_void_p),
+        ("kv_lens_int64", c_bool), ("k_mean", c_void_p), ("q_scale", c_void_p), ("k_scale", c_void_p),
+        ("delta", c_void_p), ("delta_stride_b", c_int64), ("delta_stride_h", c_int64), ("delta_stride_blk", c_int64),
+        ("batch", c_int64), ("heads_q", c_int64), ("heads_kv", c_int64), ("seq_k", c_int64),
+        ("seq_k_padded", c_int64), ("head_dim", c_int64), ("head_dim_padded", c_int64),
+        ("num_q_blocks", c_int64), ("block_begin", c_int64), ("block_end", c_int64),
+    ]
+
+
+class TensorMap(ctypes.Structure):
+    """The driver's CUtensorMap: 128 opaque bytes, 64-byte aligned (quantize_stream.cu)."""
+    _fields_ = [("opaque", c_uint64 * 16)]
+
+
+class StreamMaps(ctypes.Structure):
+    _fields_ = [("q", TensorMap), ("k", TensorMap), ("v", TensorMap)]
+
+
+class ScheduleShape(ctypes.Structure):
+    _fields_ = [("unit_heads", c_int64), ("lookahead", c_int64)]
+
+
+STRUCTS = {"AttentionFwdParams": AttentionFwdParams, "StridedInput": StridedInput,
+           "QuantizeQkvParams": QuantizeQkvParams, "CorrectionParams": CorrectionParams,
+           "StreamMaps": StreamMaps, "ScheduleShape": ScheduleShape}
+
+
+# The workspace sizes and the streaming schedule's shape (csrc/quantize/params.h,
+# csrc/quantize/quantize_schedule.cuh; tests/test_kernel_abi.py compares them on many sizes).
+
+def k_chunks(seq_k: int) -> int:
+    return 1 if seq_k <= 0 else -(-seq_k // KEY_MEAN_CHUNK)
+
+
+def k_tiles(seq_k: int) -> int:
+    return 1 if seq_k <= 0 else -(-seq_k // TILE_ROWS)
+
+
+def workspace_floats(batch: int, heads_kv: int, seq_k: int, head_dim_padded: int, streaming: bool) -> int:
+    per_head = k_chunks(seq_k) + (k_tiles(seq_k) if streaming else 0)
+    return batch * heads_kv * STAT_TENSORS * per_head * STAT_VECTORS * head_dim_padded
+
+
+def workspace_counters(batch: int, heads_kv: int, seq_k: int) -> int:
+    return 1 + 2 * batch * heads_kv + batch * heads_kv * STAT_TENSORS * k_chunks(seq_k)
+
+
+def tickets_per_kv_head(heads_q: int, heads_kv: int, seq_q_padded: int, seq_k_padded: int) -> int:
+    return 4 * (seq_k_padded // TILE_ROWS) + (heads_q // heads_kv) * (seq_q_padded // TILE_ROWS)
+
+
+def schedule_fits_32_bits(batch: int, heads_q: int, heads_kv: int, seq_q_padded: int, seq_k_padded: int) -> bool:
+    return (batch * heads_q <= 0x7FFFFFFF and
+            tickets_per_kv_head(heads_q, heads_kv, seq_q_padded, seq_k_padded) <= 0x7FFFFFFF // (batch * heads_kv))
+
+
+def schedule_shape(batch: int, heads_q: int, heads_kv: int, seq_q_padded: int, seq_k_padded: int,
+                   depth: int) -> tuple[int, int]:
+    """(unit_heads, lookahead) of the streaming quantiser's ticket order (quantize_schedule.cuh)."""
+    heads, n_kv = batch * heads_kv, seq_k_padded // TILE_ROWS
+    unit_heads = next((g for g in range(1, heads) if heads % g == 0 and g * n_kv >= depth), heads)
+    unit = unit_heads * tickets_per_kv_head(heads_q, heads_kv, seq_q_padded, seq_k_padded)
+    return unit_heads, -(-3 * depth // unit)
+
+
+# Entry-point names (csrc/common/launch.h).
+
+def attention_entry(kind: str, qk_format: str, head_dim_padded: int, with_lse: bool) -> str:
+    return f"nvfp4_dit_attention_fwd_{kind}_{qk_format}_d{head_dim_padded}" + ("_lse" if with_lse else "")
+
+
+def probe_entry(probe: str, kind: str, combination: int) -> str:
+    return f"nvfp4_dit_mma_probe_{probe}_{kind}_{combination}"
+
+
+def _load(vector: bool) -> str:
+    return "vec" if vector else "scalar"
+
+
+def balance_statistics_entry(dtype: str, head_dim_padded: int, vector: bool) -> str:
+    return f"nvfp4_dit_balance_statistics_{dtype}_d{head_dim_padded}_{_load(vector)}"
+
+
+def key_stats_entry(dtype: str, head_dim_padded: int, vector: bool) -> str:
+    return f"nvfp4_dit_key_stats_{dtype}_d{head_dim_padded}_{_load(vector)}"
+
+
+def quantize_tiles_entry(dtype: str, head_dim_padded: int, vector: bool, qk_format: str) -> str:
+    return f"nvfp4_dit_quantize_tiles_{dtype}_d{head_dim_padded}_{_load(vector)}_{qk_format}"
+
+
+def quantize_stream_entry(dtype: str, head_dim_padded: int) -> str:
+    return f"nvfp4_dit_quantize_stream_{dtype}_d{head_dim_padded}"
+
+
+def correction_entry(dtype: str, head_dim_padded: int, vector_load: bool, vector_store: bool) -> str:
+    store = "vecstore" if vector_store else "scalarstore"
+    return f"nvfp4_dit_correction_{dtype}_d{head_dim_padded}_{_load(vector_load)}_{store}"

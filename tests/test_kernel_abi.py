@@ -1,0 +1,166 @@
+"""The Python mirror of the kernels' launch interface (nvfp4_dit/kernel_abi.py) agrees with the one
+C++ definition: every field's offset and every struct's size from csrc/attention/params.h and
+csrc/quantize/params.h, and every constant of csrc/common/launch.h, compiled with the host C++
+compiler; the workspace sizes and the streaming schedule's shape on many sizes (nvcc, since the
+schedule header is host-and-device code)."""
+
+import ctypes
+import itertools
+import os
+import shutil
+import subprocess
+
+import pytest
+
+from nvfp4_dit import build
+from nvfp4_dit import kernel_abi as abi
+
+try:
+    from host_program import compile_host_program
+except ImportError:  # tests/ imported as a package
+    from tests.host_program import compile_host_program
+
+CSRC = build.csrc_dir()
+# Fail rather than skip where CI promises the compilers (.ci/run sets it).
+REQUIRE = os.environ.get("NVFP4_DIT_REQUIRE_NVCC") == "1"
+
+
+def _host_compiler() -> str:
+    for name in ("c++", "g++", "clang++"):
+        found = shutil.which(name)
+        if found:
+            return found
+    if REQUIRE:
+        pytest.fail("no host C++ compiler, and NVFP4_DIT_REQUIRE_NVCC=1")
+    pytest.skip("no host C++ compiler")
+
+
+def _layout_program() -> str:
+    lines = ['#include <cstddef>', '#include <cstdio>', '#include "attention/params.h"', '#include "quantize/params.h"',
+             '#include "common/launch.h"', "using namespace nvfp4_dit;", "int main() {"]
+    for name, struct in abi.STRUCTS.items():
+        lines.append(f'  std::printf("size {name} %zu\\n", sizeof({name}));')
+        for field, _ in struct._fields_:
+            lines.append(f'  std::printf("offset {name}.{field} %zu\\n", offsetof({name}, {field}));')
+    constants = {
+        "ATTENTION_THREADS": "launch::kAttentionThreads", "PROBE_THREADS": "launch::kProbeThreads",
+        "QUANTIZE_THREADS": "launch::kQuantizeThreads", "TILES_MIN_CTAS_PER_SM": "launch::kTilesMinCtasPerSm",
+        "PREFETCH_WAVES": "launch::kPrefetchWaves", "STREAM_THREADS": "launch::kStreamThreads",
+        "STREAM_MAX_STAGES": "launch::kStreamMaxStages", "CORRECTION_THREADS": "launch::kCorrectionThreads",
+        "CORRECTION_TILE_M": "launch::kCorrectionTileM", "CORRECTION_TILE_N": "launch::kCorrectionTileN",
+        "TILE_ROWS": "kTileRows", "KEY_MEAN_CHUNK": "kKeyMeanChunk", "STAT_TENSORS": "kStatTensors",
+        "STAT_VECTORS": "kStatVectors",
+    }
+    for py, cpp in constants.items():
+        lines.append(f'  std::printf("const {py} %lld\\n", (long long)({cpp}));')
+    for i, j in itertools.product(range(2), range(2)):
+        lines.append(f'  std::printf("const ATTENTION_SMEM_BYTES.{i}.{j} %d\\n", launch::kAttentionSmemBytes[{i}][{j}]);')
+    for i in range(2):
+        for py, cpp in (("STREAM_STAGE_BYTES", "kStreamStageBytes"), ("STREAM_FIXED_SMEM_BYTES", "kStreamFixedSmemBytes")):
+            lines.append(f'  std::printf("const {py}.{i} %d\\n", launch::{cpp}[{i}]);')
+    for name, value in (("bf16", "kBFloat16"), ("fp16", "kFloat16"), ("fp32", "kFloat32")):
+        lines.append(f'  std::printf("dtype {name} %d\\n", int(InputDtype::{value}));')
+    lines += ["  return 0;", "}"]
+    return "\n".join(lines) + "\n"
+
+
+@pytest.fixture(scope="module")
+def layout(tmp_path_factory):
+    cxx = _host_compiler()
+    tmp = tmp_path_factory.mktemp("abi")
+    src = tmp / "layout.cpp"
+    src.write_text(_layout_program())
+    exe = tmp / "layout"
+    subprocess.run([cxx, "-std=c++17", f"-I{CSRC}", str(src), "-o", str(exe)], check=True, capture_output=True)
+    out = subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout
+    return {tuple(line.split()[:2]): int(line.split()[2]) for line in out.splitlines()}
+
+
+@pytest.mark.parametrize("name", sorted(abi.STRUCTS))
+def test_struct_layout_matches_the_header(layout, name):
+    struct = abi.STRUCTS[name]
+    assert ctypes.sizeof(struct) == layout[("size", name)], f"sizeof({name})"
+    for field, _ in struct._fields_:
+        assert getattr(struct, field).offset == layout[("offset", f"{name}.{field}")], f"{name}.{field}"
+
+
+def test_every_header_field_is_mirrored():
+    """A field added to a C++ struct and not to the mirror changes its size; the sizes match above,
+    and here no two mirrored fields overlap and none is missing at the end."""
+    for name, struct in abi.STRUCTS.items():
+        end = 0
+        for field, ctype in struct._fields_:
+            offset = getattr(struct, field).offset
+            assert offset >= end, f"{name}.{field} overlaps the field before it"
+            end = offset + ctypes.sizeof(ctype)
+        assert ctypes.sizeof(struct) - end < 8 or name in ("StreamMaps",), f"{name} has unmirrored bytes at its end"
+
+
+def test_constants_match_the_header(layout):
+    for (kind, key), value in layout.items():
+        if kind != "const":
+            continue
+        name, *index = key.split(".")
+        mirrored = getattr(abi, name)
+        for i in index:
+            mirrored = mirrored[int(i)]
+        assert mirrored == value, key
+
+
+def test_input_dtype_codes_match_the_header(layout):
+    for name, code in abi.INPUT_DTYPES.items():
+        assert layout[("dtype", name)] == code
+
+
+SCHEDULE_PROGRAM = r"""
+#include <cstdio>
+#include "quantize/quantize_schedule.cuh"
+using namespace nvfp4_dit;
+int main() {
+  long long b, h, hkv, sq, sk, depth;
+  while (std::scanf("%lld %lld %lld %lld %lld %lld", &b, &h, &hkv, &sq, &sk, &depth) == 6) {
+    QuantizeQkvParams p{};
+    p.batch = b; p.heads_q = h; p.heads_kv = hkv; p.seq_q = sq; p.seq_k = sk;
+    p.seq_q_padded = (sq + 127) / 128 * 128; p.seq_k_padded = (sk + 127) / 128 * 128;
+    const ScheduleShape s = schedule_shape(p, depth);
+    std::printf("%lld %lld %d %lld %lld\n", (long long)s.unit_heads, (long long)s.lookahead,
+                int(schedule_fits_32_bits(p)), (long long)quantize_qkv_workspace_floats(b, hkv, sk, 128, true),
+                (long long)quantize_qkv_workspace_counters(b, hkv, sk));
+  }
+  return 0;
+}
+"""
+
+
+def test_schedule_and_workspace_sizes_match_the_header(tmp_path):
+    if REQUIRE and shutil.which("nvcc") is None:
+        pytest.fail("nvcc not found, and NVFP4_DIT_REQUIRE_NVCC=1")
+    exe = compile_host_program(tmp_path, "schedule", SCHEDULE_PROGRAM)
+    cases = [(b, h, hkv, sq, sk, depth) for b in (1, 2, 3) for h, hkv in ((1, 1), (8, 2), (40, 40), (24, 8))
+             for sq, sk in ((1, 1), (300, 77), (4096, 4096), (75_600, 512), (118_800, 118_800))
+             for depth in (3, 396, 1056)]
+    text = "\n".join(" ".join(map(str, c)) for c in cases) + "\n"
+    out = subprocess.run([str(exe)], input=text, capture_output=True, text=True, check=True).stdout.splitlines()
+    assert len(out) == len(cases)
+    for (b, h, hkv, sq, sk, depth), line in zip(cases, out):
+        sqp, skp = -(-sq // 128) * 128, -(-sk // 128) * 128
+        unit, look, fits, floats, counters = map(int, line.split())
+        assert abi.schedule_shape(b, h, hkv, sqp, skp, depth) == (unit, look), (b, h, hkv, sq, sk, depth)
+        assert abi.schedule_fits_32_bits(b, h, hkv, sqp, skp) == bool(fits)
+        assert abi.workspace_floats(b, hkv, sk, 128, True) == floats
+        assert abi.workspace_counters(b, hkv, sk) == counters
+
+
+def test_entry_names_follow_the_header():
+    """The names the launcher asks for are those csrc/common/launch.h documents (the cubin test in
+    tests/test_build.py checks that the cubins hold exactly these)."""
+    text = (CSRC / "common" / "launch.h").read_text()
+    for fragment in ("nvfp4_dit_attention_fwd_{native,emulated}_{nvfp4,mxfp8}_d{64,128}[_lse]",
+                     "nvfp4_dit_mma_probe_fp4_{native,emulated}_", "nvfp4_dit_balance_statistics_<dtype>_d<DP>_<load>",
+                     "nvfp4_dit_key_stats_<dtype>_d<DP>_<load>", "nvfp4_dit_quantize_tiles_<dtype>_d<DP>_<load>_{nvfp4,mxfp8}",
+                     "nvfp4_dit_quantize_stream_{bf16,fp16}_d<DP>",
+                     "nvfp4_dit_correction_<dtype>_d<DP>_<load>_{vecstore,scalarstore}"):
+        assert fragment in text, fragment
+    assert abi.attention_entry("native", "mxfp8", 128, True) == "nvfp4_dit_attention_fwd_native_mxfp8_d128_lse"
+    assert abi.quantize_tiles_entry("fp32", 64, False, "nvfp4") == "nvfp4_dit_quantize_tiles_fp32_d64_scalar_nvfp4"
+    assert abi.correction_entry("bf16", 128, True, False) == "nvfp4_dit_correction_bf16_d128_vec_scalarstore"

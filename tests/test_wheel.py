@@ -1,0 +1,124 @@
+"""The wheel carries the kernels: ``pip wheel .`` compiles every translation unit for sm_120a,
+sm_121a, sm_90a and sm_80 into ``nvfp4_dit/_cubins/`` with a manifest, and that wheel, installed
+into a fresh virtual environment whose PATH has no nvcc and no C++ compiler, imports and lists,
+from the manifest alone (no driver, no GPU), the kernels it would load on each architecture.
+
+Slow (the build compiles 32 units, a few minutes on 2 cores). CI sets NVFP4_DIT_REQUIRE_NVCC=1:
+there a wheel that cannot be built fails instead of skipping.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+import venv
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from nvfp4_dit import compile as kc
+from nvfp4_dit import format as fmt
+from nvfp4_dit import kernel_abi as abi
+
+REPO = Path(__file__).resolve().parents[1]
+REQUIRE = os.environ.get("NVFP4_DIT_REQUIRE_NVCC") == "1"
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("wheel")
+    res = subprocess.run([sys.executable, "-m", "pip", "wheel", str(REPO), "--no-deps", "-w", str(out), "-q"],
+                         capture_output=True, text=True)
+    if res.returncode != 0:
+        message = f"pip wheel failed:\n{res.stdout[-3000:]}\n{res.stderr[-5000:]}"
+        if REQUIRE:
+            pytest.fail(message)
+        pytest.skip(message)
+    found = sorted(out.glob("nvfp4_dit-*.whl"))
+    assert len(found) == 1, found
+    return found[0]
+
+
+def _launcher_entries(arch: str) -> set[str]:
+    """Every entry point the launcher (nvfp4_dit/kernels.py) may ask for on ``arch``."""
+    kind = kc.ARCHS[arch]
+    names = {abi.attention_entry(kind, f, d, lse) for f in fmt.QK_FORMATS for d in fmt.SUPPORTED_HEAD_DIMS
+             for lse in (False, True)}
+    names |= {abi.probe_entry(p, k, i) for p, n in (("fp4", 8), ("mxf8", 32)) for k in ("native", "emulated")
+              for i in range(n)}
+    for dt in abi.INPUT_DTYPES:
+        for d in fmt.SUPPORTED_HEAD_DIMS:
+            for vec in (False, True):
+                names |= {abi.balance_statistics_entry(dt, d, vec), abi.key_stats_entry(dt, d, vec)}
+                names |= {abi.quantize_tiles_entry(dt, d, vec, f) for f in fmt.QK_FORMATS}
+                names |= {abi.correction_entry(dt, d, vec, st) for st in (False, True)}
+            if dt != "fp32":
+                names.add(abi.quantize_stream_entry(dt, d))
+    return names
+
+
+def test_wheel_holds_every_kernel_for_all_four_archs(wheel):
+    with zipfile.ZipFile(wheel) as z:
+        files = set(z.namelist())
+        manifest = json.loads(z.read("nvfp4_dit/_cubins/manifest.json"))
+        for arch in kc.ARCHS:
+            for unit in kc.units(arch):
+                name = f"nvfp4_dit/_cubins/{arch}/{kc.cubin_name(unit)}"
+                assert name in files, name
+                entries = kc.kernel_entries(z.read(name))
+                assert entries == manifest["archs"][arch]["cubins"][kc.cubin_name(unit)], name
+        assert "nvfp4_dit/_csrc/common/launch.h" in files
+        cubin_bytes = sum(i.file_size for i in z.infolist() if i.filename.endswith(".cubin"))
+    assert manifest["format"] == kc.MANIFEST_FORMAT
+    assert manifest["source_hash"] == kc.source_hash(REPO / "csrc")
+    assert manifest["compiler"].startswith(("nvrtc", "nvcc"))
+    assert sorted(manifest["archs"]) == sorted(kc.ARCHS)
+    for arch, entry in manifest["archs"].items():
+        assert entry["kind"] == kc.ARCHS[arch]
+        assert entry["min_driver_version"] >= kc.FIRST_DRIVER[arch]
+        names = {n for names in entry["cubins"].values() for n in names}
+        assert names == _launcher_entries(arch), arch
+    print(f"\nwheel {wheel.name}: {wheel.stat().st_size / 2**20:.1f} MiB ({cubin_bytes / 2**20:.1f} MiB of cubins "
+          f"uncompressed), {manifest['compiler']}")
+
+
+def _fresh_venv(root: Path) -> Path:
+    """A new virtual environment that sees this one's packages (torch, numpy, cuda-bindings) through
+    a .pth file, but not this checkout's nvfp4_dit; returns its python."""
+    venv.EnvBuilder(with_pip=False).create(root)
+    python = root / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
+    site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    outer = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
+    Path(site, "outer_packages.pth").write_text("\n".join(sorted(outer)) + "\n")
+    return python
+
+
+def test_fresh_install_without_compilers_lists_the_prebuilt_kernels(wheel, tmp_path):
+    python = _fresh_venv(tmp_path / "venv")
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--no-index", "-q",
+                    str(wheel)], check=True, capture_output=True, text=True)
+    bin_dir = python.parent
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "CUDA_HOME", "CUDA_PATH")}
+    env["PATH"] = str(bin_dir)   # no nvcc, no c++, no ninja on PATH
+    env["HOME"] = str(tmp_path)
+    probe = (
+        "import shutil, nvfp4_dit; from nvfp4_dit import build; "
+        "assert shutil.which('nvcc') is None and shutil.which('c++') is None and shutil.which('g++') is None; "
+        "assert 'site-packages' in nvfp4_dit.__file__, nvfp4_dit.__file__; "
+        "m = build.prebuilt_manifest(); assert m is not None; "
+        "assert m['source_hash'] == build._installed_source_hash(); "
+        "print(build.list_prebuilt())")
+    res = subprocess.run([str(python), "-c", probe], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-4000:]
+    text = res.stdout
+    assert "matches the installed sources" in text
+    for arch in kc.ARCHS:
+        assert f"{arch} ({kc.ARCHS[arch]} MMA" in text, text
+    listed = subprocess.run([str(python), "-m", "nvfp4_dit.build", "--list"], capture_output=True, text=True, env=env,
+                            cwd=tmp_path)
+    assert listed.returncode == 0 and listed.stdout.strip() == text.strip(), listed.stderr[-2000:]
