@@ -187,3 +187,20 @@ def quantize_stream_entry(dtype: str, head_dim_padded: int) -> str:
 def correction_entry(dtype: str, head_dim_padded: int, vector_load: bool, vector_store: bool) -> str:
     store = "vecstore" if vector_store else "scalarstore"
     return f"nvfp4_dit_correction_{dtype}_d{head_dim_padded}_{_load(vector_load)}_{store}"
+
+
+def launcher_entries(kind: str) -> set[str]:
+    """Every entry point the launcher (nvfp4_dit/kernels.py) may ask for on a target of MMA ``kind``."""
+    formats, head_dims = ("nvfp4", "mxfp8"), (64, 128)
+    names = {attention_entry(kind, f, d, lse) for f in formats for d in head_dims for lse in (False, True)}
+    names |= {probe_entry(p, k, i) for p, n in (("fp4", 8), ("mxf8", 32)) for k in ("native", "emulated")
+              for i in range(n)}
+    for dt in INPUT_DTYPES:
+        for d in head_dims:
+            for vec in (False, True):
+                names |= {balance_statistics_entry(dt, d, vec), key_stats_entry(dt, d, vec)}
+                names |= {quantize_tiles_entry(dt, d, vec, f) for f in formats}
+                names |= {correction_entry(dt, d, vec, st) for st in (False, True)}
+            if dt != "fp32":
+                names.add(quantize_stream_entry(dt, d))
+    return names

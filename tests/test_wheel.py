@@ -19,7 +19,6 @@ from pathlib import Path
 import pytest
 
 from nvfp4_dit import compile as kc
-from nvfp4_dit import format as fmt
 from nvfp4_dit import kernel_abi as abi
 
 REPO = Path(__file__).resolve().parents[1]
@@ -43,24 +42,6 @@ def wheel(tmp_path_factory) -> Path:
     return found[0]
 
 
-def _launcher_entries(arch: str) -> set[str]:
-    """Every entry point the launcher (nvfp4_dit/kernels.py) may ask for on ``arch``."""
-    kind = kc.ARCHS[arch]
-    names = {abi.attention_entry(kind, f, d, lse) for f in fmt.QK_FORMATS for d in fmt.SUPPORTED_HEAD_DIMS
-             for lse in (False, True)}
-    names |= {abi.probe_entry(p, k, i) for p, n in (("fp4", 8), ("mxf8", 32)) for k in ("native", "emulated")
-              for i in range(n)}
-    for dt in abi.INPUT_DTYPES:
-        for d in fmt.SUPPORTED_HEAD_DIMS:
-            for vec in (False, True):
-                names |= {abi.balance_statistics_entry(dt, d, vec), abi.key_stats_entry(dt, d, vec)}
-                names |= {abi.quantize_tiles_entry(dt, d, vec, f) for f in fmt.QK_FORMATS}
-                names |= {abi.correction_entry(dt, d, vec, st) for st in (False, True)}
-            if dt != "fp32":
-                names.add(abi.quantize_stream_entry(dt, d))
-    return names
-
-
 def test_wheel_holds_every_kernel_for_all_four_archs(wheel):
     with zipfile.ZipFile(wheel) as z:
         files = set(z.namelist())
@@ -81,7 +62,7 @@ def test_wheel_holds_every_kernel_for_all_four_archs(wheel):
         assert entry["kind"] == kc.ARCHS[arch]
         assert entry["min_driver_version"] >= kc.FIRST_DRIVER[arch]
         names = {n for names in entry["cubins"].values() for n in names}
-        assert names == _launcher_entries(arch), arch
+        assert names == abi.launcher_entries(kc.ARCHS[arch]), arch
     print(f"\nwheel {wheel.name}: {wheel.stat().st_size / 2**20:.1f} MiB ({cubin_bytes / 2**20:.1f} MiB of cubins "
           f"uncompressed), {manifest['compiler']}")
 
