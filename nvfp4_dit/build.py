@@ -212,9 +212,7 @@ def load_library(arch: Optional[str] = None):
             library.load_all()
             _libraries[arch] = library
             return library
-        except KernelBuildError as e:
-            reasons.append(str(e))
-        except RuntimeError as e:  # DriverError: a cubin the driver does not load
+        except RuntimeError as e:  # KernelBuildError, or DriverError: a cubin the driver does not load
             reasons.append(str(e))
     raise KernelBuildError(f"no usable {arch} kernels: " + " | ".join(reasons) + f". To fix: {INSTALL_HINT}")
 

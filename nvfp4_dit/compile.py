@@ -173,11 +173,10 @@ def nvrtc_version() -> tuple[int, int]:
     """NVRTC's (major, minor); KernelBuildError where NVRTC cannot be loaded."""
     nvrtc = _nvrtc_module()
     try:
-        major, minor = _nvrtc_check(nvrtc, nvrtc.nvrtcVersion(), "version")
-    except KernelBuildError:
-        raise
+        result = nvrtc.nvrtcVersion()
     except Exception as e:  # noqa: BLE001 - cuda.pathfinder raises its own errors for a missing library
         raise KernelBuildError(f"NVRTC cannot be loaded: {e} (pip install nvidia-cuda-nvrtc)") from e
+    major, minor = _nvrtc_check(nvrtc, result, "version")
     return int(major), int(minor)
 
 
@@ -374,26 +373,18 @@ def read_manifest(folder: Path) -> Optional[dict]:
 
 
 def _main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description="Compile the nvfp4_dit kernels into cubins (no torch needed).")
+    """``python compile.py nvrtc-unit ...``: one unit with NVRTC, what a build's ninja edge runs
+    (``python -m nvfp4_dit.build`` is the user-facing command)."""
+    parser = argparse.ArgumentParser(description="Compile one nvfp4_dit unit with NVRTC (a ninja edge).")
     sub = parser.add_subparsers(dest="command", required=True)
-    unit = sub.add_parser("nvrtc-unit", help="one unit with NVRTC (what a build's ninja edge runs)")
+    unit = sub.add_parser("nvrtc-unit")
     unit.add_argument("--arch", required=True, choices=tuple(ARCHS))
     unit.add_argument("--source", required=True, type=Path)
     unit.add_argument("--out", required=True, type=Path)
     unit.add_argument("--include", action="append", default=[], type=Path)
-    cubins = sub.add_parser("cubins", help="every unit of the given archs, with a manifest")
-    cubins.add_argument("--arch", action="append", choices=tuple(ARCHS), help="(repeatable) default: all")
-    cubins.add_argument("--out", required=True, type=Path)
-    cubins.add_argument("--compiler", choices=("nvrtc", "nvcc"), help="default: NVRTC, else nvcc")
-    cubins.add_argument("--verbose", action="store_true")
     args = parser.parse_args(argv)
     try:
-        if args.command == "nvrtc-unit":
-            nvrtc_compile(args.source, args.arch, args.out, args.include)
-        else:
-            compiler = find_compiler((args.compiler,) if args.compiler else ("nvrtc", "nvcc"))
-            manifest = build_cubins(args.arch or tuple(ARCHS), args.out, compiler, verbose=args.verbose)
-            print(f"{compiler.tag}: {sum(len(a['cubins']) for a in manifest['archs'].values())} cubins in {args.out}")
+        nvrtc_compile(args.source, args.arch, args.out, args.include)
     except KernelBuildError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

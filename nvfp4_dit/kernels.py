@@ -130,12 +130,11 @@ def _encode_input_map(t: torch.Tensor, dp: int, heads: int, seq: int) -> Optiona
     return out
 
 
-def _launch_stream(p: abi.QuantizeQkvParams, q, k, v, dtype: str, dp: int, forced: bool) -> bool:
+def _launch_stream(p: abi.QuantizeQkvParams, q, k, v, dtype: str, dp: int, vector: bool, forced: bool) -> bool:
     """Launch the streaming quantiser (sm_90+, bf16/fp16, vector loads, NVFP4 Q/K); False, having
     launched nothing, where it does not apply."""
     device = q.device
-    if (p.qk_mxfp8 or dtype == "fp32" or build.arch_for_capability(*torch.cuda.get_device_capability(device)) == "sm_80"
-            or not all(_vector_loads(t, dp) for t in (q, k, v))):
+    if p.qk_mxfp8 or dtype == "fp32" or not vector or torch.cuda.get_device_capability(device) < (9, 0):
         return False
     if not abi.schedule_fits_32_bits(p.batch, p.heads_q, p.heads_kv, p.seq_q_padded, p.seq_k_padded):
         return False
@@ -231,7 +230,8 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_lens: Opt
             _check(q_tiles <= _MAX_GRID_X, "too many Q tiles for one launch")
             _kernel(dev, abi.balance_statistics_entry(dtype, dp, vector)).launch(
                 (q_tiles,), abi.QUANTIZE_THREADS, [p], stream)
-        streamed = choice != "tiles" and _launch_stream(p, q, k, v, dtype, dp, forced=choice == "stream")
+        streamed = choice != "tiles" and _launch_stream(p, q, k, v, dtype, dp, vector,
+                                                               forced=choice == "stream")
         if not streamed and choice == "stream":
             raise ValueError(f"{QUANTIZE_KERNEL_ENV}=stream, but the streaming kernel needs bf16/fp16 inputs with "
                              "contiguous 16-byte-aligned rows, D of 64 or 128, NVFP4 Q·Kᵀ and an sm_90+ device")
