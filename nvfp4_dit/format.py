@@ -566,23 +566,82 @@ def quantize_qkv(
     )
 
 
-def correction(qq: QuantizedQKV, block_start: int = 0, block_end: Optional[int] = None) -> torch.Tensor:
+CORRECTION_FIXED_BITS = 22
+"""The correction's operands are integers of at most this many bits (plus sign) per row."""
+
+_CORRECTION_EXPONENT_LIMIT = 100  # fixed-point row exponents are clamped to [-100, 100]
+
+
+def _pow2(e: torch.Tensor) -> torch.Tensor:
+    """float32 2^e for integer ``e`` in [-126, 127], built from its bits (exact)."""
+    return ((e.to(torch.int32) + 127) << 23).view(torch.float32)
+
+
+def correction_fixed_point(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows (last dim) of fp32 ``x`` in fixed point: ``(X int32 [..., D], e int32 [...])`` with
+    ``x ~ X 2^(e - 22)``, ``|X| <= 2^22``. ``e`` is the row's power-of-two exponent (its largest
+    |x| is below 2^e; clamped to [-100, 100]); non-finite values count as 0."""
+    x = torch.where(torch.isfinite(x), x, torch.zeros_like(x))
+    amax = x.abs().amax(-1) if x.shape[-1] else x.new_zeros(x.shape[:-1])
+    e = (((amax.view(torch.int32) >> 23) & 0xFF) - 126).clamp(-_CORRECTION_EXPONENT_LIMIT, _CORRECTION_EXPONENT_LIMIT)
+    top = float(1 << CORRECTION_FIXED_BITS)
+    fixed = torch.round(x * _pow2(CORRECTION_FIXED_BITS - e)[..., None]).clamp(-top, top)
+    return fixed.to(torch.int32), e.to(torch.int32)
+
+
+def correction_limbs(fixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """int32 fixed point -> its signed 8-bit limbs ``(l0, l1, l2)``: fixed = l0 2^16 + l1 2^8 + l2,
+    l1 and l2 in [-128, 127] and |l0| <= 64 (the int8 MMA operands of the CUDA correction)."""
+    l2 = ((fixed + 128) & 255) - 128
+    x1 = (fixed - l2) >> 8
+    l1 = ((x1 + 128) & 255) - 128
+    return (x1 - l1) >> 8, l1, l2
+
+
+def correction(qq: QuantizedQKV, block_start: int = 0, block_end: Optional[int] = None, *,
+               key_chunk: Optional[int] = None) -> torch.Tensor:
     """delta [B, H, nblk, Skp] fp32 for Q blocks [block_start, block_end), in the kernel's score
     units: qm . k_smoothed^T / (q_scale * k_scale).
 
-    Keys are in natural order. Added to the FP4 scores, it restores q . (k - km) exactly up to
-    the FP4 error of (q - qm) and (k - km): q.(k-km) = (q-qm).(k-km) + qm.(k-km). The channel
-    balance cancels in it exactly (qm s . ks / s), so it is computed without it.
+    Keys are in natural order. Added to the FP4 scores, it restores q . (k - km) up to the FP4
+    error of (q - qm) and (k - km): q.(k-km) = (q-qm).(k-km) + qm.(k-km). The channel balance
+    cancels in it exactly (qm s . ks / s), so it is computed without it.
+
+    The arithmetic is that of the CUDA kernel (csrc/quantize/correction.cu), so the two agree bit
+    for bit: each row of qm and of ks in 22-bit fixed point (:func:`correction_fixed_point`), split
+    into three 8-bit limbs (:func:`correction_limbs`); every limb product but the lowest one,
+    T = Xq . Xk - lq2 . lk2, summed exactly (integers below 2^53, so fp64 products are exact in any
+    order); then one rounding to fp32 and exact power-of-two factors:
+    delta = (fp32(T) 2^(ek - 22)) (2^(eq - 22) / (q_scale k_scale)).
+
+    Error against the exact product, per entry: at most Dp 2^(eq + ek - 22) / (q_scale k_scale)
+    plus 2^-24 of the result (the 22-bit operands, the left-out limb pair, the final rounding).
+    As 2^e < 2 amax, that is below Dp 2^-20 amax|qm| amax|ks|, while the classical bound of an fp32
+    dot product, Dp 2^-24 sum|qm||ks|, reaches Dp^2 2^-24 amax amax.
+    ``key_chunk`` (keys per fp64 matmul; by default about 2 GB of temporaries) does not change the result.
     """
     if qq.k_smoothed is None:
         raise ValueError("this QuantizedQKV carries no fp32 k_smoothed (it comes from the CUDA quantiser: "
                          "use nvfp4_dit.quantize.correction)")
     block_end = qq.num_q_blocks if block_end is None else block_end
     qm = qq.q_mean[:, :, block_start:block_end]
-    group = qm.shape[1] // qq.k_smoothed.shape[1]
-    ks = qq.k_smoothed.repeat_interleave(group, dim=1) if group > 1 else qq.k_smoothed
-    delta = torch.matmul(qm, ks.transpose(-1, -2))
-    return delta / qq.score_scale()[:, :, block_start:block_end, None]
+    b, h, n, dp = qm.shape
+    hkv, skp = qq.k_smoothed.shape[1], qq.k_smoothed.shape[2]
+    group = h // hkv
+    q_fixed, eq = correction_fixed_point(qm)
+    lhs = torch.cat([q_fixed, correction_limbs(q_fixed)[2]], -1).double().reshape(b, hkv, group * n, 2 * dp)
+    k_fixed, ek = correction_fixed_point(qq.k_smoothed)
+    bits = CORRECTION_FIXED_BITS
+    key_factor = _pow2(ek - bits).repeat_interleave(group, dim=1)[:, :, None, :]  # [B, H, 1, Skp]
+    row_factor = _pow2(eq - bits) * (1.0 / qq.score_scale()[:, :, block_start:block_end])  # [B, H, n]
+    delta = torch.empty(b, h, n, skp, dtype=torch.float32, device=qm.device)
+    key_chunk = key_chunk or max(SEQ_TILE, (1 << 28) // max(1, b * h * n) // SEQ_TILE * SEQ_TILE)
+    for k0 in range(0, skp, key_chunk):
+        kf = k_fixed[:, :, k0:k0 + key_chunk]
+        rhs = torch.cat([kf, -correction_limbs(kf)[2]], -1).double()  # Xq . Xk - lq2 . lk2
+        t = torch.matmul(lhs, rhs.transpose(-1, -2)).view(b, h, n, -1)
+        delta[..., k0:k0 + key_chunk] = (t.float() * key_factor[..., k0:k0 + key_chunk]) * row_factor[..., None]
+    return delta
 
 
 def dequantize_qkv(qq: QuantizedQKV) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -240,9 +240,9 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_lens: Opt
             second = 2 * kv_tiles + q_tiles
             _check(first <= _MAX_GRID_X and second <= _MAX_GRID_X, "too many tiles for one launch")
             _kernel(dev, abi.key_stats_entry(dtype, dp, vector)).launch((first,), abi.QUANTIZE_THREADS, [p], stream)
-            prefetch = ctypes.c_int64(abi.PREFETCH_WAVES * _sms(dev) * abi.TILES_MIN_CTAS_PER_SM)
-            name = abi.quantize_tiles_entry(dtype, dp, vector, "mxfp8" if qk_mxfp8 else "nvfp4")
-            _kernel(dev, name).launch((second,), abi.QUANTIZE_THREADS, [p, prefetch], stream)
+            tiles = _kernel(dev, abi.quantize_tiles_entry(dtype, dp, vector, "mxfp8" if qk_mxfp8 else "nvfp4"))
+            resident = _sms(dev) * tiles.blocks_per_sm(abi.QUANTIZE_THREADS)
+            tiles.launch((second,), abi.QUANTIZE_THREADS, [p, ctypes.c_int64(abi.PREFETCH_WAVES * resident)], stream)
     return [q_data, q_sf, k_data, k_sf, vt_data, vt_sf, q_mean, k_mean, v_mean, q_scale, k_scale, v_scale, balance,
             q_dot_km, nonfinite_q, nonfinite_kv]
 
@@ -283,8 +283,17 @@ def correction(q_mean: torch.Tensor, k: torch.Tensor, k_mean: torch.Tensor, q_sc
         kv_lens = kv_lens.contiguous()
     if rows == 0:
         return
-    grid = (skp // abi.CORRECTION_TILE_N, -(-rows // abi.CORRECTION_TILE_M), b * h)
-    _check(grid[1] <= _MAX_GRID_YZ and grid[2] <= _MAX_GRID_YZ, "too many heads or Q blocks for one correction launch")
+    _check(b * h <= _MAX_GRID_YZ, "too many batches x heads for one correction launch")
+    dp_index = abi.head_dim_index(dp)
+    smem = abi.CORRECTION_SMEM_BYTES[dp_index]
+    vec_store = out.data_ptr() % 8 == 0 and all(s % 2 == 0 for s in out.stride()[:3])
+    name = abi.correction_entry(_DTYPES[k.dtype], dp, _vector_loads(k, dp), vec_store)
+    kernel = _kernel(q_mean.device, name)
+    # A CTA converts its 128 keys once and walks the Q blocks; the blocks are split over grid.y only
+    # as far as needed to give every SM its resident CTAs.
+    key_tiles, m_tiles = skp // abi.CORRECTION_TILE_N, -(-rows // abi.CORRECTION_TILE_M)
+    resident = _sms(q_mean.device) * kernel.blocks_per_sm(abi.CORRECTION_THREADS, smem)
+    grid = (key_tiles, min(m_tiles, max(1, -(-resident // (key_tiles * b * h))), _MAX_GRID_YZ), b * h)
     p = abi.CorrectionParams(
         q_mean=q_mean.data_ptr(), k=_strided(k), dtype=abi.INPUT_DTYPES[_DTYPES[k.dtype]], kv_lens=_ptr(kv_lens),
         kv_lens_int64=kv_lens is not None and kv_lens.dtype == torch.int64, k_mean=k_mean.data_ptr(),
@@ -292,10 +301,8 @@ def correction(q_mean: torch.Tensor, k: torch.Tensor, k_mean: torch.Tensor, q_sc
         delta_stride_b=out.stride(0), delta_stride_h=out.stride(1), delta_stride_blk=out.stride(2),
         batch=b, heads_q=h, heads_kv=hkv, seq_k=sk, seq_k_padded=skp, head_dim=d, head_dim_padded=dp,
         num_q_blocks=nblk, block_begin=block_begin, block_end=block_begin + rows)
-    vec_store = out.data_ptr() % 16 == 0 and all(s % 4 == 0 for s in out.stride()[:3])
-    name = abi.correction_entry(_DTYPES[k.dtype], dp, _vector_loads(k, dp), vec_store)
     with torch.cuda.device(q_mean.device):
-        _kernel(q_mean.device, name).launch(grid, abi.CORRECTION_THREADS, [p], _stream(q_mean.device))
+        kernel.launch(grid, abi.CORRECTION_THREADS, [p], _stream(q_mean.device), smem)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -166,7 +166,8 @@ def correction(qq: KernelQuantizedQKV, block_start: int = 0, block_end: Optional
     Q blocks (the attention kernel's score units), on the GPU.
 
     Keys in natural order; keys past ``kv_lens`` and the padding give 0. Equals
-    :func:`nvfp4_dit.format.correction` up to fp32 summation order. ``out`` (last dim
+    :func:`nvfp4_dit.format.correction` bit for bit (int8 tensor cores on fixed-point limbs,
+    an order-independent integer sum). ``out`` (last dim
     contiguous) is written in place and returned, so one buffer can serve every chunk.
     """
     _check_kernel_quantized(qq)

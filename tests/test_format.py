@@ -219,3 +219,92 @@ def test_quantize_qkv_mxfp8_layouts(gen):
     assert (q_hat[:, :, :200, 80:] == 0).all() and (k_hat[:, :, 200:] == 0).all()
     with pytest.raises(ValueError, match="qk_format"):
         fmt.quantize_qkv(q, k, v, qk_format="e4m3")
+
+
+# ---------------------------------------------------------------------------------------------
+# The correction term: 22-bit fixed point, int8 limbs (the arithmetic of csrc/quantize/correction.cu)
+# ---------------------------------------------------------------------------------------------
+
+def _correction_case(gen, outlier=1.0, h=4, hkv=2, s=300, d=128):
+    q = torch.randn(1, s, h, d, generator=gen) * 2 + 3
+    k = torch.randn(1, s, hkv, d, generator=gen) * 5 + 1
+    k[..., 5] *= outlier
+    return fmt.quantize_qkv(q, k, torch.randn(1, s, hkv, d, generator=gen)), h // hkv
+
+
+def test_correction_fixed_point_rows():
+    x = torch.tensor([[3.0, -1.5, 0.25, 0.0],         # amax 3 in [2, 4): e = 2
+                      [0.0, 0.0, 0.0, 0.0],           # zero row: clamped exponent, zeros
+                      [math.nan, math.inf, 1.0, -0.75],  # non-finite counts as 0
+                      [1e-35, 1e-40, 0.0, 0.0],       # tiny rows: e clamped to -100
+                      [2.0 ** -23, 1.0, 0.0, 0.0]])   # below half a unit of the row: rounds to 0
+    fixed, e = fmt.correction_fixed_point(x)
+    assert e.tolist() == [2, -100, 1, -100, 1]
+    assert fixed[0].tolist() == [3 << 20, -(3 << 19), 1 << 18, 0]
+    assert fixed[1].tolist() == [0] * 4
+    assert fixed[3].tolist() == [round(torch.tensor(1e-35).item() * 2.0 ** 122), 0, 0, 0]
+    assert fixed[2].tolist() == [0, 0, 1 << 21, -(3 << 19)]
+    assert fixed[4].tolist() == [0, 1 << 21, 0, 0]
+    # Ties round to even, and the top of the range is reachable without overflow.
+    ties = torch.tensor([[1.0, 2.0 ** -21 * 1.5, 2.0 ** -21 * 2.5, -(2.0 ** -21) * 0.5]])  # e = 1: unit 2^-21
+    assert fmt.correction_fixed_point(ties)[0][0].tolist() == [1 << 21, 2, 2, 0]
+    top = torch.tensor([[1.0 - 2.0 ** -24]])
+    assert fmt.correction_fixed_point(top)[0].item() == 1 << 22
+
+
+def test_correction_limbs_are_int8_and_recompose():
+    fixed = torch.cat([torch.arange(-(1 << 22), -(1 << 22) + 5000), torch.arange(-70000, 70000, 7),
+                       torch.arange((1 << 22) - 5000, (1 << 22) + 1),
+                       torch.randint(-(1 << 22), (1 << 22) + 1, (100000,), generator=torch.Generator().manual_seed(0))])
+    fixed = fixed.to(torch.int32)
+    l0, l1, l2 = fmt.correction_limbs(fixed)
+    assert torch.equal(l0 * 65536 + l1 * 256 + l2, fixed)
+    assert l0.abs().max() <= 64 and l1.min() >= -128 and l1.max() <= 127 and l2.min() >= -128 and l2.max() <= 127
+
+
+@pytest.mark.parametrize("outlier", [1.0, 20.0])
+def test_correction_equals_the_kernels_int8_accumulators(gen, outlier):
+    """format.correction is the CUDA kernel's arithmetic: eight int8 limb products per element
+    summed in four int32 accumulators (weights 2^32 .. 2^8), one int64 -> fp32 rounding, powers of
+    two. Modelled here in int64, it must equal format.correction bit for bit."""
+    qq, group = _correction_case(gen, outlier)
+    qf, eq = fmt.correction_fixed_point(qq.q_mean)
+    kf, ek = fmt.correction_fixed_point(qq.k_smoothed)
+    q_limbs = [x.long() for x in fmt.correction_limbs(qf)]
+    k_limbs = [x.long().repeat_interleave(group, 1) for x in fmt.correction_limbs(kf)]
+    acc = []
+    for weight in range(4):
+        pairs = [(i, weight - i) for i in range(3) if 0 <= weight - i < 3]
+        terms = [torch.einsum("bhnd,bhkd->bhnk", q_limbs[i], k_limbs[j]) for i, j in pairs]
+        assert all(t.abs().max() < 2 ** 31 for t in terms)  # int32 in the kernel
+        acc.append(sum(terms))
+    total = (acc[0] << 32) + (acc[1] << 24) + (acc[2] << 16) + (acc[3] << 8)
+    key_factor = fmt._pow2(ek.repeat_interleave(group, 1) - 22)[:, :, None, :]
+    row_factor = fmt._pow2(eq - 22) * (1.0 / qq.score_scale())
+    want = (total.float() * key_factor) * row_factor[..., None]
+    assert torch.equal(fmt.correction(qq), want)
+    # Chunking the keys does not change a bit.
+    assert torch.equal(fmt.correction(qq, key_chunk=128), want)
+    assert torch.equal(fmt.correction(qq, 1, 3), want[:, :, 1:3])
+
+
+@pytest.mark.parametrize("outlier", [1.0, 20.0])
+def test_correction_error_bound_against_fp64(gen, outlier):
+    """|delta - exact| <= Dp 2^(eq + ek - 22) / (q_scale k_scale) + 2^-24 |delta| (format.correction),
+    which is below Dp 2^-20 amax|qm| amax|ks|."""
+    qq, group = _correction_case(gen, outlier)
+    qm = qq.q_mean.double()
+    ks = qq.k_smoothed.double().repeat_interleave(group, 1)
+    unit = 1.0 / qq.score_scale().double()[..., None]
+    exact = (qm @ ks.transpose(-1, -2)) * unit
+    err = (fmt.correction(qq).double() - exact).abs()
+    _, eq = fmt.correction_fixed_point(qq.q_mean)
+    _, ek = fmt.correction_fixed_point(qq.k_smoothed)
+    dp = qm.shape[-1]
+    e = (eq[..., None] + ek.repeat_interleave(group, 1)[:, :, None, :] - 22).double()
+    bound = dp * torch.pow(2.0, e) * unit + exact.abs() * 2.0 ** -23
+    assert torch.all(err <= bound)
+    amax = qm.abs().amax(-1)[..., None] * ks.abs().amax(-1)[:, :, None, :]
+    assert torch.all(err <= dp * 2.0 ** -20 * amax * unit + exact.abs() * 2.0 ** -23)
+    # And far below what the FP4 scores carry: relative to the largest entry, under 1e-5.
+    assert err.max() <= 1e-5 * exact.abs().max()

@@ -44,8 +44,7 @@ def _layout_program() -> str:
             lines.append(f'  std::printf("offset {name}.{field} %zu\\n", offsetof({name}, {field}));')
     constants = {
         "ATTENTION_THREADS": "launch::kAttentionThreads", "PROBE_THREADS": "launch::kProbeThreads",
-        "QUANTIZE_THREADS": "launch::kQuantizeThreads", "TILES_MIN_CTAS_PER_SM": "launch::kTilesMinCtasPerSm",
-        "PREFETCH_WAVES": "launch::kPrefetchWaves", "STREAM_THREADS": "launch::kStreamThreads",
+        "QUANTIZE_THREADS": "launch::kQuantizeThreads", "PREFETCH_WAVES": "launch::kPrefetchWaves", "STREAM_THREADS": "launch::kStreamThreads",
         "STREAM_MAX_STAGES": "launch::kStreamMaxStages", "CORRECTION_THREADS": "launch::kCorrectionThreads",
         "CORRECTION_TILE_M": "launch::kCorrectionTileM", "CORRECTION_TILE_N": "launch::kCorrectionTileN",
         "TILE_ROWS": "kTileRows", "KEY_MEAN_CHUNK": "kKeyMeanChunk", "STAT_TENSORS": "kStatTensors",
@@ -56,7 +55,8 @@ def _layout_program() -> str:
     for i, j in itertools.product(range(2), range(2)):
         lines.append(f'  std::printf("const ATTENTION_SMEM_BYTES.{i}.{j} %d\\n", launch::kAttentionSmemBytes[{i}][{j}]);')
     for i in range(2):
-        for py, cpp in (("STREAM_STAGE_BYTES", "kStreamStageBytes"), ("STREAM_FIXED_SMEM_BYTES", "kStreamFixedSmemBytes")):
+        for py, cpp in (("STREAM_STAGE_BYTES", "kStreamStageBytes"), ("STREAM_FIXED_SMEM_BYTES", "kStreamFixedSmemBytes"),
+                        ("CORRECTION_SMEM_BYTES", "kCorrectionSmemBytes")):
             lines.append(f'  std::printf("const {py}.{i} %d\\n", launch::{cpp}[{i}]);')
     for name, value in (("bf16", "kBFloat16"), ("fp16", "kFloat16"), ("fp32", "kFloat32")):
         lines.append(f'  std::printf("dtype {name} %d\\n", int(InputDtype::{value}));')

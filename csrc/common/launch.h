@@ -31,10 +31,9 @@ constexpr int kAttentionSmemBytes[2][2] = {{38912, 75776}, {54272, 79872}};
 // The MMA probes: one warp.
 constexpr int kProbeThreads = 32;
 
-// The tile quantiser: one CTA per work item. Tiles prefetch the input of the item one wave of
-// resident CTAs ahead (kTilesMinCtasPerSm of them per SM, the kernel's __launch_bounds__).
+// The tile quantiser: one CTA per work item. Tiles prefetch the input of the item kPrefetchWaves
+// waves of resident CTAs ahead (the launcher reads the residency off the occupancy API).
 constexpr int kQuantizeThreads = 256;
-constexpr int kTilesMinCtasPerSm = 4;
 constexpr int kPrefetchWaves = 1;
 
 // The streaming quantiser: 8 consumer warps, a producer and a reducer warp; dynamic shared memory
@@ -45,10 +44,12 @@ constexpr int kStreamMaxStages = 8;
 constexpr int kStreamStageBytes[2] = {16384, 32768};
 constexpr int kStreamFixedSmemBytes[2] = {9151, 15295};
 
-// The correction GEMM: CTA tiles of kCorrectionTileM Q blocks x kCorrectionTileN keys.
-constexpr int kCorrectionThreads = 128;
+// The correction GEMM (int8 tensor cores): a CTA owns kCorrectionTileN keys of one head and walks
+// Q blocks kCorrectionTileM at a time; dynamic shared memory per padded head dim 64, 128.
+constexpr int kCorrectionThreads = 256;
 constexpr int kCorrectionTileM = 64;
 constexpr int kCorrectionTileN = 128;
+constexpr int kCorrectionSmemBytes[2] = {47104, 84224};
 
 }  // namespace launch
 }  // namespace nvfp4_dit

@@ -1,176 +1,294 @@
 // The per-Q-block correction delta = qm . (k - km)^T / (q_scale k_scale) for a range of Q blocks
-// (params.h).
+// (params.h), on int8 tensor cores, with a result that does not depend on summation order.
+//
+// Both operands are fixed point per row (nvfp4_dit.format.correction_fixed_point): the row's
+// power-of-two exponent e (|x| < 2^e), X = rint(x 2^(22-e)) in [-2^22, 2^22], split into three
+// signed 8-bit limbs X = l0 2^16 + l1 2^8 + l2. Every limb pair but l2 x l2 (eight s8 m16n8k32
+// MMAs per step), summed per weight 2^32, 2^24, 2^16, 2^8 exactly in int32, gives
+// T = Xq . Xk - lq2 . lk2 as an exact int64, rounded once to fp32 and scaled by powers of two. The
+// reference computes the same integer with exact fp64 products, so the two agree bit for bit;
+// format.correction states the error bound against fp64.
 //
 // The full tensor is B*H*S^2/128 fp32 (17.6 GB at 118,800 tokens x 40 heads), so the pipeline
-// asks for it one chunk of Q blocks at a time, sized to a memory budget, and the attention
-// kernel consumes each chunk. K is read in its input dtype straight from its strides and
-// smoothed on the fly, so no fp32 copy of k - km is ever materialised.
-//
-// One launch per chunk: an fp32 register-tiled GEMM (exact fp32 FMAs, no TF32), CTA tile 64 Q
-// blocks x 128 keys with 128 threads of 8 x 8 outputs each, the head dim in slices of 16 through
-// two shared-memory stages (the next slice's global loads are in flight while the current one is
-// multiplied). Every offset is int64.
+// asks for it one chunk of Q blocks at a time, sized to a memory budget, and the attention kernel
+// consumes each chunk. A CTA owns 128 keys of one head: it reads them once in their input dtype
+// (straight from the caller's strides, smoothed on the fly), keeps their limbs in shared memory
+// and walks its share of the chunk's Q blocks 64 at a time. Every offset is int64.
 #include <cuda_fp16.h>
 
 #include "common/launch.h"
+#include "common/ldmatrix.cuh"
 #include "quantize/params.h"
 #include "quantize/quantize_math.cuh"
 
 namespace nvfp4_dit {
 namespace {
 
-constexpr int kThreads = launch::kCorrectionThreads;
-constexpr int kTileM = launch::kCorrectionTileM;  // Q blocks per CTA
-constexpr int kTileN = launch::kCorrectionTileN;  // keys per CTA (one per thread when loading)
-constexpr int kSliceD = 16;   // head-dim slice per pipeline stage (two stages in shared memory)
-constexpr int kPadN = 4;      // keeps float4 alignment, breaks the row-to-row bank pattern
+constexpr int kThreads = launch::kCorrectionThreads;  // 8 warps: 4 (Q blocks, m16 each) x 2 (keys, 64 each)
+constexpr int kTileM = launch::kCorrectionTileM;      // Q blocks per step
+constexpr int kTileN = launch::kCorrectionTileN;      // keys per CTA
+constexpr int kFixedBits = 22;
+constexpr int kExponentLimit = 100;  // row exponents are clamped to [-100, 100]
+constexpr int kLimbs = 3;
+constexpr int kWeights = 4;  // limb pairs of weight 2^32, 2^24, 2^16, 2^8 (l2 x l2, weight 1, is left out)
+constexpr int kRowPad = 16;  // bytes: rows stay 16-byte aligned for ldmatrix, and 8 rows hit 8 distinct bank quads
 
-// One thread's share of a slice, held in registers between the global load and the shared store
-// (software pipelining: the next slice is in flight while the current one is multiplied).
-template <InputDtype DT>
-struct SliceRegs {
-  using Raw = typename InputTraits<DT>::Raw;
-  static constexpr int kKWords = kSliceD * int(sizeof(Raw)) / 4;  // 16 key elements
-  float4 qm[2];            // 8 consecutive q_mean values of one Q block
-  uint32_t k[kKWords];     // 16 consecutive head-dim elements of one key, input encoding
+template <int DP>
+struct CorrectionSmem {
+  static constexpr int kRow = DP + kRowPad;
+  int8_t k[kLimbs][kTileN][kRow];  // limb l of the fixed-point smoothed keys
+  int8_t q[kLimbs][kTileM][kRow];  // limb l of the fixed-point Q block means of the current step
+  float km[DP];
+  float key_factor[kTileN];  // 2^(ek - 22)
+  float row_factor[kTileM];  // 2^(eq - 22) / (q_scale k_scale)
 };
+static_assert(sizeof(CorrectionSmem<64>) == launch::kCorrectionSmemBytes[0], "launch.h: correction shared memory");
+static_assert(sizeof(CorrectionSmem<128>) == launch::kCorrectionSmemBytes[1], "launch.h: correction shared memory");
 
-template <InputDtype DT, int DP, bool VEC_LOAD>
-__device__ __forceinline__ void load_slice(SliceRegs<DT>& r, const CorrectionParams& p, const float* qm_row,
-                                           bool m_valid, const typename InputTraits<DT>::Raw* k_row, bool key_valid,
-                                           int d0) {
-  using Raw = typename InputTraits<DT>::Raw;
-  const int dq = (threadIdx.x / kTileM) * 8;  // this thread's 8 columns of the q_mean slice
-  const float4 zero4 = make_float4(0.f, 0.f, 0.f, 0.f);
-  r.qm[0] = m_valid ? *reinterpret_cast<const float4*>(qm_row + d0 + dq) : zero4;
-  r.qm[1] = m_valid ? *reinterpret_cast<const float4*>(qm_row + d0 + dq + 4) : zero4;
-  if constexpr (VEC_LOAD) {
-    const uint4* src = reinterpret_cast<const uint4*>(k_row + d0);
+__device__ __forceinline__ float pow2(int e) { return __uint_as_float(static_cast<uint32_t>(e + 127) << 23); }
+
+// Non-finite inputs become 0 so that every integer below is defined (the output of such blocks
+// is poisoned downstream anyway).
+__device__ __forceinline__ float finite_or_zero(float x) {
+  return (__float_as_uint(x) & 0x7F800000u) == 0x7F800000u ? 0.0f : x;
+}
+
+// The row exponent e of a row whose largest |x| is amax: |x| < 2^e (amax's biased exponent - 126).
+__device__ __forceinline__ int row_exponent(float amax) {
+  const int e = static_cast<int>((__float_as_uint(amax) >> 23) & 0xFFu) - 126;
+  return min(max(e, -kExponentLimit), kExponentLimit);
+}
+
+// Four consecutive values of a row -> one 32-bit word per limb (byte i = value i).
+__device__ __forceinline__ void limb_words(const float* v, float mult, uint32_t (&w)[kLimbs]) {
+  w[0] = w[1] = w[2] = 0u;
 #pragma unroll
-    for (int i = 0; i < SliceRegs<DT>::kKWords / 4; ++i) {
-      const uint4 t = key_valid ? __ldg(src + i) : make_uint4(0, 0, 0, 0);
-      r.k[4 * i] = t.x;
-      r.k[4 * i + 1] = t.y;
-      r.k[4 * i + 2] = t.z;
-      r.k[4 * i + 3] = t.w;
-    }
-  } else {
-#pragma unroll
-    for (int e = 0; e < kSliceD; ++e) {
-      const int d = d0 + e;
-      const uint32_t x = (key_valid && d < p.head_dim) ? static_cast<uint32_t>(k_row[d * p.k.stride_d]) : 0u;
-      if constexpr (sizeof(Raw) == 2) {
-        if (e & 1) r.k[e >> 1] |= x << 16;
-        else r.k[e >> 1] = x;
-      } else {
-        r.k[e] = x;
-      }
-    }
+  for (int i = 0; i < 4; ++i) {
+    const int x = min(max(__float2int_rn(v[i] * mult), -(1 << kFixedBits)), 1 << kFixedBits);
+    const int l2 = ((x + 128) & 255) - 128;
+    const int x1 = (x - l2) >> 8;
+    const int l1 = ((x1 + 128) & 255) - 128;
+    const int l0 = (x1 - l1) >> 8;
+    w[0] |= static_cast<uint32_t>(l0 & 255) << (8 * i);
+    w[1] |= static_cast<uint32_t>(l1 & 255) << (8 * i);
+    w[2] |= static_cast<uint32_t>(l2 & 255) << (8 * i);
   }
 }
 
-template <InputDtype DT>
-__device__ __forceinline__ float slice_k(const SliceRegs<DT>& r, int e) {
+// Two threads per key, half a row each: load, smooth, exponent of the whole row, limbs.
+template <InputDtype DT, int DP, bool VEC_LOAD>
+__device__ __forceinline__ void convert_keys(CorrectionSmem<DP>& s, const CorrectionParams& p,
+                                             const typename InputTraits<DT>::Raw* k_row, bool key_valid) {
   using Raw = typename InputTraits<DT>::Raw;
-  if constexpr (sizeof(Raw) == 2) {
-    const uint32_t w = r.k[e >> 1];
-    return InputTraits<DT>::to_float((e & 1) ? (w >> 16) : (w & 0xFFFFu));
+  constexpr int kHalf = DP / 2;
+  const int key = threadIdx.x >> 1, d0 = (threadIdx.x & 1) * kHalf;
+  float v[kHalf];
+  if constexpr (VEC_LOAD) {
+    constexpr int kWords = kHalf * int(sizeof(Raw)) / 4;
+    uint32_t w[kWords];
+    const uint4* src = reinterpret_cast<const uint4*>(k_row + d0);
+#pragma unroll
+    for (int i = 0; i < kWords / 4; ++i) {
+      const uint4 t = key_valid ? __ldg(src + i) : make_uint4(0, 0, 0, 0);
+      w[4 * i] = t.x;
+      w[4 * i + 1] = t.y;
+      w[4 * i + 2] = t.z;
+      w[4 * i + 3] = t.w;
+    }
+#pragma unroll
+    for (int e = 0; e < kHalf; ++e) {
+      if constexpr (sizeof(Raw) == 2) {
+        v[e] = InputTraits<DT>::to_float((e & 1) ? (w[e >> 1] >> 16) : (w[e >> 1] & 0xFFFFu));
+      } else {
+        v[e] = InputTraits<DT>::to_float(w[e]);
+      }
+    }
   } else {
-    return __uint_as_float(r.k[e]);
+#pragma unroll
+    for (int e = 0; e < kHalf; ++e) {
+      const int d = d0 + e;
+      v[e] = (key_valid && d < p.head_dim) ? InputTraits<DT>::to_float(k_row[d * p.k.stride_d]) : 0.0f;
+    }
   }
+  float amax = 0.0f;
+#pragma unroll
+  for (int e = 0; e < kHalf; ++e) {
+    // Padded keys (and the padded head-dim columns, where km is 0) stay exactly zero.
+    v[e] = key_valid ? finite_or_zero(v[e] - s.km[d0 + e]) : 0.0f;
+    amax = fmaxf(amax, fabsf(v[e]));
+  }
+  amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 1));
+  const int e = row_exponent(amax);
+  if ((threadIdx.x & 1) == 0) s.key_factor[key] = pow2(e - kFixedBits);
+  const float mult = pow2(kFixedBits - e);
+#pragma unroll
+  for (int c = 0; c < kHalf / 4; ++c) {
+    uint32_t w[kLimbs];
+    limb_words(v + 4 * c, mult, w);
+#pragma unroll
+    for (int l = 0; l < kLimbs; ++l) *reinterpret_cast<uint32_t*>(&s.k[l][key][d0 + 4 * c]) = w[l];
+  }
+}
+
+// Four threads per Q block, a quarter row each.
+template <int DP>
+__device__ __forceinline__ void convert_q_means(CorrectionSmem<DP>& s, const CorrectionParams& p, int64_t bh,
+                                                int64_t m0, int64_t n_rows, float k_scale) {
+  constexpr int kQuarter = DP / 4;
+  const int r = threadIdx.x >> 2, d0 = (threadIdx.x & 3) * kQuarter;
+  const int64_t m = m0 + r;
+  const bool valid = m < n_rows;
+  const int64_t block = bh * p.num_q_blocks + p.block_begin + (valid ? m : 0);
+  const float4* src = reinterpret_cast<const float4*>(p.q_mean + block * DP + d0);
+  float v[kQuarter];
+  float amax = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kQuarter / 4; ++i) {
+    const float4 t = valid ? __ldg(src + i) : make_float4(0.f, 0.f, 0.f, 0.f);
+    v[4 * i] = finite_or_zero(t.x);
+    v[4 * i + 1] = finite_or_zero(t.y);
+    v[4 * i + 2] = finite_or_zero(t.z);
+    v[4 * i + 3] = finite_or_zero(t.w);
+  }
+#pragma unroll
+  for (int e = 0; e < kQuarter; ++e) amax = fmaxf(amax, fabsf(v[e]));
+  amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 1));
+  amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 2));
+  const int e = row_exponent(amax);
+  if ((threadIdx.x & 3) == 0) {
+    // To the attention kernel's score units: 1 / (q_scale k_scale) is a power of two, so exact.
+    s.row_factor[r] = valid ? pow2(e - kFixedBits) * __frcp_rn(p.q_scale[block] * k_scale) : 0.0f;
+  }
+  const float mult = pow2(kFixedBits - e);
+#pragma unroll
+  for (int c = 0; c < kQuarter / 4; ++c) {
+    uint32_t w[kLimbs];
+    limb_words(v + 4 * c, mult, w);
+#pragma unroll
+    for (int l = 0; l < kLimbs; ++l) *reinterpret_cast<uint32_t*>(&s.q[l][r][d0 + 4 * c]) = w[l];
+  }
+}
+
+__device__ __forceinline__ void mma_s8(int32_t (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
 template <InputDtype DT, int DP, bool VEC_LOAD, bool VEC_STORE>
 __device__ __forceinline__ void correction_kernel(const CorrectionParams& p) {
   using Raw = typename InputTraits<DT>::Raw;
-  __shared__ __align__(16) float qs[2][kSliceD][kTileM];
-  __shared__ __align__(16) float ks[2][kSliceD][kTileN + kPadN];
-  __shared__ float km_s[DP];
+  using Smem = CorrectionSmem<DP>;
+  constexpr int kRow = Smem::kRow;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  Smem& s = *reinterpret_cast<Smem*>(smem_raw);
 
   const int64_t key0 = int64_t(blockIdx.x) * kTileN;
-  const int64_t m0 = int64_t(blockIdx.y) * kTileM;
   const int64_t bh = blockIdx.z;  // b * H + h
   const int64_t b = bh / p.heads_q, h = bh % p.heads_q;
   const int64_t kvh = h / (p.heads_q / p.heads_kv);
   const int64_t n_rows = p.block_end - p.block_begin;
   const int64_t n_valid = valid_key_count(p, b);  // keys past kv_lens[b] are padding: k_s = 0
 
-  for (int d = threadIdx.x; d < DP; d += kThreads) km_s[d] = p.k_mean[(b * p.heads_kv + kvh) * DP + d];
+  for (int d = threadIdx.x; d < DP; d += kThreads) s.km[d] = p.k_mean[(b * p.heads_kv + kvh) * DP + d];
+  __syncthreads();
 
-  // Loader roles: q_mean row (threadIdx.x % 64) and column half (threadIdx.x / 64); key threadIdx.x.
-  const int lm = threadIdx.x % kTileM, lq = (threadIdx.x / kTileM) * 8;
-  const bool m_valid = m0 + lm < n_rows;
-  const float* qm_row = p.q_mean + (bh * p.num_q_blocks + p.block_begin + m0 + lm) * DP;
-  const int64_t key = key0 + threadIdx.x;
+  const int64_t key = key0 + (threadIdx.x >> 1);
   const bool key_valid = key < n_valid;
   const Raw* k_row = static_cast<const Raw*>(p.k.ptr) + b * p.k.stride_b + kvh * p.k.stride_h +
                      (key_valid ? key : 0) * p.k.stride_s;
+  convert_keys<DT, DP, VEC_LOAD>(s, p, k_row, key_valid);
 
-  // Compute roles: 8 Q blocks (tm) x 8 keys (tn*4 + j and 64 + tn*4 + j).
-  const int tn = threadIdx.x % 16, tm = threadIdx.x / 16;
-  float acc[8][8];
-#pragma unroll
-  for (int i = 0; i < 8; ++i)
-#pragma unroll
-    for (int j = 0; j < 8; ++j) acc[i][j] = 0.0f;
-
-  SliceRegs<DT> regs;
-  __syncthreads();  // km_s
-  auto store_slice = [&](int buf, int d0) {
-    const float qv[8] = {regs.qm[0].x, regs.qm[0].y, regs.qm[0].z, regs.qm[0].w,
-                         regs.qm[1].x, regs.qm[1].y, regs.qm[1].z, regs.qm[1].w};
-#pragma unroll
-    for (int e = 0; e < 8; ++e) qs[buf][lq + e][lm] = qv[e];
-#pragma unroll
-    for (int e = 0; e < kSliceD; ++e) {
-      // Padded keys (and the padded head-dim columns, where km is 0) stay exactly zero.
-      ks[buf][e][threadIdx.x] = key_valid ? slice_k<DT>(regs, e) - km_s[d0 + e] : 0.0f;
-    }
-  };
-
-  load_slice<DT, DP, VEC_LOAD>(regs, p, qm_row, m_valid, k_row, key_valid, 0);
-  store_slice(0, 0);
-  __syncthreads();
-  constexpr int kSlices = DP / kSliceD;
-#pragma unroll 1
-  for (int s = 0; s < kSlices; ++s) {
-    const int buf = s & 1;
-    if (s + 1 < kSlices) load_slice<DT, DP, VEC_LOAD>(regs, p, qm_row, m_valid, k_row, key_valid, (s + 1) * kSliceD);
-#pragma unroll
-    for (int kk = 0; kk < kSliceD; ++kk) {
-      const float4 a0 = *reinterpret_cast<const float4*>(&qs[buf][kk][tm * 8]);
-      const float4 a1 = *reinterpret_cast<const float4*>(&qs[buf][kk][tm * 8 + 4]);
-      const float4 b0 = *reinterpret_cast<const float4*>(&ks[buf][kk][tn * 4]);
-      const float4 b1 = *reinterpret_cast<const float4*>(&ks[buf][kk][64 + tn * 4]);
-      const float av[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
-      const float bv[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
-#pragma unroll
-      for (int i = 0; i < 8; ++i)
-#pragma unroll
-        for (int j = 0; j < 8; ++j) acc[i][j] = fmaf(av[i], bv[j], acc[i][j]);
-    }
-    if (s + 1 < kSlices) store_slice(buf ^ 1, (s + 1) * kSliceD);
-    __syncthreads();
-  }
-
-  float* out = p.delta + b * p.delta_stride_b + h * p.delta_stride_h;
   const float k_scale = p.k_scale[b * p.heads_kv + kvh];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int wm = warp & 3, wn = warp >> 2;  // Q blocks [16 wm, 16 wm + 16), keys [64 wn, 64 wn + 64)
+  // ldmatrix.x4 row addresses. A (Q limbs): matrix j = lane / 8 covers rows 8 (j & 1).., bytes
+  // 16 (j >> 1).. of a 16 x 32 fragment. B (key limbs): matrix j covers keys 8 (j >> 1).., bytes
+  // 16 (j & 1).., so results 0, 1 are the b0, b1 of one n8 tile and 2, 3 those of the next.
+  const int j = lane >> 3;
+  const uint32_t q_addr = static_cast<uint32_t>(
+      __cvta_generic_to_shared(&s.q[0][wm * 16 + (j & 1) * 8 + (lane & 7)][(j >> 1) * 16]));
+  const uint32_t k_addr = static_cast<uint32_t>(
+      __cvta_generic_to_shared(&s.k[0][wn * 64 + (j >> 1) * 8 + (lane & 7)][(j & 1) * 16]));
+  constexpr uint32_t kQLimbBytes = kTileM * kRow, kKLimbBytes = kTileN * kRow;
+  float* out = p.delta + b * p.delta_stride_b + h * p.delta_stride_h;
+
+#pragma unroll 1
+  for (int64_t m0 = int64_t(blockIdx.y) * kTileM; m0 < n_rows; m0 += int64_t(gridDim.y) * kTileM) {
+    __syncthreads();  // the previous step's fragments are read; the key limbs are written
+    convert_q_means<DP>(s, p, bh, m0, n_rows, k_scale);
+    __syncthreads();
+
+    // Two passes of 32 keys per warp keep the accumulators at 64 registers (two CTAs per SM).
+#pragma unroll 1
+    for (int pass = 0; pass < 2; ++pass) {
+      // acc[w][tile]: the limb pairs of weight 2^(32 - 8w), per n8 tile of the pass's 32 keys.
+      int32_t acc[kWeights][4][4];
 #pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const int64_t m = m0 + tm * 8 + i;
-    if (m >= n_rows) continue;
-    float* row = out + m * p.delta_stride_blk + key0;
-    // To the attention kernel's score units: a power of two, so the product is exact.
-    const float unit = __frcp_rn(p.q_scale[bh * p.num_q_blocks + p.block_begin + m] * k_scale);
+      for (int w = 0; w < kWeights; ++w)
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int n = half * 64 + tn * 4;
-      if constexpr (VEC_STORE) {
-        *reinterpret_cast<float4*>(row + n) = make_float4(acc[i][4 * half] * unit, acc[i][4 * half + 1] * unit,
-                                                          acc[i][4 * half + 2] * unit, acc[i][4 * half + 3] * unit);
-      } else {
+        for (int t = 0; t < 4; ++t)
 #pragma unroll
-        for (int j = 0; j < 4; ++j) row[n + j] = acc[i][4 * half + j] * unit;
+          for (int i = 0; i < 4; ++i) acc[w][t][i] = 0;
+
+#pragma unroll
+      for (int kk = 0; kk < DP / 32; ++kk) {
+        uint32_t a[kLimbs][4];
+#pragma unroll
+        for (int l = 0; l < kLimbs; ++l) detail::ldmatrix_x4(a[l], q_addr + l * kQLimbBytes + kk * 32);
+#pragma unroll
+        for (int pair = 0; pair < 2; ++pair) {
+          uint32_t bf[kLimbs][4];
+#pragma unroll
+          for (int l = 0; l < kLimbs; ++l)
+            detail::ldmatrix_x4(bf[l], k_addr + l * kKLimbBytes + (pass * 2 + pair) * 16 * kRow + kk * 32);
+#pragma unroll
+          for (int x = 0; x < 2; ++x) {
+            int32_t(&c0)[4] = acc[0][2 * pair + x];
+            int32_t(&c1)[4] = acc[1][2 * pair + x];
+            int32_t(&c2)[4] = acc[2][2 * pair + x];
+            int32_t(&c3)[4] = acc[3][2 * pair + x];
+            mma_s8(c0, a[0], bf[0][2 * x], bf[0][2 * x + 1]);
+            mma_s8(c1, a[0], bf[1][2 * x], bf[1][2 * x + 1]);
+            mma_s8(c1, a[1], bf[0][2 * x], bf[0][2 * x + 1]);
+            mma_s8(c2, a[0], bf[2][2 * x], bf[2][2 * x + 1]);
+            mma_s8(c2, a[1], bf[1][2 * x], bf[1][2 * x + 1]);
+            mma_s8(c2, a[2], bf[0][2 * x], bf[0][2 * x + 1]);
+            mma_s8(c3, a[1], bf[2][2 * x], bf[2][2 * x + 1]);
+            mma_s8(c3, a[2], bf[1][2 * x], bf[1][2 * x + 1]);
+          }
+        }
+      }
+
+      // C fragment: registers 0, 1 are row g, keys 2 tig, 2 tig + 1 of the tile; 2, 3 are row g + 8.
+      const int g = lane >> 2, tig = lane & 3;
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int r = wm * 16 + g + 8 * half;
+        const int64_t m = m0 + r;
+        if (m >= n_rows) continue;
+        const float rf = s.row_factor[r];
+        float* row = out + m * p.delta_stride_blk + key0;
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+          const int n = wn * 64 + pass * 32 + t * 8 + 2 * tig;
+          float v[2];
+#pragma unroll
+          for (int i = 0; i < 2; ++i) {
+            const int c = 2 * half + i;
+            const int64_t total = (int64_t(acc[0][t][c]) << 32) + (int64_t(acc[1][t][c]) << 24) +
+                                  (int64_t(acc[2][t][c]) << 16) + (int64_t(acc[3][t][c]) << 8);
+            v[i] = (__ll2float_rn(total) * s.key_factor[n + i]) * rf;
+          }
+          if constexpr (VEC_STORE) {
+            *reinterpret_cast<float2*>(row + n) = make_float2(v[0], v[1]);
+          } else {
+            row[n] = v[0];
+            row[n + 1] = v[1];
+          }
+        }
       }
     }
   }
@@ -180,9 +298,9 @@ __device__ __forceinline__ void correction_kernel(const CorrectionParams& p) {
 }  // namespace nvfp4_dit
 
 // Entry points (common/launch.h): every input dtype and padded head dim, 16-byte or scalar loads of
-// K (16-byte ones need D == Dp, unit stride and 16-byte rows) and float4 or scalar stores of delta.
+// K (16-byte ones need D == Dp, unit stride and 16-byte rows) and 8-byte or scalar stores of delta.
 #define NVFP4_DIT_CORRECTION_ENTRY(NAME, DT, DP, LOAD, VEC_LOAD, STORE, VEC_STORE)                            \
-  extern "C" __global__ void __launch_bounds__(nvfp4_dit::kThreads)                                          \
+  extern "C" __global__ void __launch_bounds__(nvfp4_dit::kThreads, 2)                                       \
       nvfp4_dit_correction_##NAME##_d##DP##_##LOAD##_##STORE(const __grid_constant__ nvfp4_dit::CorrectionParams p) {         \
     nvfp4_dit::correction_kernel<nvfp4_dit::InputDtype::DT, DP, VEC_LOAD, VEC_STORE>(p);                    \
   }

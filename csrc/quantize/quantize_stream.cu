@@ -42,6 +42,13 @@ namespace {
 constexpr int kConsumerWarps = 8;
 constexpr int kConsumers = kConsumerWarps * 32;
 constexpr int kStreamThreads = kConsumers + 64;    // + the producer and the reducer warp
+// Two CTAs per SM where two fit (sm_90); sm_120's 100 KB of shared memory holds one (the launcher
+// takes this kernel there only when forced), so it gets the registers of one and does not spill.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1200
+constexpr int kStreamMinCtasPerSm = 1;
+#else
+constexpr int kStreamMinCtasPerSm = 2;
+#endif
 constexpr int kMaxStages = 8;
 constexpr int kStatJobs = 8;  // statistics tiles handed from the consumers to the reducer warp, in flight
 
@@ -828,7 +835,7 @@ static_assert(launch::kStreamThreads == kStreamThreads && launch::kStreamMaxStag
 
 // Entry points (common/launch.h).
 #define NVFP4_DIT_STREAM_ENTRY(NAME, DT, DP)                                                             \
-  extern "C" __global__ void __launch_bounds__(nvfp4_dit::kStreamThreads, 2)                              \
+  extern "C" __global__ void __launch_bounds__(nvfp4_dit::kStreamThreads, nvfp4_dit::kStreamMinCtasPerSm) \
       nvfp4_dit_quantize_stream_##NAME##_d##DP(const __grid_constant__ nvfp4_dit::QuantizeQkvParams p,                      \
                                                const __grid_constant__ nvfp4_dit::StreamMaps maps,        \
                                                int num_stages, const nvfp4_dit::ScheduleShape shape) {    \

@@ -38,13 +38,22 @@ namespace nvfp4_dit {
 namespace {
 
 constexpr int kThreads = launch::kQuantizeThreads;
-// CTAs per SM for __launch_bounds__: 4 caps registers at 64 (a few bytes spill on bf16/fp16 with
-// D = 128), and the extra warps hide more memory latency than the spill costs (faster than 3 or 2
-// on the H200).
-constexpr int kMinCtasPerSm = launch::kTilesMinCtasPerSm;
+// CTAs per SM for __launch_bounds__ (the launcher reads the resulting occupancy for the prefetch
+// distance). sm_80/sm_90: 4 caps registers at 64 (a few bytes spill on bf16/fp16 with D = 128), and
+// the extra warps hide more memory latency than the spill costs (faster than 3 or 2 on the H200).
+// sm_120/sm_121 compile without spills: 2 (128 registers), 1 for the MXFP8 tiles (152 registers
+// at D = 128) and the statistics chunks.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1200
+constexpr int kMinCtasPerSm = 2;
+constexpr int kMxfp8MinCtasPerSm = 1;
+constexpr int kKeyStatsMinCtasPerSm = 1;
+#else
+constexpr int kMinCtasPerSm = 4;
+constexpr int kMxfp8MinCtasPerSm = 4;
 // The statistics chunks keep a sum, a minimum and a maximum of 16 columns per thread (48
 // registers) next to their loads in flight: two CTAs per SM (128 registers) hold them unspilled.
 constexpr int kKeyStatsMinCtasPerSm = 2;
+#endif
 constexpr int kWarps = kThreads / 32;
 constexpr int kVTileBytes = 32 * 1024;  // shared memory of one V sub-tile
 
@@ -736,7 +745,7 @@ __device__ __forceinline__ void balance_statistics_kernel(const QuantizeQkvParam
                                                                int64_t prefetch_distance) {                      \
     nvfp4_dit::tiles_kernel<nvfp4_dit::InputDtype::DT, DP, VEC, false>(p, prefetch_distance);                   \
   }                                                                                                              \
-  extern "C" __global__ void __launch_bounds__(nvfp4_dit::kThreads, nvfp4_dit::kMinCtasPerSm)                   \
+  extern "C" __global__ void __launch_bounds__(nvfp4_dit::kThreads, nvfp4_dit::kMxfp8MinCtasPerSm)             \
       nvfp4_dit_quantize_tiles_##NAME##_d##DP##_##LOAD##_mxfp8(const __grid_constant__ nvfp4_dit::QuantizeQkvParams p,            \
                                                                int64_t prefetch_distance) {                      \
     nvfp4_dit::tiles_kernel<nvfp4_dit::InputDtype::DT, DP, VEC, true>(p, prefetch_distance);                    \
