@@ -18,8 +18,10 @@ Checks, per kernel instantiation:
     ue8m0 scale_vec::1X) (128/8) * (D/32) times, all in the loop (64 at D=128, 32 at D=64), with
     thread-id-a 0, thread-id-b 0..3 and each byte-id 0..min(4, D/32)-1 on equal shares (encoding
     read off the 32 8-bit probe kernels), and the FP4 P·V as above (2 x 32 or 2 x 16 OMMA);
-  * ptxas: 0 bytes of spill stores/loads and no stack frame; SASS: no local loads/stores.
-Prints a markdown table; exit status 1 if a check fails.
+  * ptxas: 0 bytes of spill stores/loads and no stack frame; SASS: no local loads/stores;
+  * the preparation kernels (quantisers and correction): 0 bytes of spills, and each correction
+    kernel holds its s8 m16n8k32 ``IMMA.16832.S8.S8`` as often as its loop implies.
+Prints markdown tables; exit status 1 if a check fails.
 
 Needs nvcc, and cuobjdump + nvdisasm (PATH, PyPI ``nvidia-cuda-cuobjdump`` /
 ``nvidia-cuda-nvdisasm``, or the copies in torch's ``triton`` wheel).
@@ -43,6 +45,9 @@ from nvfp4_dit import format as fmt
 CSRC = build.csrc_dir()
 OMMA = "OMMA.SF.16864.F32.E2M1.E2M1.UE4M3.4X"
 QMMA = "QMMA.SF.16832.F32.E4M3.E4M3.E8"   # m16n8k32 kind::mxf8f6f4 e4m3, ue8m0 scale_vec::1X
+IMMA = "IMMA.16832.S8.S8"                 # m16n8k32 s8 x s8 -> s32 (the correction GEMM)
+PREPARATION_UNITS = ("quantize/quantize_tiles.cu", "quantize/quantize_stream.cu", "quantize/correction.cu")
+CORRECTION_PREFIX = "nvfp4_dit_correction_"
 UNITS = {d: f"attention/attention_fwd_native_d{d}.cu" for d in fmt.SUPPORTED_HEAD_DIMS}
 MX_UNITS = {d: f"attention/attention_fwd_native_mxfp8_d{d}.cu" for d in fmt.SUPPORTED_HEAD_DIMS}
 ARCHS = tuple(a[3:] for a in build.NATIVE_ARCHS)  # "120a", "121a"
@@ -71,6 +76,12 @@ def expected_mx_mma_in_sass(head_dim: int, block_n: int = 128) -> tuple[int, int
     """(8-bit QK m16n8k32 MMAs, FP4 PV MMAs) in the SASS of an MXFP8 Q·Kᵀ kernel."""
     _, pv = mma_per_warp_tile(head_dim, block_n)
     return (block_n // 8) * (head_dim // 32), 2 * pv
+
+
+def expected_correction_imma(head_dim_padded: int) -> int:
+    """s8 MMAs in the SASS of a correction kernel: 8 limb pairs x Dp/32 k-steps x 4 n8 tiles of one
+    32-key pass (the warp's second pass runs the same loop body)."""
+    return 8 * (head_dim_padded // 32) * 4
 
 
 def find_tool(name: str) -> str | None:
@@ -148,12 +159,14 @@ def sass_counts(sass: str) -> dict[str, dict]:
         m = re.search(r"Function : (\S+)", line)
         if m:
             current, uniform = m.group(1), {}
-            counts[current] = {"omma": 0, "qmma": 0, "local": 0, "selectors": [], "qmma_selectors": []}
+            counts[current] = {"omma": 0, "qmma": 0, "imma": 0, "local": 0, "selectors": [], "qmma_selectors": []}
             continue
         m = _INSTRUCTION.search(line)
         if current is None or m is None:
             continue
         opcode, operands = m.group(1), [o.strip() for o in m.group(2).split(",")]
+        if opcode == IMMA:
+            counts[current]["imma"] += 1
         if opcode in (OMMA, QMMA):
             key = "omma" if opcode == OMMA else "qmma"
             counts[current][key] += 1
@@ -287,6 +300,28 @@ def check(archs=ARCHS, head_dims=fmt.SUPPORTED_HEAD_DIMS, qk_formats=fmt.QK_FORM
     return rows, failures
 
 
+def check_preparation(archs=ARCHS) -> tuple[list[dict], list[str]]:
+    """Spills of every quantiser and correction kernel, and the correction's IMMA count."""
+    rows, failures = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        for arch in archs:
+            for unit in PREPARATION_UNITS:
+                cubin, log = compile_cubin(unit, arch, Path(tmp))
+                sass = sass_counts(disassemble(cubin))
+                for kernel, p in sorted(parse_ptxas(log).items()):
+                    imma = sass.get(kernel, {}).get("imma", 0)
+                    want = (expected_correction_imma(int(re.search(r"_d(\d+)_", kernel).group(1)))
+                            if kernel.startswith(CORRECTION_PREFIX) else 0)
+                    row = dict(arch=f"sm_{arch}", kernel=kernel, registers=p.get("registers"),
+                               spill=p.get("spill_stores", -1) + p.get("spill_loads", -1), imma=imma, expected_imma=want)
+                    rows.append(row)
+                    if row["spill"] != 0:
+                        failures.append(f"sm_{arch} {kernel}: spills {row['spill']} B")
+                    if imma != want:
+                        failures.append(f"sm_{arch} {kernel}: {imma} {IMMA} in SASS, expected {want}")
+    return rows, failures
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", action="append", help="e.g. 120a (default: 120a and 121a)")
@@ -300,9 +335,14 @@ def main() -> int:
         print(f"| {r['arch']} | {r['head_dim']} | {r['qk_format']} | {r['lse']} | {r['omma']} ({r['expected']}) | "
               f"{r['selectors']} | {r['qmma']} ({r['expected_qmma']}) | {r['qmma_selectors'] or '-'} | "
               f"{r['registers']} | {r['spill']} | {r['stack']} | {r['local']} | {r['smem']} |")
-    for f in failures:
+    prep_rows, prep_failures = check_preparation(tuple(args.arch) if args.arch else ARCHS)
+    print("\n| arch | preparation kernel | registers | spill B | IMMA in SASS (expected) |")
+    print("|---|---|---|---|---|")
+    for r in prep_rows:
+        print(f"| {r['arch']} | {r['kernel']} | {r['registers']} | {r['spill']} | {r['imma']} ({r['expected_imma']}) |")
+    for f in failures + prep_failures:
         print("FAIL:", f)
-    return 1 if failures else 0
+    return 1 if failures or prep_failures else 0
 
 
 if __name__ == "__main__":

@@ -31,6 +31,16 @@ def test_native_sass_has_fp4_mma_and_no_spills():
     assert not failures, "\n".join(failures)
 
 
+@pytest.mark.skipif(check_sass.find_tool("nvcc") is None, reason="needs nvcc")
+def test_native_preparation_kernels_do_not_spill():
+    """The quantisers and the correction for sm_120a/sm_121a: no spills; the correction's int8 MMAs."""
+    rows, failures = check_sass.check_preparation()
+    correction = [r for r in rows if r["kernel"].startswith(check_sass.CORRECTION_PREFIX)]
+    assert len(correction) == 2 * 24 and all(r["imma"] in (64, 128) for r in correction)
+    assert len(rows) == len(correction) + 2 * (48 + 4)   # and the tile and streaming quantisers' entries
+    assert not failures, "\n".join(failures)
+
+
 _OMMA_LINE = "        /*{:04x}*/                   {} R4, R8, R12, R4, R16, R17, {} ;  /* 0x0 */"
 
 
