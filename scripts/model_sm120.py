@@ -29,6 +29,14 @@ Assumptions (sm_120, per SM sub-partition (SMSP) unless said; 8 warps per CTA, 1
   * boost clocks from NVIDIA's spec sheets: RTX 5090 2.407 GHz, 170 SMs; RTX PRO 6000 Blackwell
     2.617 GHz, 188 SMs. FP4 peak = SMs x 4 SMSPs x 16x8x64x2 FLOP / 16 clocks x clock.
 
+The preparation (quantisation + correction) is modelled separately from its bytes and int8
+operations at the board's memory bandwidth (1.792 TB/s, GDDR7 on both boards) and int8 tensor rate
+(SMs x 4 SMSPs x 16x8x32x2 / 16 clocks x clock), memory and tensor overlapped perfectly; B=1, H=40,
+D=128 bf16 NHD inputs, balance_qk on, the default 1 GiB correction budget. Quantisation reads Q, K
+and V twice each (statistics, then quantisation) and writes codes, scales, means and q . km; each
+correction chunk reads K once and writes its rows of delta. Its share is against the modelled
+attention time at the nvfp4 D=128 non-causal TFLOP/s above.
+
     python scripts/model_sm120.py            # table
     python scripts/model_sm120.py --json     # rows as JSON
     python scripts/model_sm120.py --check    # fail if a modelled tile is > 2 % slower than the baseline
@@ -57,6 +65,8 @@ ASSUMPTIONS = "Assumptions" + __doc__.split("Assumptions", 1)[1].split("\n\n    
 BASELINE = Path(__file__).resolve().parent / "model_sm120_baseline.json"
 TOLERANCE = 1.02
 GPUS = {"RTX 5090": (170, 2.407e9), "RTX PRO 6000": (188, 2.617e9)}
+MEMORY_BANDWIDTH = 1.792e12   # bytes/s, both boards
+PREPARATION_SEQS = (32_768, 77_000, 118_800)
 WARPS_PER_SMSP = 2
 WARPS_PER_SM = 8
 BLOCK = 128
@@ -318,6 +328,33 @@ def model(arch: str = "120a") -> list[dict]:
     return rows
 
 
+def preparation(seq: int, attention_tflops: float, sms: int, clock: float, heads: int = 40, head_dim: int = 128,
+                budget: int = 1 << 30) -> dict:
+    """Modelled time of quantise + correction at B=1 (module docstring) and its share of attention."""
+    from nvfp4_dit import quantize
+
+    elems = seq * heads * head_dim
+    quant_bytes = 6 * 2 * elems + 3 * elems // 2 + 3 * elems // 16 + (seq // 128 + 1) * heads * head_dim * 4 + seq * heads * 4
+    skp = -(-seq // fmt.SEQ_TILE) * fmt.SEQ_TILE
+    nblk = skp // fmt.SEQ_TILE
+    chunks = len(quantize.correction_chunks(nblk, 1, heads, skp, budget))
+    corr_bytes = chunks * 2 * skp * heads * head_dim + nblk * skp * heads * 4
+    corr_ops = 8 * 2 * nblk * skp * head_dim * heads   # eight int8 limb products per multiply-add
+    int8_rate = sms * 4 * (16 * 8 * 32 * 2) / 16 * clock
+    t_quant = quant_bytes / MEMORY_BANDWIDTH
+    t_corr = max(corr_bytes / MEMORY_BANDWIDTH, corr_ops / int8_rate)
+    t_attention = 4 * seq * seq * head_dim * heads / (attention_tflops * 1e12)
+    return dict(seq=seq, quantize_ms=t_quant * 1e3, correction_ms=t_corr * 1e3, correction_chunks=chunks,
+                correction_gb=corr_bytes / 1e9, attention_ms=t_attention * 1e3,
+                share=(t_quant + t_corr) / t_attention)
+
+
+def preparation_rows(rows: list[dict]) -> list[dict]:
+    base = next(r for r in rows if r["qk_format"] == "nvfp4" and r["head_dim"] == 128 and not r["causal"])
+    return [{"gpu": gpu, **preparation(s, base[f"tflops {gpu}"], sms, clock)}
+            for gpu, (sms, clock) in GPUS.items() for s in PREPARATION_SEQS]
+
+
 def gpu_rows(rows: list[dict]) -> list[dict]:
     """The rows once per GPU, as the JSON output lists them."""
     out = []
@@ -360,6 +397,12 @@ def main(argv=None) -> int:
         print("|" + "---|" * len(cols))
         for r in rows:
             print("| " + " | ".join(str(r[c]) if not isinstance(r[c], list) else "/".join(r[c]) for c in cols) + " |")
+        print("\nPreparation (quantise + correction), B=1 H=40 D=128, against the modelled attention:\n")
+        print("| GPU | S | quantise ms | correction ms (chunks, GB) | attention ms | preparation / attention |")
+        print("|---|---|---|---|---|---|")
+        for r in preparation_rows(rows):
+            print(f"| {r['gpu']} | {r['seq']:,} | {r['quantize_ms']:.2f} | {r['correction_ms']:.2f} "
+                  f"({r['correction_chunks']}, {r['correction_gb']:.1f}) | {r['attention_ms']:.1f} | {r['share']:.1%} |")
     if args.write_baseline:
         BASELINE.write_text(json.dumps([{k: r[k] for k in ("head_dim", "causal", "qk_format", "clocks_per_tile")}
                                         for r in rows], indent=1) + "\n")

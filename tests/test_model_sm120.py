@@ -94,3 +94,18 @@ def test_model_of_the_native_build_against_the_recorded_baseline():
     # A slower kernel (a baseline 3 % lower) fails the check.
     tighter = [dict(b, clocks_per_tile=int(b["clocks_per_tile"] / 1.03)) for b in baseline]
     assert len(model_sm120.check_baseline(rows, tighter)) == len(rows)
+
+
+def test_preparation_model_counts_bytes_and_int8_operations():
+    sms, clock = model_sm120.GPUS["RTX 5090"]
+    r = model_sm120.preparation(32_768, 1000.0, sms, clock)
+    elems = 32_768 * 40 * 128
+    assert r["correction_chunks"] == 2   # 256 Q blocks of 5.4 MB rows under 1 GiB: 192 + 64
+    delta = 256 * 32_768 * 40 * 4
+    assert r["correction_gb"] == pytest.approx((2 * 2 * elems + delta) / 1e9)
+    assert r["quantize_ms"] == pytest.approx(13.8 * elems / model_sm120.MEMORY_BANDWIDTH * 1e3, rel=0.01)
+    assert r["attention_ms"] == pytest.approx(4 * 32_768 ** 2 * 128 * 40 / 1e15 * 1e3)
+    # The int8 rate of an RTX 5090 (838 TOPS) leaves the correction memory-bound here.
+    ops_ms = 8 * 2 * 256 * 32_768 * 128 * 40 / (sms * 2048 * clock) * 1e3
+    assert ops_ms < r["correction_ms"] == pytest.approx(r["correction_gb"] * 1e9 / model_sm120.MEMORY_BANDWIDTH * 1e3)
+    assert r["share"] == pytest.approx((r["quantize_ms"] + r["correction_ms"]) / r["attention_ms"])
