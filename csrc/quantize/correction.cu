@@ -75,6 +75,19 @@ __device__ __forceinline__ void limb_words(const float* v, float mult, uint32_t 
   }
 }
 
+// Consecutive values v[0, n) of one row, from column d0, as limbs into rows[l][row][d0..].
+template <int kN, int kRow>
+__device__ __forceinline__ void store_limbs(int8_t (&rows)[kLimbs][kN][kRow], int row, int d0, const float* v, int n,
+                                            float mult) {
+#pragma unroll
+  for (int c = 0; c < n / 4; ++c) {
+    uint32_t w[kLimbs];
+    limb_words(v + 4 * c, mult, w);
+#pragma unroll
+    for (int l = 0; l < kLimbs; ++l) *reinterpret_cast<uint32_t*>(&rows[l][row][d0 + 4 * c]) = w[l];
+  }
+}
+
 // Two threads per key, half a row each: load, smooth, exponent of the whole row, limbs.
 template <InputDtype DT, int DP, bool VEC_LOAD>
 __device__ __forceinline__ void convert_keys(CorrectionSmem<DP>& s, const CorrectionParams& p,
@@ -120,14 +133,7 @@ __device__ __forceinline__ void convert_keys(CorrectionSmem<DP>& s, const Correc
   amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 1));
   const int e = row_exponent(amax);
   if ((threadIdx.x & 1) == 0) s.key_factor[key] = pow2(e - kFixedBits);
-  const float mult = pow2(kFixedBits - e);
-#pragma unroll
-  for (int c = 0; c < kHalf / 4; ++c) {
-    uint32_t w[kLimbs];
-    limb_words(v + 4 * c, mult, w);
-#pragma unroll
-    for (int l = 0; l < kLimbs; ++l) *reinterpret_cast<uint32_t*>(&s.k[l][key][d0 + 4 * c]) = w[l];
-  }
+  store_limbs(s.k, key, d0, v, kHalf, pow2(kFixedBits - e));
 }
 
 // Four threads per Q block, a quarter row each.
@@ -159,14 +165,7 @@ __device__ __forceinline__ void convert_q_means(CorrectionSmem<DP>& s, const Cor
     // To the attention kernel's score units: 1 / (q_scale k_scale) is a power of two, so exact.
     s.row_factor[r] = valid ? pow2(e - kFixedBits) * __frcp_rn(p.q_scale[block] * k_scale) : 0.0f;
   }
-  const float mult = pow2(kFixedBits - e);
-#pragma unroll
-  for (int c = 0; c < kQuarter / 4; ++c) {
-    uint32_t w[kLimbs];
-    limb_words(v + 4 * c, mult, w);
-#pragma unroll
-    for (int l = 0; l < kLimbs; ++l) *reinterpret_cast<uint32_t*>(&s.q[l][r][d0 + 4 * c]) = w[l];
-  }
+  store_limbs(s.q, r, d0, v, kQuarter, pow2(kFixedBits - e));
 }
 
 __device__ __forceinline__ void mma_s8(int32_t (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
