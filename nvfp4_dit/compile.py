@@ -20,6 +20,7 @@ kernel with fp16 ``mma.sync``). ``csrc/common/config.h`` states the same table f
 from __future__ import annotations
 
 import argparse
+import ctypes
 import hashlib
 import json
 import os
@@ -153,12 +154,54 @@ def kernel_entries(cubin: bytes) -> list[str]:
 # Compilers
 # ---------------------------------------------------------------------------------------------
 
+# NVRTC and the CUDA headers of each CUDA major as NVIDIA's pip packages lay them out
+# (nvidia-cuda-nvrtc-cu12 / nvidia-cuda-runtime-cu12; the CUDA 13 packages share nvidia/cu13).
+NVRTC_LIBRARIES = {12: ("nvidia/cuda_nvrtc/lib/libnvrtc.so.12", "nvidia/cuda_nvrtc/bin/nvrtc64_120_0.dll"),
+                   13: ("nvidia/cu13/lib/libnvrtc.so.13",)}
+CUDA_INCLUDE_DIRS = {12: "nvidia/cuda_runtime/include", 13: "nvidia/cu13/include"}
+_nvrtc_preloaded = False
+
+
+def _bindings_major() -> Optional[int]:
+    try:
+        import cuda.bindings
+        return int(str(cuda.bindings.__version__).split(".")[0])
+    except (ImportError, ValueError, AttributeError):
+        return None
+
+
+def on_sys_path(candidates: Sequence[str], paths: Optional[Sequence[str]] = None) -> Optional[Path]:
+    """The first of ``candidates`` (paths relative to a sys.path entry) that exists, in sys.path order."""
+    for entry in sys.path if paths is None else paths:
+        for rel in candidates:
+            path = Path(entry or ".") / rel
+            if path.exists():
+                return path
+    return None
+
+
 def _nvrtc_module():
+    global _nvrtc_preloaded
     try:
         from cuda.bindings import nvrtc
     except ImportError as e:
         raise KernelBuildError(f"NVRTC is not available: cuda.bindings does not import ({e}); "
                                "pip install cuda-bindings nvidia-cuda-nvrtc") from e
+    if not _nvrtc_preloaded:
+        # cuda.pathfinder also searches the interpreter's own site-packages, so inside an isolated
+        # build environment (CUDA 12 requirements) it can find the CUDA 13 NVRTC of the venv around
+        # it, and the wheel's cubins would then need a CUDA 13 driver. Loading the NVRTC of
+        # cuda.bindings' own major from sys.path first makes pathfinder take that one.
+        _nvrtc_preloaded = True
+        library = on_sys_path(NVRTC_LIBRARIES.get(_bindings_major(), ()))
+        if library is not None:
+            # Its builtins library first, from the same folder (pathfinder would load it too).
+            builtins = sorted(p for p in library.parent.glob("*nvrtc-builtins*") if ".alt." not in p.name)
+            try:
+                for path in (*builtins, library):
+                    ctypes.CDLL(str(path), mode=getattr(ctypes, "RTLD_GLOBAL", 0))
+            except OSError:
+                pass  # pathfinder's own search still runs
     return nvrtc
 
 
@@ -183,12 +226,14 @@ def nvrtc_version() -> tuple[int, int]:
 def cuda_runtime_include_dir() -> Path:
     """The folder of cuda_fp16.h and cuda_bf16.h that NVRTC compiles against: NVIDIA's pip package
     (nvidia-cuda-runtime) or the toolkit, as cuda.pathfinder finds them."""
+    # The headers of cuda.bindings' CUDA major on sys.path first (see _nvrtc_module), then pathfinder's.
+    matching = on_sys_path((CUDA_INCLUDE_DIRS[_bindings_major()],)) if _bindings_major() in CUDA_INCLUDE_DIRS else None
     try:
         from cuda import pathfinder
         found = pathfinder.find_nvidia_header_directory("cudart")
     except Exception:  # noqa: BLE001 - an old or missing cuda.pathfinder: try the toolkit
         found = None
-    candidates = [found, *(os.environ.get(v) and os.path.join(os.environ[v], "include") for v in ("CUDA_HOME", "CUDA_PATH")),
+    candidates = [matching, found, *(os.environ.get(v) and os.path.join(os.environ[v], "include") for v in ("CUDA_HOME", "CUDA_PATH")),
                   "/usr/local/cuda/include"]
     for c in candidates:
         if c and (Path(c) / "cuda_fp16.h").is_file():

@@ -136,6 +136,22 @@ def test_no_compiler_is_a_clear_error_naming_what_to_install(monkeypatch):
         kc.find_compiler()
 
 
+def test_nvrtc_of_the_bindings_major_comes_from_sys_path_first(tmp_path):
+    # cuda.pathfinder would also search the interpreter's site-packages; compile.py looks along
+    # sys.path first, in its order, for the NVRTC and headers of cuda.bindings' CUDA major.
+    first, second = tmp_path / "build_env", tmp_path / "outer_venv"
+    (second / "nvidia/cu13/lib").mkdir(parents=True)
+    (second / "nvidia/cu13/lib/libnvrtc.so.13").write_bytes(b"")
+    assert kc.on_sys_path(kc.NVRTC_LIBRARIES[12], [str(first), str(second)]) is None
+    (first / "nvidia/cuda_nvrtc/lib").mkdir(parents=True)
+    (first / "nvidia/cuda_nvrtc/lib/libnvrtc.so.12").write_bytes(b"")
+    (second / "nvidia/cuda_nvrtc/lib").mkdir(parents=True)
+    (second / "nvidia/cuda_nvrtc/lib/libnvrtc.so.12").write_bytes(b"")
+    assert kc.on_sys_path(kc.NVRTC_LIBRARIES[12], [str(first), str(second)]) == first / "nvidia/cuda_nvrtc/lib/libnvrtc.so.12"
+    assert kc.on_sys_path(kc.NVRTC_LIBRARIES[13], [str(first), str(second)]) == second / "nvidia/cu13/lib/libnvrtc.so.13"
+    assert set(kc.CUDA_INCLUDE_DIRS) == set(kc.NVRTC_LIBRARIES)
+
+
 def test_min_driver_version():
     assert kc.min_driver_version("sm_120a", (12, 9)) == 12080
     assert kc.min_driver_version("sm_121a", (12, 9)) == 12090
