@@ -9,6 +9,7 @@ there a wheel that cannot be built fails instead of skipping.
 
 import json
 import os
+import re
 import subprocess
 import sys
 import sysconfig
@@ -108,3 +109,43 @@ def test_fresh_install_without_compilers_lists_the_prebuilt_kernels(wheel, tmp_p
     listed = subprocess.run([str(python), "-m", "nvfp4_dit.build", "--list"], capture_output=True, text=True, env=env,
                             cwd=tmp_path)
     assert listed.returncode == 0 and listed.stdout.strip() == text.strip(), listed.stderr[-2000:]
+
+
+# NVRTC 12.9's ptxas keeps a few values of this kernel in local memory (nvcc 13 does not).
+_KNOWN_LOCAL_OPS = {"nvfp4_dit_attention_fwd_native_mxfp8_d128_lse": 4}
+
+
+def test_wheel_native_cubins_hold_the_expected_mma(wheel, tmp_path):
+    """The SASS of the cubins the wheel ships for sm_120a / sm_121a (NVRTC's, not the nvcc build that
+    scripts/check_sass.py compiles): every MMA count the warp layout implies, and no local memory."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("check_sass", REPO / "scripts" / "check_sass.py")
+    check_sass = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check_sass)
+    if check_sass.find_tool("cuobjdump") is None or check_sass.find_tool("nvdisasm") is None:
+        if REQUIRE:
+            pytest.fail("cuobjdump / nvdisasm missing (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
+        pytest.skip("needs cuobjdump and nvdisasm")
+    checked = 0
+    with zipfile.ZipFile(wheel) as z:
+        for arch in kc.NATIVE_ARCHS:
+            for unit in kc.units(arch):
+                path = tmp_path / arch / kc.cubin_name(unit)
+                path.parent.mkdir(exist_ok=True)
+                path.write_bytes(z.read(f"nvfp4_dit/_cubins/{arch}/{kc.cubin_name(unit)}"))
+                for kernel, c in check_sass.sass_counts(check_sass.disassemble(path)).items():
+                    m = re.fullmatch(r"nvfp4_dit_attention_fwd_native_(nvfp4|mxfp8)_d(\d+)(_lse)?", kernel)
+                    if m:
+                        d = int(m.group(2))
+                        want = ((check_sass.expected_mma_in_sass(d), 0) if m.group(1) == "nvfp4" else
+                                check_sass.expected_mx_mma_in_sass(d)[::-1])
+                        assert (c["omma"], c["qmma"]) == want, (arch, kernel, c["omma"], c["qmma"])
+                        checked += 1
+                    m = re.fullmatch(r"nvfp4_dit_correction_\w+_d(\d+)_\w+", kernel)
+                    if m:
+                        assert c["imma"] == check_sass.expected_correction_imma(int(m.group(1))), (arch, kernel)
+                        checked += 1
+                    if kernel.startswith(("nvfp4_dit_attention", "nvfp4_dit_correction")):
+                        assert c["local"] <= _KNOWN_LOCAL_OPS.get(kernel, 0), (arch, kernel, c["local"])
+    assert checked == len(kc.NATIVE_ARCHS) * (2 * 2 * 2 + 24)
