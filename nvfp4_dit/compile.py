@@ -227,7 +227,8 @@ def cuda_runtime_include_dir() -> Path:
     """The folder of cuda_fp16.h and cuda_bf16.h that NVRTC compiles against: NVIDIA's pip package
     (nvidia-cuda-runtime) or the toolkit, as cuda.pathfinder finds them."""
     # The headers of cuda.bindings' CUDA major on sys.path first (see _nvrtc_module), then pathfinder's.
-    matching = on_sys_path((CUDA_INCLUDE_DIRS[_bindings_major()],)) if _bindings_major() in CUDA_INCLUDE_DIRS else None
+    major_dir = CUDA_INCLUDE_DIRS.get(_bindings_major())
+    matching = on_sys_path((major_dir,)) if major_dir else None
     try:
         from cuda import pathfinder
         found = pathfinder.find_nvidia_header_directory("cudart")

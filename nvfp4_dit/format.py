@@ -572,11 +572,6 @@ CORRECTION_FIXED_BITS = 22
 _CORRECTION_EXPONENT_LIMIT = 100  # fixed-point row exponents are clamped to [-100, 100]
 
 
-def _pow2(e: torch.Tensor) -> torch.Tensor:
-    """float32 2^e for integer ``e`` in [-126, 127], built from its bits (exact)."""
-    return ((e.to(torch.int32) + 127) << 23).view(torch.float32)
-
-
 def correction_fixed_point(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows (last dim) of fp32 ``x`` in fixed point: ``(X int32 [..., D], e int32 [...])`` with
     ``x ~ X 2^(e - 22)``, ``|X| <= 2^22``. ``e`` is the row's power-of-two exponent (its largest
@@ -585,7 +580,7 @@ def correction_fixed_point(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     amax = x.abs().amax(-1) if x.shape[-1] else x.new_zeros(x.shape[:-1])
     e = (((amax.view(torch.int32) >> 23) & 0xFF) - 126).clamp(-_CORRECTION_EXPONENT_LIMIT, _CORRECTION_EXPONENT_LIMIT)
     top = float(1 << CORRECTION_FIXED_BITS)
-    fixed = torch.round(x * _pow2(CORRECTION_FIXED_BITS - e)[..., None]).clamp(-top, top)
+    fixed = torch.round(x * _power_of_two(CORRECTION_FIXED_BITS - e)[..., None]).clamp(-top, top)
     return fixed.to(torch.int32), e.to(torch.int32)
 
 
@@ -632,8 +627,8 @@ def correction(qq: QuantizedQKV, block_start: int = 0, block_end: Optional[int] 
     lhs = torch.cat([q_fixed, correction_limbs(q_fixed)[2]], -1).double().reshape(b, hkv, group * n, 2 * dp)
     k_fixed, ek = correction_fixed_point(qq.k_smoothed)
     bits = CORRECTION_FIXED_BITS
-    key_factor = _pow2(ek - bits).repeat_interleave(group, dim=1)[:, :, None, :]  # [B, H, 1, Skp]
-    row_factor = _pow2(eq - bits) * (1.0 / qq.score_scale()[:, :, block_start:block_end])  # [B, H, n]
+    key_factor = _power_of_two(ek - bits).repeat_interleave(group, dim=1)[:, :, None, :]  # [B, H, 1, Skp]
+    row_factor = _power_of_two(eq - bits) * (1.0 / qq.score_scale()[:, :, block_start:block_end])  # [B, H, n]
     delta = torch.empty(b, h, n, skp, dtype=torch.float32, device=qm.device)
     key_chunk = key_chunk or max(SEQ_TILE, (1 << 28) // max(1, b * h * n) // SEQ_TILE * SEQ_TILE)
     for k0 in range(0, skp, key_chunk):

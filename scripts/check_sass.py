@@ -84,6 +84,22 @@ def expected_correction_imma(head_dim_padded: int) -> int:
     return 8 * (head_dim_padded // 32) * 4
 
 
+def expected_mma_of(kernel: str) -> dict[str, int] | None:
+    """The MMA counts the SASS of native entry point ``kernel`` must hold: {omma, qmma} of an
+    attention kernel, {imma} of a correction kernel; None for the other entry points."""
+    m = re.fullmatch(r"nvfp4_dit_attention_fwd_native_(nvfp4|mxfp8)_d(\d+)(_lse)?", kernel)
+    if m:
+        d = int(m.group(2))
+        if m.group(1) == "nvfp4":
+            return dict(omma=expected_mma_in_sass(d), qmma=0)
+        qmma, omma = expected_mx_mma_in_sass(d)
+        return dict(omma=omma, qmma=qmma)
+    m = re.fullmatch(CORRECTION_PREFIX + r"\w+_d(\d+)_\w+", kernel)
+    if m:
+        return dict(imma=expected_correction_imma(int(m.group(1))))
+    return None
+
+
 def find_tool(name: str) -> str | None:
     """``name`` on PATH, else from a PyPI wheel: nvidia-cuda-* (nvidia/*/bin) or triton, which
     torch installs on Linux and which ships cuobjdump and nvdisasm (triton/backends/nvidia/bin)."""
@@ -310,8 +326,7 @@ def check_preparation(archs=ARCHS) -> tuple[list[dict], list[str]]:
                 sass = sass_counts(disassemble(cubin))
                 for kernel, p in sorted(parse_ptxas(log).items()):
                     imma = sass.get(kernel, {}).get("imma", 0)
-                    want = (expected_correction_imma(int(re.search(r"_d(\d+)_", kernel).group(1)))
-                            if kernel.startswith(CORRECTION_PREFIX) else 0)
+                    want = (expected_mma_of(kernel) or {}).get("imma", 0)
                     row = dict(arch=f"sm_{arch}", kernel=kernel, registers=p.get("registers"),
                                spill=p.get("spill_stores", -1) + p.get("spill_loads", -1), imma=imma, expected_imma=want)
                     rows.append(row)

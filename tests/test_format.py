@@ -279,8 +279,8 @@ def test_correction_equals_the_kernels_int8_accumulators(gen, outlier):
         assert all(t.abs().max() < 2 ** 31 for t in terms)  # int32 in the kernel
         acc.append(sum(terms))
     total = (acc[0] << 32) + (acc[1] << 24) + (acc[2] << 16) + (acc[3] << 8)
-    key_factor = fmt._pow2(ek.repeat_interleave(group, 1) - 22)[:, :, None, :]
-    row_factor = fmt._pow2(eq - 22) * (1.0 / qq.score_scale())
+    key_factor = fmt._power_of_two(ek.repeat_interleave(group, 1) - 22)[:, :, None, :]
+    row_factor = fmt._power_of_two(eq - 22) * (1.0 / qq.score_scale())
     want = (total.float() * key_factor) * row_factor[..., None]
     assert torch.equal(fmt.correction(qq), want)
     # Chunking the keys does not change a bit.

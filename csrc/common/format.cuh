@@ -50,6 +50,11 @@ __host__ __device__ __forceinline__ float bits_float(uint32_t u) {
 #endif
 }
 
+// 2^exponent for exponent in [-126, 127], built from its bits (exact).
+__host__ __device__ __forceinline__ float power_of_two(int exponent) {
+  return bits_float(uint32_t(exponent + 127) << 23);
+}
+
 constexpr float kE2m1Max = 6.0f;
 constexpr float kE4m3Max = 448.0f;
 constexpr float kPRange = 2688.0f;  // 448 * 6: unnormalised P lives in [0, kPRange]
@@ -202,7 +207,7 @@ __host__ __device__ __forceinline__ float tensor_scale(float absmax) {
   const float m = frexpf(absmax, &e);
   int exponent = e - 12 + (m > 0.65625f ? 1 : 0);
   exponent = exponent < -126 ? -126 : (exponent > 127 ? 127 : exponent);
-  return bits_float(uint32_t(exponent + 127) << 23);
+  return power_of_two(exponent);
 }
 
 // The channel balance s_c of one channel from its statistics and the head's maxima over
@@ -219,7 +224,7 @@ __host__ __device__ __forceinline__ float channel_balance(float amax_q, float am
   int exponent = (floor_log2 + 1) >= 0 ? (floor_log2 + 1) / 2 : -((-(floor_log2 + 1) + 1) / 2);
   exponent = exponent < -kBalanceMaxExponent ? -kBalanceMaxExponent
                                              : (exponent > kBalanceMaxExponent ? kBalanceMaxExponent : exponent);
-  return bits_float(uint32_t(exponent + 127) << 23);
+  return power_of_two(exponent);
 }
 
 // ---------------------------------------------------------------------------------------------

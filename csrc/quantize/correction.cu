@@ -45,8 +45,6 @@ struct CorrectionSmem {
 static_assert(sizeof(CorrectionSmem<64>) == launch::kCorrectionSmemBytes[0], "launch.h: correction shared memory");
 static_assert(sizeof(CorrectionSmem<128>) == launch::kCorrectionSmemBytes[1], "launch.h: correction shared memory");
 
-__device__ __forceinline__ float pow2(int e) { return __uint_as_float(static_cast<uint32_t>(e + 127) << 23); }
-
 // Non-finite inputs become 0 so that every integer below is defined (the output of such blocks
 // is poisoned downstream anyway).
 __device__ __forceinline__ float finite_or_zero(float x) {
@@ -132,8 +130,8 @@ __device__ __forceinline__ void convert_keys(CorrectionSmem<DP>& s, const Correc
   }
   amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 1));
   const int e = row_exponent(amax);
-  if ((threadIdx.x & 1) == 0) s.key_factor[key] = pow2(e - kFixedBits);
-  store_limbs(s.k, key, d0, v, kHalf, pow2(kFixedBits - e));
+  if ((threadIdx.x & 1) == 0) s.key_factor[key] = power_of_two(e - kFixedBits);
+  store_limbs(s.k, key, d0, v, kHalf, power_of_two(kFixedBits - e));
 }
 
 // Four threads per Q block, a quarter row each.
@@ -163,9 +161,9 @@ __device__ __forceinline__ void convert_q_means(CorrectionSmem<DP>& s, const Cor
   const int e = row_exponent(amax);
   if ((threadIdx.x & 3) == 0) {
     // To the attention kernel's score units: 1 / (q_scale k_scale) is a power of two, so exact.
-    s.row_factor[r] = valid ? pow2(e - kFixedBits) * __frcp_rn(p.q_scale[block] * k_scale) : 0.0f;
+    s.row_factor[r] = valid ? power_of_two(e - kFixedBits) * __frcp_rn(p.q_scale[block] * k_scale) : 0.0f;
   }
-  store_limbs(s.q, r, d0, v, kQuarter, pow2(kFixedBits - e));
+  store_limbs(s.q, r, d0, v, kQuarter, power_of_two(kFixedBits - e));
 }
 
 __device__ __forceinline__ void mma_s8(int32_t (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
