@@ -1,0 +1,102 @@
+"""Every CUDA driver call of the launcher marshals its arguments: cuda.bindings converts and
+type-checks them before it looks for the driver, so on a machine without one each call must get
+as far as "no driver" (and with one, as far as the driver's own verdict on the dummy handles),
+never a TypeError. This covers, without a GPU, the calls that the GPU suite makes: library load,
+kernel lookup, shared-memory attribute, occupancy, launch with a parameter struct, device
+attributes and the TMA descriptors of the streaming quantiser."""
+
+import ctypes
+
+import pytest
+import torch
+
+cu = pytest.importorskip("cuda.bindings.driver")
+
+from nvfp4_dit import driver  # noqa: E402
+from nvfp4_dit import kernel_abi as abi  # noqa: E402
+from nvfp4_dit import kernels  # noqa: E402
+
+# Raised where a call's arguments are wrong, by cuda.bindings or by our code around it.
+MARSHALLING_ERRORS = (TypeError, ValueError, OverflowError, AttributeError, KeyError, IndexError)
+
+
+def _reaches_driver(call) -> None:
+    """Run ``call``; pass if it returned or failed only for want of (or at) the driver."""
+    try:
+        call()
+    except MARSHALLING_ERRORS as e:
+        pytest.fail(f"the call's arguments did not marshal: {type(e).__name__}: {e}")
+    except Exception:  # noqa: BLE001 - no driver here (cuda.pathfinder's error), or DriverError on dummy handles
+        pass
+
+
+def test_a_wrong_argument_is_caught_before_the_driver():
+    # The premise of this module: cuda.bindings rejects a bad argument without a driver.
+    with pytest.raises(TypeError):
+        cu.cuLaunchKernel(cu.CUfunction(), 1, 1, 1, 256, 1, 1, 0, "not a stream", 0, 0)
+    with pytest.raises(TypeError):
+        cu.cuTensorMapEncodeTiled(cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 4, 0, [1, 2, 3, 4],
+                                  [], [], [], cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+                                  cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+                                  cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                                  cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
+
+
+def _kernel() -> driver.Kernel:
+    return driver.Kernel("nvfp4_dit_dummy", cu.CUfunction(), 0)
+
+
+def test_kernel_launch_with_each_parameter_struct_marshals():
+    kernel = _kernel()
+    stream = 0
+    params = [[abi.AttentionFwdParams()], [abi.CorrectionParams()],
+              [abi.QuantizeQkvParams(), ctypes.c_int64(4)],
+              [abi.QuantizeQkvParams(), abi.StreamMaps(), ctypes.c_int(3), abi.ScheduleShape()],
+              [ctypes.c_void_p(0)] * 6]
+    for args in params:
+        _reaches_driver(lambda: kernel.launch((7, 2, 3), abi.ATTENTION_THREADS, args, stream,
+                                              abi.ATTENTION_SMEM_BYTES[1][1]))
+        _reaches_driver(lambda: kernel.launch((7,), abi.ATTENTION_THREADS, args, 0x7F00_0000_0000))
+
+
+def test_occupancy_and_shared_memory_attribute_marshal():
+    kernel = _kernel()
+    _reaches_driver(lambda: kernel.blocks_per_sm(abi.CORRECTION_THREADS, abi.CORRECTION_SMEM_BYTES[1]))
+    _reaches_driver(lambda: kernel.blocks_per_sm(abi.QUANTIZE_THREADS))
+
+
+def test_library_load_and_kernel_lookup_marshal(tmp_path):
+    library = driver.KernelLibrary(tmp_path, "sm_90a", {"nvfp4_dit_dummy": "dummy.cubin"}, "a test library")
+    _reaches_driver(lambda: library.load_all())
+    library._libraries["dummy.cubin"] = cu.CUlibrary()   # skip the load: look a kernel up in a null library
+    _reaches_driver(lambda: library.kernel("nvfp4_dit_dummy", 0))
+    with pytest.raises(driver.DriverError, match="no kernel nvfp4_dit_missing"):
+        library.kernel("nvfp4_dit_missing", 0)
+
+
+@pytest.mark.parametrize("name", ["MAX_SHARED_MEMORY_PER_MULTIPROCESSOR", "MAX_SHARED_MEMORY_PER_BLOCK_OPTIN",
+                                  "RESERVED_SHARED_MEMORY_PER_BLOCK"])
+def test_device_attributes_the_launcher_reads_exist(name):
+    assert hasattr(cu.CUdevice_attribute, f"CU_DEVICE_ATTRIBUTE_{name}")
+    driver._device_attributes.pop((0, name), None)
+    _reaches_driver(lambda: driver.device_attribute(0, name))
+
+
+def test_driver_version_marshals():
+    _reaches_driver(driver.driver_version)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("layout", ["bhsd", "nhd", "one_batch_one_head", "one_row"])
+def test_tma_descriptor_arguments_marshal(dtype, layout):
+    # The streaming quantiser's descriptors, built from a (CPU) tensor's shape, strides and
+    # address exactly as for a CUDA one, in the layouts the launcher meets.
+    if layout == "bhsd":
+        t = torch.zeros(2, 3, 200, 128, dtype=dtype)
+    elif layout == "nhd":
+        t = torch.zeros(2, 200, 3, 128, dtype=dtype).transpose(1, 2)
+    elif layout == "one_batch_one_head":
+        t = torch.zeros(1, 1, 300, 64, dtype=dtype)
+    else:
+        t = torch.zeros(2, 4, 1, 64, dtype=dtype)
+    _reaches_driver(lambda: kernels._encode_input_map(t, t.shape[3], t.shape[1], t.shape[2]))
