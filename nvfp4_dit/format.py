@@ -300,7 +300,7 @@ def quantize_mx_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     x / 2^e rounded once (nearest, ties to even)."""
     if x.shape[-1] % MX_BLOCK:
         raise ValueError(f"last dim {x.shape[-1]} is not a multiple of {MX_BLOCK}")
-    x = x.float()
+    x = x.float().contiguous()  # the codes keep x's strides: the kernels read dense rows
     sf = ue8m0_block_scales(x)
     scaled = x.unflatten(-1, (-1, MX_BLOCK)) / ue8m0_decode(sf).unsqueeze(-1)
     return e4m3_encode(scaled.flatten(-2)), sf

@@ -221,6 +221,20 @@ def test_quantize_qkv_mxfp8_layouts(gen):
         fmt.quantize_qkv(q, k, v, qk_format="e4m3")
 
 
+@pytest.mark.parametrize("qk_format", fmt.QK_FORMATS)
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_quantized_planes_are_dense_whatever_the_input_strides(gen, qk_format, layout):
+    # The attention kernel reads the byte planes as dense rows (kernels._check_plane): an NHD
+    # input seen as HND must not leak its strides into the codes.
+    q, k, v = (torch.randn(2, 256, 2, 64, generator=gen) for _ in range(3))  # no row padding
+    if layout == "HND":
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    qq = fmt.quantize_qkv(q, k, v, layout=layout, qk_format=qk_format)
+    for name in ("q_data", "q_sf", "k_data", "k_sf", "vt_data", "vt_sf"):
+        plane = getattr(qq, name)
+        assert plane.dtype == torch.uint8 and plane.is_contiguous(), name
+
+
 # ---------------------------------------------------------------------------------------------
 # The correction term: 22-bit fixed point, int8 limbs (the arithmetic of csrc/quantize/correction.cu)
 # ---------------------------------------------------------------------------------------------
