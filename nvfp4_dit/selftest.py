@@ -42,7 +42,6 @@ import torch
 from . import format as fmt
 
 SKIP_ENV = "NVFP4_DIT_SKIP_SELFTEST"
-QK_FORMATS = ("nvfp4",)
 REPORT_FILES = ("nvfp4_dit_selftest.json", "nvfp4_dit_selftest.md")
 HOW_TO_REPORT = (f"please run `python -m nvfp4_dit.selftest` and attach the two files it writes "
                  f"({REPORT_FILES[0]}, {REPORT_FILES[1]}) to a bug report")
@@ -119,8 +118,8 @@ def kernel_key(device: torch.device, head_dim: int, qk_format: str = "nvfp4") ->
     padded = fmt.padded_head_dim(head_dim)
     if padded is None:
         raise ValueError(f"head_dim {head_dim} is not supported (at most {fmt.SUPPORTED_HEAD_DIMS[-1]})")
-    if qk_format not in QK_FORMATS:
-        raise ValueError(f"qk_format must be one of {QK_FORMATS}, got {qk_format!r}")
+    if qk_format not in fmt.QK_FORMATS:
+        raise ValueError(f"qk_format must be one of {fmt.QK_FORMATS}, got {qk_format!r}")
     return KernelKey(index, build.arch_for_capability(*cc), padded, qk_format, build.mma_kind(cc) or "none")
 
 
@@ -175,8 +174,8 @@ def run_checks(device: torch.device, head_dim: int, qk_format: str = "nvfp4") ->
     raises counts as failed (its exception is the detail)."""
     from . import build
 
-    if qk_format not in QK_FORMATS:
-        raise ValueError(f"qk_format must be one of {QK_FORMATS}, got {qk_format!r}")
+    if qk_format not in fmt.QK_FORMATS:
+        raise ValueError(f"qk_format must be one of {fmt.QK_FORMATS}, got {qk_format!r}")
     native = build.is_native(torch.cuda.get_device_capability(device))
     checks = []
     with torch.no_grad(), torch.cuda.device(device):
@@ -631,7 +630,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     report = {"environment": env, "note": note, "known_answer": []}
     for d in fmt.SUPPORTED_HEAD_DIMS:
-        for qk_format in QK_FORMATS:
+        for qk_format in fmt.QK_FORMATS:
             verdict = _verify_key(kernel_key(device, d, qk_format))
             report["known_answer"].append({"head_dim": d, "qk_format": qk_format, "ok": verdict.ok,
                                            "seconds": round(verdict.seconds, 4),

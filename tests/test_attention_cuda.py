@@ -400,8 +400,9 @@ def test_public_op_replays_from_a_cuda_graph(kernel):
 
 @pytest.mark.cuda
 def test_no_usable_cubin_and_no_compiler_falls_back_with_one_warning(kernel, monkeypatch, tmp_path):
-    """No prebuilt cubins for this GPU, an empty cache, neither NVRTC nor nvcc: the call gives the
-    exact result with one FallbackWarning that says what to install."""
+    """No prebuilt cubins for this GPU, an empty cache, neither NVRTC nor nvcc: backend="cuda"
+    raises saying what to install; backend="auto", on a GPU it would run the kernel on (this one
+    made to look native), gives the exact result with one FallbackWarning that says the same."""
     import warnings
 
     import nvfp4_dit
@@ -417,10 +418,15 @@ def test_no_usable_cubin_and_no_compiler_falls_back_with_one_warning(kernel, mon
     monkeypatch.setattr(kc.shutil, "which", lambda name: None)
     monkeypatch.setattr(kc, "nvrtc_version", lambda: (_ for _ in ()).throw(kc.KernelBuildError("NVRTC cannot be loaded")))
     q, k, v = _qkv(1, 256, 2, 64, seed=5)
+    with pytest.raises(nvfp4_dit.ops.BackendUnavailableError, match="pip install") as raised:
+        nvfp4_dit.attention(q, k, v, backend="cuda")
+    assert "NVRTC" in str(raised.value)
+
+    monkeypatch.setattr(build, "mma_kind", lambda capability: "native")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        out = nvfp4_dit.attention(q, k, v, backend="cuda")
-        nvfp4_dit.attention(q, k, v, backend="cuda")
+        out = nvfp4_dit.attention(q, k, v)
+        nvfp4_dit.attention(q, k, v)
     notes = [w for w in caught if issubclass(w.category, nvfp4_dit.ops.FallbackWarning)]
     assert len(notes) == 1, [str(w.message) for w in caught]
     assert "pip install" in str(notes[0].message) and "NVRTC" in str(notes[0].message)

@@ -452,10 +452,10 @@ def test_kernel_choice_errors(monkeypatch):
     gen = torch.Generator(device="cuda").manual_seed(0)
     q = _make((1, 2, 256, 64), "NHD", torch.float32, gen)
     monkeypatch.setenv("NVFP4_DIT_QUANTIZE_KERNEL", "stream")
-    with pytest.raises(RuntimeError, match="streaming kernel needs bf16/fp16"):
+    with pytest.raises(ValueError, match="streaming kernel needs bf16/fp16"):
         cq.quantize_qkv(q, q, q, layout="NHD")
     monkeypatch.setenv("NVFP4_DIT_QUANTIZE_KERNEL", "fastest")
-    with pytest.raises(RuntimeError, match="must be auto, tiles or stream"):
+    with pytest.raises(ValueError, match="must be auto, tiles or stream"):
         cq.quantize_qkv(q, q, q, layout="NHD")
 
 
