@@ -41,7 +41,7 @@ def unsupported_reason(q, k, v, *, layout: str, require_native: bool) -> Optiona
         return f"{qh.shape[1]} query heads are not a multiple of {kh.shape[1]} kv heads"
     if max(qh.shape[2], kh.shape[2]) >= 2**31 - 256:
         return "sequence too long for 32-bit token indices"
-    cc = torch.cuda.get_device_capability(q.device)
+    cc = build.device_capability(q.device)
     kind = build.mma_kind(cc)
     if kind is None:
         return f"no kernel for sm_{cc[0]}{cc[1]} (native MMA: sm_120/121, emulated: sm_80..sm_90)"
@@ -89,7 +89,7 @@ def attention(q, k, v, *, layout, causal, scale, kv_lens, return_lse, balance_qk
     qh = fmt.to_hnd(q, layout)
     b, h, sq, d = qh.shape
     scale = fmt.default_scale(d) if scale is None else float(scale)
-    native = build.is_native(torch.cuda.get_device_capability(q.device))
+    native = build.is_native(build.device_capability(q.device))
     if quantizer == "cuda":
         qq = quantize.launch_quantize_qkv(q, k, v, layout=layout, kv_lens=kv_lens, balance_qk=balance_qk,
                                           qk_format=qk_format)

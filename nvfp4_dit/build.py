@@ -82,6 +82,27 @@ def is_native(capability: tuple[int, int]) -> bool:
     return mma_kind(capability) == "native"
 
 
+_capabilities: dict[int, tuple[int, int]] = {}
+
+
+def device_index(device: Optional[torch.device] = None) -> int:
+    """The CUDA index of ``device`` (a torch.device, int or string; None or "cuda": the current one)."""
+    if isinstance(device, int):
+        return device
+    device = torch.device("cuda") if device is None else torch.device(device)
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def device_capability(device: Optional[torch.device] = None) -> tuple[int, int]:
+    """``torch.cuda.get_device_capability(device)``, read once per device index: every launch
+    asks, and torch's query costs microseconds of host time each time."""
+    index = device_index(device)
+    found = _capabilities.get(index)
+    if found is None:
+        found = _capabilities[index] = tuple(torch.cuda.get_device_capability(index))
+    return found
+
+
 def device_arch(device: Optional[torch.device] = None) -> str:
     """The target of ``device`` (default: the current CUDA device), or $NVFP4_DIT_ARCH."""
     override = os.environ.get(ARCH_ENV)
@@ -89,7 +110,7 @@ def device_arch(device: Optional[torch.device] = None) -> str:
         return check_arch(override)
     if not torch.cuda.is_available():
         raise KernelBuildError("no CUDA device: pass arch= explicitly to build without one")
-    return arch_for_capability(*torch.cuda.get_device_capability(device))
+    return arch_for_capability(*device_capability(device))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -220,7 +241,7 @@ def load_library(arch: Optional[str] = None):
 def unavailable_reason(device: Optional[torch.device] = None) -> Optional[str]:
     """Find or build, then load, the kernels for ``device`` once per process: None when they are
     usable, else why not (a sentence; the failure is kept, so a broken setup is tried once)."""
-    capability = torch.cuda.get_device_capability(device)
+    capability = device_capability(device)
     with _load_lock:
         if capability not in _load_failures:
             try:
@@ -238,7 +259,7 @@ def unavailable_reason(device: Optional[torch.device] = None) -> Optional[str]:
 
 def library_for(device: torch.device):
     """The KernelLibrary of ``device``, loaded now if it is not yet (KernelBuildError if it cannot be)."""
-    arch = arch_for_capability(*torch.cuda.get_device_capability(device))
+    arch = arch_for_capability(*device_capability(device))
     library = _libraries.get(arch)
     if library is None:
         with _load_lock, torch.cuda.device(device):

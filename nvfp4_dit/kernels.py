@@ -31,16 +31,21 @@ _MAX_GRID_YZ = 65535
 
 
 def _kernel(device: torch.device, name: str) -> driver.Kernel:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return build.library_for(device).kernel(name, index)
+    return build.library_for(device).kernel(name, build.device_index(device))
+
+
+# torch's current stream as a raw handle (what torch.compile's generated code reads); the public
+# torch.cuda.current_stream builds a Stream object on every call.
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 def _stream(device: torch.device) -> int:
-    return torch.cuda.current_stream(device).cuda_stream
+    index = build.device_index(device)
+    return _raw_stream(index) if _raw_stream is not None else torch.cuda.current_stream(index).cuda_stream
 
 
 def _sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return driver.device_attribute(build.device_index(device), "MULTIPROCESSOR_COUNT")
 
 
 def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
@@ -86,7 +91,7 @@ def _stream_stages(device: torch.device, dp_index: int, forced: bool) -> Optiona
     """Pipeline stages of the streaming quantiser on ``device``, or None where it does not apply:
     two CTAs per SM where three stages each fit (the H200), else (only when forced) one CTA with
     as many as fit; the tile kernel is faster there (docs/quantize.md)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = build.device_index(device)
     smem_sm = driver.device_attribute(index, "MAX_SHARED_MEMORY_PER_MULTIPROCESSOR")
     smem_block = driver.device_attribute(index, "MAX_SHARED_MEMORY_PER_BLOCK_OPTIN")
     reserved = driver.device_attribute(index, "RESERVED_SHARED_MEMORY_PER_BLOCK")
@@ -134,7 +139,7 @@ def _launch_stream(p: abi.QuantizeQkvParams, q, k, v, dtype: str, dp: int, vecto
     """Launch the streaming quantiser (sm_90+, bf16/fp16, vector loads, NVFP4 Q/K); False, having
     launched nothing, where it does not apply."""
     device = q.device
-    if p.qk_mxfp8 or dtype == "fp32" or not vector or torch.cuda.get_device_capability(device) < (9, 0):
+    if p.qk_mxfp8 or dtype == "fp32" or not vector or build.device_capability(device) < (9, 0):
         return False
     if not abi.schedule_fits_32_bits(p.batch, p.heads_q, p.heads_kv, p.seq_q_padded, p.seq_k_padded):
         return False

@@ -112,9 +112,8 @@ def verdicts() -> dict[KernelKey, Verdict]:
 def kernel_key(device: torch.device, head_dim: int, qk_format: str = "nvfp4") -> KernelKey:
     from . import build
 
-    device = torch.device(device)
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    cc = torch.cuda.get_device_capability(index)
+    index = build.device_index(device)
+    cc = build.device_capability(index)
     padded = fmt.padded_head_dim(head_dim)
     if padded is None:
         raise ValueError(f"head_dim {head_dim} is not supported (at most {fmt.SUPPORTED_HEAD_DIMS[-1]})")

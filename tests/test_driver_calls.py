@@ -74,7 +74,8 @@ def test_library_load_and_kernel_lookup_marshal(tmp_path):
         library.kernel("nvfp4_dit_missing", 0)
 
 
-@pytest.mark.parametrize("name", ["MAX_SHARED_MEMORY_PER_MULTIPROCESSOR", "MAX_SHARED_MEMORY_PER_BLOCK_OPTIN",
+@pytest.mark.parametrize("name", ["MULTIPROCESSOR_COUNT", "MAX_SHARED_MEMORY_PER_MULTIPROCESSOR",
+                                  "MAX_SHARED_MEMORY_PER_BLOCK_OPTIN",
                                   "RESERVED_SHARED_MEMORY_PER_BLOCK"])
 def test_device_attributes_the_launcher_reads_exist(name):
     assert hasattr(cu.CUdevice_attribute, f"CU_DEVICE_ATTRIBUTE_{name}")

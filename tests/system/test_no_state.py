@@ -78,6 +78,7 @@ _ALLOWED_CONSTANTS = {"nvfp4_dit.format._E2M1_TABLE"}
 # of state), the loaded kernels (and the device attributes their launches read), and the
 # once-per-reason warning bookkeeping.
 _FIRST_CALL_STATE = {"nvfp4_dit.selftest._verdicts", "nvfp4_dit.build._libraries", "nvfp4_dit.build._load_failures",
+                     "nvfp4_dit.build._capabilities",
                      "nvfp4_dit.driver._device_attributes", "nvfp4_dit.fallback._reported"}
 
 
