@@ -79,18 +79,20 @@ def _round_up_128(n: int) -> int:
 # ---------------------------------------------------------------------------------------------
 
 def quantize_kernel_choice() -> str:
-    """$NVFP4_DIT_QUANTIZE_KERNEL: "auto" (default: the streaming kernel where it applies, else the
-    tile kernel), "tiles" or "stream" (force one; tests and scripts/bench_quantize.py run each)."""
+    """$NVFP4_DIT_QUANTIZE_KERNEL: "auto" (default) or "tiles" run the tile kernel; "stream" the
+    streaming kernel, raising where it does not apply. The tile kernel is the faster of the two at
+    every size measured, on the H100 and the H200 (docs/quantize.md); tests and
+    scripts/bench_quantize.py run each."""
     value = os.environ.get(QUANTIZE_KERNEL_ENV, "").strip() or "auto"
     if value not in ("auto", "tiles", "stream"):
         raise ValueError(f"{QUANTIZE_KERNEL_ENV} must be auto, tiles or stream, not {value!r}")
     return value
 
 
-def _stream_stages(device: torch.device, dp_index: int, forced: bool) -> Optional[int]:
+def _stream_stages(device: torch.device, dp_index: int) -> Optional[int]:
     """Pipeline stages of the streaming quantiser on ``device``, or None where it does not apply:
-    two CTAs per SM where three stages each fit (the H200), else (only when forced) one CTA with
-    as many as fit; the tile kernel is faster there (docs/quantize.md)."""
+    two CTAs per SM where three stages each fit (the H100 and H200), else one CTA with as many as
+    fit."""
     index = build.device_index(device)
     smem_sm = driver.device_attribute(index, "MAX_SHARED_MEMORY_PER_MULTIPROCESSOR")
     smem_block = driver.device_attribute(index, "MAX_SHARED_MEMORY_PER_BLOCK_OPTIN")
@@ -98,8 +100,6 @@ def _stream_stages(device: torch.device, dp_index: int, forced: bool) -> Optiona
     fixed, stage = abi.STREAM_FIXED_SMEM_BYTES[dp_index], abi.STREAM_STAGE_BYTES[dp_index]
     stages = (smem_sm // 2 - reserved - fixed) // stage
     if stages < 3:
-        if not forced:
-            return None
         stages = (smem_block - fixed) // stage
     stages = min(stages, abi.STREAM_MAX_STAGES)
     return stages if stages >= 2 else None
@@ -135,7 +135,7 @@ def _encode_input_map(t: torch.Tensor, dp: int, heads: int, seq: int) -> Optiona
     return out
 
 
-def _launch_stream(p: abi.QuantizeQkvParams, q, k, v, dtype: str, dp: int, vector: bool, forced: bool) -> bool:
+def _launch_stream(p: abi.QuantizeQkvParams, q, k, v, dtype: str, dp: int, vector: bool) -> bool:
     """Launch the streaming quantiser (sm_90+, bf16/fp16, vector loads, NVFP4 Q/K); False, having
     launched nothing, where it does not apply."""
     device = q.device
@@ -144,7 +144,7 @@ def _launch_stream(p: abi.QuantizeQkvParams, q, k, v, dtype: str, dp: int, vecto
     if not abi.schedule_fits_32_bits(p.batch, p.heads_q, p.heads_kv, p.seq_q_padded, p.seq_k_padded):
         return False
     dp_index = abi.head_dim_index(dp)
-    stages = _stream_stages(device, dp_index, forced)
+    stages = _stream_stages(device, dp_index)
     if stages is None:
         return False
     smem = abi.STREAM_FIXED_SMEM_BYTES[dp_index] + stages * abi.STREAM_STAGE_BYTES[dp_index]
@@ -200,8 +200,7 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_lens: Opt
     q_scale = torch.empty(b, h, sqp // 128, **f32)
     k_scale, v_scale = torch.empty(b, hkv, **f32), torch.empty(b, hkv, **f32)
     q_dot_km = torch.empty(b, h, sq, **f32)
-    choice = quantize_kernel_choice()
-    streaming = choice != "tiles"
+    streaming = quantize_kernel_choice() == "stream"
     partial = torch.empty(abi.workspace_floats(b, hkv, sk, dp, streaming), **f32)
     # One zeroed int32 buffer (one memset): the work counters, the non-finite flags, then (balance_qk)
     # the channel statistics of Q.
@@ -235,12 +234,10 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_lens: Opt
             _check(q_tiles <= _MAX_GRID_X, "too many Q tiles for one launch")
             _kernel(dev, abi.balance_statistics_entry(dtype, dp, vector)).launch(
                 (q_tiles,), abi.QUANTIZE_THREADS, [p], stream)
-        streamed = choice != "tiles" and _launch_stream(p, q, k, v, dtype, dp, vector,
-                                                               forced=choice == "stream")
-        if not streamed and choice == "stream":
+        if streaming and not _launch_stream(p, q, k, v, dtype, dp, vector):
             raise ValueError(f"{QUANTIZE_KERNEL_ENV}=stream, but the streaming kernel needs bf16/fp16 inputs with "
                              "contiguous 16-byte-aligned rows, D of 64 or 128, NVFP4 Q·Kᵀ and an sm_90+ device")
-        if not streamed:
+        if not streaming:
             first = b * hkv * abi.STAT_TENSORS * abi.k_chunks(sk)
             second = 2 * kv_tiles + q_tiles
             _check(first <= _MAX_GRID_X and second <= _MAX_GRID_X, "too many tiles for one launch")

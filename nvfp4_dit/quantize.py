@@ -4,16 +4,18 @@
 and scales (tests compare them exactly), the means equal up to reduction order, read straight
 from the strides of NHD or HND inputs. Two kernels implement it (``csrc/quantize/``):
 
-* the streaming kernel (``quantize_stream.cu``): persistent CTAs whose producer warp feeds TMA
-  copies of 128-row tiles to consumer warps; one launch. It runs where it applies (bf16/fp16
-  rows contiguous with D of 64 or 128, sm_90+, enough shared memory for two CTAs per SM);
-* the tile kernel (``quantize_tiles.cu``): any input, two launches (the K and V statistics
-  chunks, then the K, Q and V^T tiles, which need their head's statistics).
+* the tile kernel (``quantize_tiles.cu``), the default: any input, two launches (the K and V
+  statistics chunks, then the K, Q and V^T tiles, which need their head's statistics);
+* the streaming kernel (``quantize_stream.cu``), on request: persistent CTAs whose producer warp
+  feeds TMA copies of 128-row tiles to consumer warps; one launch, for bf16/fp16 rows contiguous
+  with D of 64 or 128 on sm_90+. It is the slower of the two at every size measured (its consumers
+  wait on each head's statistics, docs/quantize.md).
 
 With ``balance_qk`` one more launch reads Q first for the balance statistics.
 
-``NVFP4_DIT_QUANTIZE_KERNEL=tiles|stream`` forces one (``auto``, the default, as above). Both
-raise NaN/inf flags while they quantise (:attr:`KernelQuantizedQKV.nonfinite`).
+``NVFP4_DIT_QUANTIZE_KERNEL=stream`` asks for the streaming kernel (raising where it does not
+apply); ``auto`` (the default) and ``tiles`` run the tile kernel. Both raise NaN/inf flags while
+they quantise (:attr:`KernelQuantizedQKV.nonfinite`).
 
 The correction ``delta = qm . (k - km)^T`` is ``B*H*Sq/128*Skp`` fp32 (17.6 GB at 118,800 tokens
 and 40 heads), so it is produced for a chunk of Q blocks at a time (:func:`iter_corrections`)
