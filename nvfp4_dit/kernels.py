@@ -52,9 +52,12 @@ def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
     return None if t is None else t.data_ptr()
 
 
-def _check(condition: bool, message: str) -> None:
+def _check(condition: bool, message: str, *args) -> None:
+    """ValueError(message.format(*args)) unless ``condition``. The message is formatted only on
+    failure: a call passes some fifty checks, and formatting shapes and dtypes every time would
+    cost more host time than the launches."""
     if not condition:
-        raise ValueError(message)
+        raise ValueError(message.format(*(list(a) if isinstance(a, torch.Size) else a for a in args)))
 
 
 def _strided(t: torch.Tensor) -> abi.StridedInput:
@@ -170,16 +173,16 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_lens: Opt
     kernel's layouts. Returns q_data, q_sf, k_data, k_sf, vt_data, vt_sf, q_mean, k_mean, v_mean,
     q_scale, k_scale, v_scale, balance, q_dot_km, nonfinite_q [B, H, Sqp/128], nonfinite_kv [B, Hkv]."""
     for name, t in (("q", q), ("k", k), ("v", v)):
-        _check(t.is_cuda and t.dim() == 4, f"{name} must be a 4-D [B, H, S, D] CUDA tensor")
-        _check(t.dtype == q.dtype and t.device == q.device, f"{name} must share q's dtype and device")
-    _check(q.dtype in _DTYPES, f"inputs must be bfloat16, float16 or float32, got {q.dtype}")
+        _check(t.is_cuda and t.dim() == 4, "{} must be a 4-D [B, H, S, D] CUDA tensor", name)
+        _check(t.dtype == q.dtype and t.device == q.device, "{} must share q's dtype and device", name)
+    _check(q.dtype in _DTYPES, "inputs must be bfloat16, float16 or float32, got {}", q.dtype)
     b, h, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     _check(k.shape[0] == b and tuple(v.shape) == (b, hkv, sk, d) and k.shape[3] == d,
-           f"shape mismatch between q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
-    _check(hkv > 0 and h % hkv == 0, f"q's {h} heads are not a multiple of k's {hkv}")
+           "shape mismatch between q {}, k {}, v {}", q.shape, k.shape, v.shape)
+    _check(hkv > 0 and h % hkv == 0, "q's {} heads are not a multiple of k's {}", h, hkv)
     dp = fmt.padded_head_dim(d)
-    _check(dp is not None, f"head dim must be in [1, {fmt.SUPPORTED_HEAD_DIMS[-1]}], got {d}")
+    _check(dp is not None, "head dim must be in [1, {}], got {}", fmt.SUPPORTED_HEAD_DIMS[-1], d)
     if kv_lens is not None:
         _check(kv_lens.device == q.device and tuple(kv_lens.shape) == (b,) and kv_lens.dtype in (torch.int32, torch.int64),
                "kv_lens must be int32 or int64 [B] on the inputs' device")
@@ -259,7 +262,7 @@ def correction(q_mean: torch.Tensor, k: torch.Tensor, k_mean: torch.Tensor, q_sc
     into ``out`` [B, H, n, Skp] fp32 (last dim contiguous), in one launch."""
     for name, t in (("q_mean", q_mean), ("k", k), ("k_mean", k_mean), ("q_scale", q_scale), ("k_scale", k_scale),
                     ("out", out)):
-        _check(t.is_cuda and t.device == q_mean.device, f"{name} must be a CUDA tensor on q_mean's device")
+        _check(t.is_cuda and t.device == q_mean.device, "{} must be a CUDA tensor on q_mean's device", name)
     _check(q_mean.dtype == k_mean.dtype == out.dtype == torch.float32, "q_mean, k_mean and out must be float32")
     _check(q_mean.dim() == 4 and q_mean.is_contiguous(), "q_mean must be contiguous [B, H, nblk, Dp]")
     _check(k.dim() == 4 and k.dtype in _DTYPES, "k must be a bf16/fp16/fp32 4-D [B, Hkv, Sk, D] tensor")
@@ -268,13 +271,13 @@ def correction(q_mean: torch.Tensor, k: torch.Tensor, k_mean: torch.Tensor, q_sc
     b, h, nblk, dp = q_mean.shape
     hkv, sk, d = k.shape[1:]
     skp = _round_up_128(sk)
-    _check(dp == fmt.padded_head_dim(d), f"q_mean's head dim {dp} does not match k's {d}")
+    _check(dp == fmt.padded_head_dim(d), "q_mean's head dim {} does not match k's {}", dp, d)
     _check(k.shape[0] == b and hkv > 0 and h % hkv == 0 and tuple(k_mean.shape) == (b, hkv, dp),
            "shape mismatch between q_mean, k and k_mean")
-    _check(out.shape[0] == b and out.shape[1] == h and out.shape[3] == skp, f"out must be [B, H, n, {skp}]")
+    _check(out.shape[0] == b and out.shape[1] == h and out.shape[3] == skp, "out must be [B, H, n, {}]", skp)
     rows = out.shape[2]
-    _check(0 <= block_begin and block_begin + rows <= nblk, f"blocks [{block_begin}, {block_begin + rows}) "
-                                                            f"outside [0, {nblk})")
+    _check(0 <= block_begin and block_begin + rows <= nblk, "blocks [{}, {}) outside [0, {})", block_begin,
+           block_begin + rows, nblk)
     _check(q_scale.dtype == torch.float32 and q_scale.is_contiguous() and tuple(q_scale.shape) == (b, h, nblk),
            "q_scale must be contiguous float32 [B, H, nblk]")
     _check(k_scale.dtype == torch.float32 and k_scale.is_contiguous() and tuple(k_scale.shape) == (b, hkv),
@@ -312,13 +315,13 @@ def correction(q_mean: torch.Tensor, k: torch.Tensor, k_mean: torch.Tensor, q_sc
 # ---------------------------------------------------------------------------------------------
 
 def _check_plane(t: torch.Tensor, name: str, device: torch.device) -> None:
-    _check(t.is_cuda and t.device == device, f"{name} must be a CUDA tensor on {device}")
-    _check(t.dtype == torch.uint8 and t.dim() == 4 and t.is_contiguous(), f"{name} must be a contiguous 4-D uint8 tensor")
+    _check(t.is_cuda and t.device == device, "{} must be a CUDA tensor on {}", name, device)
+    _check(t.dtype == torch.uint8 and t.dim() == 4 and t.is_contiguous(), "{} must be a contiguous 4-D uint8 tensor", name)
 
 
 def _check_f32(t: torch.Tensor, name: str, shape: tuple, device: torch.device) -> None:
     _check(t.is_cuda and t.device == device and t.dtype == torch.float32 and t.is_contiguous() and tuple(t.shape) == shape,
-           f"{name} must be a contiguous float32 CUDA tensor of shape {list(shape)}, got {t.dtype} {list(t.shape)}")
+           "{} must be a contiguous float32 CUDA tensor of shape {}, got {} {}", name, list(shape), t.dtype, t.shape)
 
 
 def attention_fwd(q_data, q_sf, k_data, k_sf, vt_data, vt_sf, delta, q_dot_km, q_scale, k_scale, v_scale, v_mean,
@@ -327,7 +330,7 @@ def attention_fwd(q_data, q_sf, k_data, k_sf, vt_data, vt_sf, delta, q_dot_km, q
                   qk_format: str) -> None:
     """Run the attention kernel over Q blocks [q_block_begin, q_block_end), writing those rows of
     ``out`` [B, H, Sq, D] (any batch/head/row strides, bf16/fp16) and of ``lse`` [B, H, Sq] fp32."""
-    _check(qk_format in fmt.QK_FORMATS, f"qk_format must be one of {fmt.QK_FORMATS}, got {qk_format!r}")
+    _check(qk_format in fmt.QK_FORMATS, "qk_format must be one of {}, got {!r}", fmt.QK_FORMATS, qk_format)
     per_byte, per_scale = (2, 16) if qk_format == "nvfp4" else (1, 32)
     device = q_data.device
     for name, t in (("q_data", q_data), ("q_sf", q_sf), ("k_data", k_data), ("k_sf", k_sf), ("vt_data", vt_data),
@@ -335,21 +338,21 @@ def attention_fwd(q_data, q_sf, k_data, k_sf, vt_data, vt_sf, delta, q_dot_km, q
         _check_plane(t, name, device)
     b, h, sqp, dp = q_data.shape[0], q_data.shape[1], q_data.shape[2], q_data.shape[3] * per_byte
     hkv, skp = k_data.shape[1], k_data.shape[2]
-    _check(dp in fmt.SUPPORTED_HEAD_DIMS, f"padded head dim {dp} has no kernel instantiation")
+    _check(dp in fmt.SUPPORTED_HEAD_DIMS, "padded head dim {} has no kernel instantiation", dp)
     _check(sqp % 128 == 0 and skp % 128 == 0, "sequences must be padded to multiples of 128")
-    _check(hkv > 0 and h % hkv == 0, f"q heads {h} not a multiple of kv heads {hkv}")
+    _check(hkv > 0 and h % hkv == 0, "q heads {} not a multiple of kv heads {}", h, hkv)
     for name, t, shape in (("q_sf", q_sf, (b, h, sqp, dp // per_scale)), ("k_data", k_data, (b, hkv, skp, dp // per_byte)),
                            ("k_sf", k_sf, (b, hkv, skp, dp // per_scale)), ("vt_data", vt_data, (b, hkv, dp, skp // 2)),
                            ("vt_sf", vt_sf, (b, hkv, dp, skp // 16))):
-        _check(tuple(t.shape) == shape, f"{name} has shape {list(t.shape)}, expected {list(shape)}")
-    _check(0 < seq_q <= sqp and 0 < seq_k <= skp, f"bad seq_q/seq_k {seq_q}/{seq_k}")
+        _check(tuple(t.shape) == shape, "{} has shape {}, expected {}", name, t.shape, list(shape))
+    _check(0 < seq_q <= sqp and 0 < seq_k <= skp, "bad seq_q/seq_k {}/{}", seq_q, seq_k)
     _check(0 <= q_block_begin < q_block_end and q_block_end * 128 <= sqp,
-           f"q block range [{q_block_begin}, {q_block_end}) out of range")
+           "q block range [{}, {}) out of range", q_block_begin, q_block_end)
     nblk = q_block_end - q_block_begin
     _check(delta.is_cuda and delta.device == device and delta.dtype == torch.float32 and delta.dim() == 4,
            "delta must be a float32 4-D CUDA tensor on q's device")
     _check(delta.shape[0] == b and delta.shape[1] == h and delta.shape[2] in (nblk, 1) and delta.shape[3] == skp,
-           f"delta shape {list(delta.shape)}, expected [{b}, {h}, {nblk}, {skp}]")
+           "delta shape {}, expected [{}, {}, {}, {}]", delta.shape, b, h, nblk, skp)
     _check(delta.stride(3) == 1 and all(s % 4 == 0 for s in delta.stride()[:3]) and delta.data_ptr() % 16 == 0,
            "delta rows must be contiguous and 16-byte aligned")
     _check(q_dot_km.is_cuda and q_dot_km.dtype == torch.float32 and q_dot_km.dim() == 3 and q_dot_km.shape[0] == b
@@ -362,7 +365,7 @@ def attention_fwd(q_data, q_sf, k_data, k_sf, vt_data, vt_sf, delta, q_dot_km, q
     _check(out.is_cuda and out.device == device and out.dim() == 4 and out.dtype in (torch.bfloat16, torch.float16),
            "out must be a bf16/fp16 4-D CUDA tensor [B, H, Sq, D] (any batch/head/seq strides)")
     _check(out.shape[0] == b and out.shape[1] == h and out.shape[2] == seq_q and out.shape[3] <= dp and out.stride(3) == 1,
-           f"out shape {list(out.shape)} / strides {out.stride()}")
+           "out shape {} / strides {}", out.shape, out.stride())
     if kv_lens is not None:
         _check(kv_lens.is_cuda and kv_lens.dtype == torch.int32 and tuple(kv_lens.shape) == (b,) and kv_lens.is_contiguous(),
                "kv_lens must be int32 [B] contiguous on the GPU")
@@ -406,7 +409,7 @@ def _mma_probe(probe: str, combination: int, a, b, sfa, sfb, c, native: bool) ->
                                   ("sfa", sfa, torch.int32, (32,)), ("sfb", sfb, torch.int32, (32,)),
                                   ("c", c, torch.float32, (32, 4))):
         _check(t.is_cuda and t.dtype == dtype and tuple(t.shape) == shape and t.is_contiguous(),
-               f"{name} must be a contiguous CUDA {dtype} tensor of shape {list(shape)}")
+               "{} must be a contiguous CUDA {} tensor of shape {}", name, dtype, list(shape))
     d = torch.empty(32, 4, dtype=torch.float32, device=c.device)
     args = [ctypes.c_void_p(t.data_ptr()) for t in (a, b, sfa, sfb, c, d)]
     with torch.cuda.device(c.device):
@@ -418,14 +421,14 @@ def _mma_probe(probe: str, combination: int, a, b, sfa, sfb, c, native: bool) ->
 def mma_fp4_probe(a, b, sfa, sfb, c, tid_a: int, tid_b: int, native: bool) -> torch.Tensor:
     """One warp runs one m16n8k64 block-scaled FP4 MMA (scale_vec::4X) with these per-lane registers:
     a [32, 4], b [32, 2], sfa, sfb [32] int32, c [32, 4] fp32; returns d [32, 4]."""
-    _check(tid_a in (0, 1), f"thread-id-a must be 0 or 1, got {tid_a}")
-    _check(tid_b in (0, 1, 2, 3), f"thread-id-b must be in 0..3, got {tid_b}")
+    _check(tid_a in (0, 1), "thread-id-a must be 0 or 1, got {}", tid_a)
+    _check(tid_b in (0, 1, 2, 3), "thread-id-b must be in 0..3, got {}", tid_b)
     return _mma_probe("fp4", 4 * tid_a + tid_b, a, b, sfa, sfb, c, native)
 
 
 def mma_mxf8_probe(a, b, sfa, sfb, c, tid_a: int, tid_b: int, byte_id: int, native: bool) -> torch.Tensor:
     """The same for one m16n8k32 8-bit MMA (kind::mxf8f6f4, e4m3, ue8m0 scale_vec::1X) with byte-id."""
-    _check(tid_a in (0, 1), f"thread-id-a must be 0 or 1, got {tid_a}")
-    _check(tid_b in (0, 1, 2, 3), f"thread-id-b must be in 0..3, got {tid_b}")
-    _check(byte_id in (0, 1, 2, 3), f"byte-id must be in 0..3, got {byte_id}")
+    _check(tid_a in (0, 1), "thread-id-a must be 0 or 1, got {}", tid_a)
+    _check(tid_b in (0, 1, 2, 3), "thread-id-b must be in 0..3, got {}", tid_b)
+    _check(byte_id in (0, 1, 2, 3), "byte-id must be in 0..3, got {}", byte_id)
     return _mma_probe("mxf8", 16 * tid_a + 4 * tid_b + byte_id, a, b, sfa, sfb, c, native)

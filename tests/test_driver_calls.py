@@ -101,3 +101,22 @@ def test_tma_descriptor_arguments_marshal(dtype, layout):
     else:
         t = torch.zeros(2, 4, 1, 64, dtype=dtype)
     _reaches_driver(lambda: kernels._encode_input_map(t, t.shape[3], t.shape[1], t.shape[2]))
+
+
+def test_every_check_message_formats_with_its_arguments():
+    # kernels._check formats its message only when a check fails, so a template whose
+    # placeholders do not match its arguments would surface as an IndexError at the worst time.
+    import ast
+    import inspect
+    import re
+
+    calls = [node for node in ast.walk(ast.parse(inspect.getsource(kernels)))
+             if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "_check"]
+    assert len(calls) > 40
+    for call in calls:
+        template = call.args[1]
+        assert isinstance(template, ast.Constant) and isinstance(template.value, str), f"line {call.lineno}"
+        placeholders = re.findall(r"\{[^{}]*\}", template.value)
+        assert len(placeholders) == len(call.args) - 2, f"line {call.lineno}: {template.value!r}"
+    with pytest.raises(ValueError, match=r"^q_sf has shape \[1, 2\], expected \[1, 3\]$"):
+        kernels._check(False, "{} has shape {}, expected {}", "q_sf", torch.Size([1, 2]), [1, 3])
