@@ -5,9 +5,11 @@ driver launches) against SDPA's, measured in the same run.
 At a tiny shape (B1, H1, 128 tokens, D 64) the GPU work is a few microseconds, so the wall time
 of many back-to-back calls (one synchronise at the end) is the host's cost per call. Also times
 each driver launch alone (the correction kernel, the cheapest) and a CUDA-graph replay of the whole
-call, which removes the host cost. Prints a markdown table; --json for the numbers.
+call, which removes the host cost. Prints a markdown table; --json for the numbers; --profile N
+adds the N functions with the most host time of the attention call (cProfile, own time; the
+profiler itself slows every Python call, so read it as shares, not µs).
 
-    python scripts/bench_launch.py [--calls 2000]
+    python scripts/bench_launch.py [--calls 2000] [--profile 25]
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="print the N functions with the most own host time in the attention call")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
@@ -66,6 +70,18 @@ def main() -> int:
     with torch.cuda.graph(graph):
         nvfp4_dit.attention(*static, backend="cuda")
     rows["the same call replayed from a CUDA graph"] = per_call_us(graph.replay, args.calls)
+
+    if args.profile > 0:
+        import cProfile
+        import pstats
+
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(min(args.calls, 500)):
+            nvfp4_dit.attention(q, k, v, backend="cuda")
+        torch.cuda.synchronize()
+        profiler.disable()
+        pstats.Stats(profiler, stream=sys.stderr).sort_stats("tottime").print_stats(args.profile)
 
     overhead = rows["nvfp4_dit.attention (backend='cuda')"] - rows["SDPA"]
     if args.json:

@@ -203,9 +203,23 @@ def test_generate_video_says_when_no_call_ran_nvfp4(tmp_path, capsys):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
 @pytest.mark.parametrize("script, args", [("bench_attention", []), ("bench_quantize", ["--smoke"]),
-                                          ("bench_quantize", [])])
+                                          ("bench_quantize", []), ("bench_launch", ["--profile", "5"])])
 def test_benchmarks_without_a_gpu_say_so(script, args):
     import subprocess
 
     res = subprocess.run([sys.executable, str(SCRIPTS / f"{script}.py"), *args], capture_output=True, text=True)
     assert res.returncode == 2 and "needs a CUDA GPU" in res.stderr and "Traceback" not in res.stderr
+
+
+@pytest.mark.cuda
+def test_bench_launch_measures_each_row_and_profiles():
+    import json
+    import subprocess
+
+    res = subprocess.run([sys.executable, str(SCRIPTS / "bench_launch.py"), "--calls", "30", "--json", "--profile", "5"],
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    rows = json.loads(res.stdout)["us_per_call"]
+    assert len(rows) == 5 and all(us > 0 for us in rows.values())
+    assert "tottime" in res.stderr
+

@@ -302,6 +302,26 @@ def test_non_finite_inputs_propagate(gen, case, backend):
     assert torch.equal(out[other:other + 1], clean)
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("qk_format", ["nvfp4", "mxfp8"])
+@pytest.mark.parametrize("case", sorted(NON_FINITE))
+def test_non_finite_inputs_propagate_through_the_kernel(gen, case, qk_format):
+    # The CUDA quantiser raises the flags, the op poisons the rows they cover: the same contract
+    # as the CPU back-ends above, end to end on the GPU.
+    _cuda_or_skip()
+    name, idx, value = NON_FINITE[case]
+    q, k, v = _qkv(gen, device="cuda")
+    {"q": q, "k": k, "v": v}[name][idx] = value
+    out, lse = nvfp4_dit.attention(q, k, v, backend="cuda", return_lse=True, qk_format=qk_format)
+    exact, exact_lse = attention_exact(q, k, v)
+    assert (~torch.isfinite(out))[~torch.isfinite(exact)].all(), "a non-finite input came out finite"
+    assert (~torch.isfinite(lse))[~torch.isfinite(exact_lse)].all()
+    other = 1 - idx[0]
+    assert torch.isfinite(out[other]).all() and torch.isfinite(lse[other]).all()
+    clean = nvfp4_dit.attention(*(x[other:other + 1] for x in (q, k, v)), backend="cuda", qk_format=qk_format)
+    assert torch.equal(out[other:other + 1], clean)
+
+
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_garbage_past_kv_lens_does_not_leak(gen, backend):
     # Padding keys may hold anything (an uninitialised buffer): they are masked, and on the FP4
