@@ -315,12 +315,10 @@ class CalibratingOverride(NVFP4AttentionOverride):
 
     def __init__(self, policy: AttentionPolicy, previous: Optional[Callable] = None, *, path, budget: float,
                  model_class: str):
-        from nvfp4_dit.calibration import CalibrationTable
+        from nvfp4_dit.calibration import CalibrationTable, measurement_policy
 
         base = policy.replace(per_layer=None, model_class=None, budget=None)
-        measure = base.replace(dense_steps=(0, 0))
-        if measure.backend == "auto":   # measure the FP4 numerics on any GPU (emulated where not native)
-            measure = measure.replace(backend="cuda" if torch.cuda.is_available() else "reference")
+        measure = measurement_policy(base.replace(dense_steps=(0, 0)))
         super().__init__(measure, previous)
         self.base, self.path, self.budget, self.model_class = base, path, budget, model_class
         self.table = CalibrationTable()

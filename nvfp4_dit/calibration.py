@@ -28,6 +28,19 @@ from .policy import FP4_PRECISIONS, PRECISION_COST, AttentionPolicy, LayerPrecis
 # sends the sharp heads to exact attention.
 DEFAULT_BUDGET = 0.25
 
+def measurement_policy(policy: AttentionPolicy) -> AttentionPolicy:
+    """The policy that measures ``policy``'s FP4 numerics. Its ``backend="auto"`` runs exact SDPA
+    wherever the FP4 MMA is not native (sm_80/sm_90, CPU), which would measure no error at all; the
+    measurement takes the kernel wherever it runs (emulated on sm_80/sm_90: the same numerics as
+    sm_120) and the reference numerics elsewhere. Other back-ends are kept as asked."""
+    if policy.backend != "auto":
+        return policy
+    from .ops import available_backends
+
+    kernel = torch.cuda.is_available() and "cuda" in available_backends()
+    return policy.replace(backend="cuda" if kernel else "reference")
+
+
 def relative_error_terms(out: torch.Tensor, exact: torch.Tensor) -> tuple[float, float]:
     """(||out - exact||^2, ||exact||^2) in float64, as Python floats."""
     o, e = out.double(), exact.double()

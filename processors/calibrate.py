@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Callable, Iterable, Optional
 
-from nvfp4_dit.calibration import DEFAULT_BUDGET, CalibrationTable
+from nvfp4_dit.calibration import DEFAULT_BUDGET, CalibrationTable, measurement_policy
 from nvfp4_dit.policy import AttentionPolicy
 
 from . import routing
@@ -67,7 +67,7 @@ def calibrate(
         if not step_set or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in step_set):
             raise ValueError(f"steps must be non-negative step indices, got {steps!r}")
     base = base.replace(per_layer=None, model_class=None, budget=None)
-    per_precision = base.precision_policies()
+    per_precision = measurement_policy(base).precision_policies()
     table = CalibrationTable()
 
     def observe(info, q, k, v, out):

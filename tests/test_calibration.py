@@ -4,12 +4,13 @@ models of every diffusers family, and apply(policy=...) following the per-layer 
 from __future__ import annotations
 
 import json
+import warnings
 
 import pytest
 import torch
 
 import nvfp4_dit
-from nvfp4_dit.calibration import DEFAULT_BUDGET, CalibrationTable, choose_precision, format_table
+from nvfp4_dit.calibration import DEFAULT_BUDGET, CalibrationTable, choose_precision, format_table, measurement_policy
 from nvfp4_dit.policy import PRECISIONS, AttentionPolicy, LayerPrecision, step_bucket
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
@@ -158,6 +159,21 @@ def test_unmodified_model_calibrates_to_the_cheapest_fp4():
     policy = nvfp4_dit.calibrate(pipe, lambda: _generate(pipe), policy=BASE, steps=[2, 3])
     assert set(_assignments(policy).values()) == {"nvfp4-unbalanced"}
     assert {e.bucket for e in policy.per_layer} == {"middle"}  # only steps 2 and 3 measured
+
+
+def test_auto_backend_measures_the_fp4_numerics_where_auto_runs_exact():
+    # backend="auto" runs exact SDPA off sm_120 (here: no GPU); measured that way every error would
+    # be 0 and every layer would look safe in FP4. The measurement takes the FP4 numerics instead,
+    # and the saved policy keeps "auto" for the runs that follow.
+    pipe = _pipe()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        policy = nvfp4_dit.calibrate(pipe, lambda: _generate(pipe), policy=BASE.replace(backend="auto"), steps=[2])
+    assert policy.backend == "auto"
+    errors = [err for e in policy.per_layer for _, err in e.errors]
+    assert errors and min(errors) > 0.01
+    assert measurement_policy(AttentionPolicy(backend="auto")).backend == "reference"
+    assert measurement_policy(AttentionPolicy(backend="sdpa")).backend == "sdpa"
 
 
 def test_calibration_run_is_the_exact_run_and_leaves_nothing_behind():
