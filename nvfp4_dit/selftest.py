@@ -289,24 +289,31 @@ def _unpack_d(d_reg: torch.Tensor) -> torch.Tensor:
 
 def check_instruction(device, native: bool, qk_format: str = "nvfp4") -> tuple[bool, str]:
     """One MMA per legal selector combination against a dense product: the FP4 MMA (8 pairs),
-    and for ``qk_format="mxfp8"`` also the 8-bit one (32: pairs x byte-id)."""
+    and for ``qk_format="mxfp8"`` also the 8-bit one (32: pairs x byte-id). The registers and the
+    dense products are built on the host and the results come back in one copy: a round trip to
+    the GPU per combination would cost more than the MMAs."""
     from . import kernels
 
-    gen = torch.Generator(device=device).manual_seed(2024)
+    gen = torch.Generator().manual_seed(2024)
     cases = [("fp4", a, b, None) for a in range(2) for b in range(4)]
     if qk_format == "mxfp8":
         cases += [("mxf8", a, b, i) for a in range(2) for b in range(4) for i in range(4)]
-    worst, where = 0.0, ""
+    results, expected = [], []
     for kind, tid_a, tid_b, byte_id in cases:
         if kind == "fp4":
-            (a, b, sfa, sfb, c), (a_val, b_val, c_val) = mma_probe_registers(gen, tid_a, tid_b, device)
+            registers, values = mma_probe_registers(gen, tid_a, tid_b, "cpu")
             selectors = (tid_a, tid_b)
         else:
-            (a, b, sfa, sfb, c), (a_val, b_val, c_val) = mxf8_probe_registers(gen, tid_a, tid_b, byte_id, device)
+            registers, values = mxf8_probe_registers(gen, tid_a, tid_b, byte_id, "cpu")
             selectors = (tid_a, tid_b, byte_id)
+        a, b, sfa, sfb = (_as_int32(r).to(device) for r in registers[:4])
+        c = registers[4].contiguous().to(device)
         probe = kernels.mma_fp4_probe if kind == "fp4" else kernels.mma_mxf8_probe
-        d = _unpack_d(probe(_as_int32(a), _as_int32(b), _as_int32(sfa), _as_int32(sfb), c.contiguous(), *selectors,
-                            native))
+        results.append(probe(a, b, sfa, sfb, c, *selectors, native))
+        expected.append(values)
+    worst, where = 0.0, ""
+    for d_reg, (a_val, b_val, c_val), (kind, tid_a, tid_b, byte_id) in zip(torch.stack(results).cpu(), expected, cases):
+        d = _unpack_d(d_reg)
         dense = a_val @ b_val.T + c_val
         magnitude = a_val.abs() @ b_val.abs().T + c_val.abs()
         excess = ((d - dense).abs() / (magnitude * MMA_ACCUMULATION_BOUND + 1e-30)).max().item()
@@ -437,9 +444,11 @@ def environment(device=None) -> dict:
     props = torch.cuda.get_device_properties(device)
     cc = (props.major, props.minor)
     try:
-        driver_api = torch._C._cuda_getDriverVersion()
+        from . import driver
+
+        driver_api = driver.driver_version()
         driver_api = f"{driver_api // 1000}.{driver_api % 1000 // 10}"
-    except Exception:  # noqa: BLE001 - private API, informational only
+    except Exception:  # noqa: BLE001 - informational only (cuda.bindings missing, no driver)
         driver_api = "unknown"
     try:
         arch = build.arch_for_capability(*cc)
@@ -455,30 +464,46 @@ def environment(device=None) -> dict:
 # python -m nvfp4_dit.selftest
 # ---------------------------------------------------------------------------------------------
 
-def sampled_long_check(seq: int, device, heads: int = 2, head_dim: int = 128, rows: int = 256) -> dict:
-    """The kernel at ``seq`` tokens (B1, bf16, N(0,1)) against exact fp32 attention on ``rows``
-    sampled query rows: cosine and LSE error."""
+LONG_MIN_COS = 0.9999         # kernel against the reference numerics on the same quantised inputs
+LONG_MAX_LSE_ERROR = 2e-3
+
+
+def sampled_long_check(seq: int, device, qk_format: str = "nvfp4", heads: int = 2, head_dim: int = 128) -> dict:
+    """The kernel at ``seq`` tokens (B1, bf16, N(0,1)) on its first, middle and last 128-row Q
+    blocks, against the reference numerics (same format, same quantised inputs): a long-sequence
+    bug (an int32 offset, a chunk boundary) shows up there. The cosine to exact attention is
+    reported too, as FP4's own error at this length, not as a pass mark: with iid inputs over 77k
+    keys the softmax is nearly flat and the output is a small average of V, which 4-bit V resolves
+    only to about 0.96."""
     import nvfp4_dit
+    from .reference import attention_reference
 
     gen = torch.Generator(device=device).manual_seed(seq)
     q, k, v = (torch.randn(1, seq, heads, head_dim, generator=gen, device=device).to(torch.bfloat16)
                for _ in range(3))
-    out, lse = nvfp4_dit.attention(q, k, v, backend="cuda", return_lse=True)
-    idx = torch.cat([torch.tensor([0, seq - 1]), torch.randint(0, seq, (rows - 2,), generator=torch.Generator()
-                                                               .manual_seed(seq))]).to(device)
+    out, lse = nvfp4_dit.attention(q, k, v, backend="cuda", return_lse=True, qk_format=qk_format)
+    quantized = fmt.quantize_qkv(q, k, v, qk_format=qk_format)
+    nblk = -(-seq // fmt.SEQ_TILE)
     scale = 1.0 / math.sqrt(head_dim)
-    cos_rows, lse_err = [], 0.0
-    for h in range(heads):
-        s = (q[0, idx, h].float() @ k[0, :, h].float().T) * scale
-        exact_lse = torch.logsumexp(s, -1)
-        exact = torch.softmax(s, -1) @ v[0, :, h].float()
-        got = out[0, idx, h].float()
-        cos_rows.append(torch.nn.functional.cosine_similarity(got, exact, dim=-1))
-        lse_err = max(lse_err, (lse[0, h, idx] - exact_lse).abs().max().item())
-    cos_rows = torch.cat(cos_rows)
-    return {"seq": seq, "heads": heads, "head_dim": head_dim, "rows": int(idx.numel()) * heads,
-            "mean_cos": round(cos_rows.mean().item(), 5), "min_cos": round(cos_rows.min().item(), 5),
-            "max_lse_error": round(lse_err, 5), "finite": bool(torch.isfinite(out).all())}
+    got_rows, ref_rows, exact_rows, lse_err = [], [], [], 0.0
+    for blk in sorted({0, nblk // 2, nblk - 1}):
+        rows = slice(blk * fmt.SEQ_TILE, min(seq, (blk + 1) * fmt.SEQ_TILE))
+        ref, ref_lse = attention_reference(q, k, v, return_lse=True, query_blocks=(blk, blk + 1),
+                                           quantized=quantized, qk_format=qk_format)
+        s = torch.einsum("shd,thd->hst", q[0, rows].float(), k[0].float()) * scale
+        exact_rows.append(torch.einsum("hst,thd->shd", torch.softmax(s, -1), v[0].float()))
+        got_rows.append(out[0, rows].float())
+        ref_rows.append(ref[0].float())
+        lse_err = max(lse_err, (lse[0, :, rows] - ref_lse[0]).abs().max().item())
+        del s
+    got, ref, exact = (torch.cat(t).flatten(0, 1) for t in (got_rows, ref_rows, exact_rows))
+    cos_ref = torch.nn.functional.cosine_similarity(got.flatten(), ref.flatten(), dim=0).item()
+    cos_exact = torch.nn.functional.cosine_similarity(got, exact, dim=-1)
+    finite = bool(torch.isfinite(out).all()) and bool(torch.isfinite(lse).all())
+    return {"seq": seq, "heads": heads, "head_dim": head_dim, "qk_format": qk_format, "rows": int(got.shape[0]),
+            "cos_vs_reference": round(cos_ref, 6), "max_lse_error_vs_reference": float(f"{lse_err:.3g}"),
+            "mean_cos_vs_exact": round(cos_exact.mean().item(), 4), "finite": finite,
+            "ok": finite and cos_ref >= LONG_MIN_COS and lse_err <= LONG_MAX_LSE_ERROR}
 
 
 def _time_ms(fn: Callable[[], object], reps: int) -> float:
@@ -562,18 +587,22 @@ def _markdown(report: dict) -> str:
     lines += [f"| {k} | {v} |" for k, v in env.items()]
     if report.get("note"):
         lines += ["", report["note"]]
-    lines += ["", "## Known-answer checks", "", "| head dim | check | result | detail | first-use seconds |",
-              "|---|---|---|---|---|"]
+    lines += ["", "## Known-answer checks", "",
+              "| head dim | Q·Kᵀ | check | result | detail | first-use seconds |", "|---|---|---|---|---|---|"]
     for v in report["known_answer"]:
         for c in v["checks"]:
-            lines.append(f"| {v['head_dim']} | {c['name']} | {'ok' if c['ok'] else 'FAILED'} | {c['detail']} | "
+            lines.append(f"| {v['head_dim']} | {v.get('qk_format', 'nvfp4')} | {c['name']} | {'ok' if c['ok'] else 'FAILED'} | {c['detail']} | "
                          f"{v['seconds']:.4f} |")
     if report.get("long_sequence"):
-        r = report["long_sequence"]
-        lines += ["", "## Long sequence, sampled rows against exact attention", "",
-                  "| tokens | heads | D | rows | mean cos | min cos | max LSE error | finite |", "|---|---|---|---|---|---|---|---|",
-                  f"| {r['seq']} | {r['heads']} | {r['head_dim']} | {r['rows']} | {r['mean_cos']} | {r['min_cos']} | "
-                  f"{r['max_lse_error']} | {r['finite']} |"]
+        lines += ["", "## Long sequence: first, middle and last Q blocks against the reference numerics", "",
+                  f"Pass: cosine >= {LONG_MIN_COS} and LSE within {LONG_MAX_LSE_ERROR} of the reference. The cosine to "
+                  "exact attention is FP4's own error at this length (information).", "",
+                  "| tokens | heads | D | Q·Kᵀ | rows | cos vs reference | LSE error vs reference | mean cos vs exact "
+                  "| finite | result |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in report["long_sequence"]:
+            lines.append(f"| {r['seq']} | {r['heads']} | {r['head_dim']} | {r['qk_format']} | {r['rows']} | "
+                         f"{r['cos_vs_reference']} | {r['max_lse_error_vs_reference']} | {r['mean_cos_vs_exact']} | "
+                         f"{r['finite']} | {'ok' if r['ok'] else 'FAILED'} |")
     if report.get("speed"):
         lines += ["", "## Speed (B1, bf16, median of timed calls)", "",
                   "| tokens | heads | D | implementation | ms | TFLOP/s | speed vs fastest SDPA |", "|---|---|---|---|---|---|---|"]
@@ -639,11 +668,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"known answer D={d} {qk_format}: {verdict.seconds * 1e3:.1f} ms")
     passed = all(v["ok"] for v in report["known_answer"])
     if passed and args.long_seq:
-        report["long_sequence"] = sampled_long_check(args.long_seq, device)
-        r = report["long_sequence"]
-        print(f"long sequence {r['seq']} tokens: mean cos {r['mean_cos']}, min cos {r['min_cos']}, "
-              f"max LSE error {r['max_lse_error']}")
-        passed = r["finite"] and r["mean_cos"] >= 0.97
+        report["long_sequence"] = []
+        for qk_format in fmt.QK_FORMATS:
+            r = sampled_long_check(args.long_seq, device, qk_format)
+            report["long_sequence"].append(r)
+            print(f"long sequence {r['seq']} tokens {qk_format}: cos vs reference {r['cos_vs_reference']}, LSE error "
+                  f"{r['max_lse_error_vs_reference']}, mean cos vs exact {r['mean_cos_vs_exact']}: "
+                  f"{'ok' if r['ok'] else 'FAILED'}")
+            torch.cuda.empty_cache()
+        passed = all(r["ok"] for r in report["long_sequence"])
     if passed and speed_seqs:
         report["speed"] = speed_table(speed_seqs, device, heads=args.speed_heads, reps=args.reps)
         for r in report["speed"]:

@@ -173,15 +173,16 @@ def test_command_rejects_bad_arguments(capsys):
 
 def test_markdown_report_shows_every_section():
     report = {"environment": {"gpu": "X", "driver": "1"}, "note": "emulated", "passed": False,
-              "known_answer": [{"head_dim": 64, "seconds": 0.01, "checks": [
+              "known_answer": [{"head_dim": 64, "qk_format": "nvfp4", "seconds": 0.01, "checks": [
                   {"name": "quantiser", "ok": False, "detail": "k_sf differs"}]}],
-              "long_sequence": {"seq": 77000, "heads": 2, "head_dim": 128, "rows": 512, "mean_cos": 0.98,
-                                "min_cos": 0.97, "max_lse_error": 0.01, "finite": True},
+              "long_sequence": [{"seq": 77000, "heads": 2, "head_dim": 128, "qk_format": "mxfp8", "rows": 768,
+                                 "cos_vs_reference": 0.99995, "max_lse_error_vs_reference": 0.0004,
+                                 "mean_cos_vs_exact": 0.96, "finite": True, "ok": True}],
               "speed": [{"seq": 8192, "heads": 24, "head_dim": 128, "impl": "nvfp4_dit", "ms": 1.0, "tflops": 100.0,
                          "vs_best_sdpa": 2.0},
                         {"seq": 8192, "heads": 24, "head_dim": 128, "impl": "FlashInfer", "error": "ImportError"}]}
     md = selftest._markdown(report)
-    for text in ("| quantiser | FAILED | k_sf differs", "| 77000 | 2 | 128 | 512 | 0.98", "| nvfp4_dit | 1.0 | 100.0 | 2.0 |",
+    for text in ("| 64 | nvfp4 | quantiser | FAILED | k_sf differs", "| 77000 | 2 | 128 | mxfp8 | 768 | 0.99995 | 0.0004 | 0.96 | True | ok |", "| nvfp4_dit | 1.0 | 100.0 | 2.0 |",
                  "ImportError", "Result: **FAIL**", "emulated"):
         assert text in md, text
     json.dumps(report)
@@ -281,3 +282,19 @@ def test_cuda_graph_capture_before_and_after_the_first_eager_call(cuda_device):
     graph2.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured2, eager)
+
+
+@pytest.mark.cuda
+def test_command_passes_and_reports_every_section_on_this_gpu(cuda_device, tmp_path, capsys):
+    # A short run of the whole command: known answers for each format, the long-sequence check
+    # (first, middle, last Q blocks against the reference), one speed row per peer.
+    assert selftest.main(["--out", str(tmp_path), "--long-seq", "9000", "--speed-seqs", "1024", "--reps", "1"]) == 0
+    print(capsys.readouterr().out)
+    report = json.loads((tmp_path / "nvfp4_dit_selftest.json").read_text())
+    assert report["passed"] and report["environment"]["cuda_driver_api"] != "unknown"
+    assert [r["qk_format"] for r in report["long_sequence"]] == list(fmt.QK_FORMATS)
+    for r in report["long_sequence"]:
+        # the last block holds the 9000 - 70 * 128 = 40 rows past the final full block
+        assert r["ok"] and r["rows"] == (2 * 128 + 40) * r["heads"] and r["cos_vs_reference"] >= selftest.LONG_MIN_COS
+    md = (tmp_path / "nvfp4_dit_selftest.md").read_text()
+    assert "| 9000 | 2 | 128 | mxfp8 |" in md and "## Speed" in md and "Result: **PASS**" in md
