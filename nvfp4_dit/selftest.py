@@ -203,127 +203,149 @@ def _as_int32(x: torch.Tensor) -> torch.Tensor:
     return torch.where(x >= 2**31, x - 2**32, x).to(torch.int32).contiguous()
 
 
-def mma_probe_registers(gen: torch.Generator, tid_a: int, tid_b: int, device):
-    """Registers of one m16n8k64 block-scaled MMA laid out by the PTX fragment tables, and the
-    dense fp64 operands they encode. Returns (a, b, sfa, sfb, c registers; a_val [16, 64],
-    b_val [8, 64], c [16, 8])."""
-    a_codes = torch.randint(0, 16, (16, 64), generator=gen, device=device)
-    b_codes = torch.randint(0, 16, (8, 64), generator=gen, device=device)
+def fp4_probe_cases(gen: torch.Generator, selectors: Sequence[tuple[int, int]], device):
+    """Registers of one m16n8k64 block-scaled FP4 MMA per (thread-id-a, thread-id-b) of
+    ``selectors``, laid out by the PTX fragment tables, and the dense fp64 operands they encode,
+    each stacked along a leading case dimension. Returns (a [n, 32, 4], b [n, 32, 2], sfa, sfb
+    [n, 32], c [n, 32, 4] registers; a_val [n, 16, 64], b_val [n, 8, 64], c [n, 16, 8])."""
+    n = len(selectors)
+    tid_a = torch.tensor([s[0] for s in selectors], device=device)[:, None]
+    tid_b = torch.tensor([s[1] for s in selectors], device=device)[:, None]
+    a_codes = torch.randint(0, 16, (n, 16, 64), generator=gen, device=device)
+    b_codes = torch.randint(0, 16, (n, 8, 64), generator=gen, device=device)
     # Scale bytes across the ue4m3 range, subnormals (0x01..0x07) included, never NaN (0x7F).
-    sfa = torch.randint(0x01, 0x7F, (16, 4), generator=gen, device=device)
-    sfb = torch.randint(0x01, 0x7F, (8, 4), generator=gen, device=device)
-    sfa[::3, 1] = torch.randint(0x01, 0x08, sfa[::3, 1].shape, generator=gen, device=device)
-    sfb[::2, 2] = torch.randint(0x01, 0x08, sfb[::2, 2].shape, generator=gen, device=device)
-    c = torch.randn(16, 8, generator=gen, device=device)
+    sfa = torch.randint(0x01, 0x7F, (n, 16, 4), generator=gen, device=device)
+    sfb = torch.randint(0x01, 0x7F, (n, 8, 4), generator=gen, device=device)
+    sfa[:, ::3, 1] = torch.randint(0x01, 0x08, sfa[:, ::3, 1].shape, generator=gen, device=device)
+    sfb[:, ::2, 2] = torch.randint(0x01, 0x08, sfb[:, ::2, 2].shape, generator=gen, device=device)
+    c = torch.randn(n, 16, 8, generator=gen, device=device)
     lanes = torch.arange(32, device=device)
     g, t = lanes // 4, lanes % 4
     ks = 8 * t[:, None] + torch.arange(8, device=device)
-    a_reg = torch.stack([_pack8(a_codes[g[:, None], ks]), _pack8(a_codes[g[:, None] + 8, ks]),
-                         _pack8(a_codes[g[:, None], 32 + ks]), _pack8(a_codes[g[:, None] + 8, 32 + ks])], 1)
-    b_reg = torch.stack([_pack8(b_codes[g[:, None], ks]), _pack8(b_codes[g[:, None], 32 + ks])], 1)
+    rows_g = g[:, None]
+    a_reg = torch.stack([_pack8(a_codes[:, rows_g, ks]), _pack8(a_codes[:, rows_g + 8, ks]),
+                         _pack8(a_codes[:, rows_g, 32 + ks]), _pack8(a_codes[:, rows_g + 8, 32 + ks])], -1)
+    b_reg = torch.stack([_pack8(b_codes[:, rows_g, ks]), _pack8(b_codes[:, rows_g, 32 + ks])], -1)
     # Lanes the selectors do not name hold garbage: the MMA must ignore them.
-    sfa_reg = torch.randint(0, 2**32, (32,), generator=gen, device=device)
-    sfb_reg = torch.randint(0, 2**32, (32,), generator=gen, device=device)
+    sfa_reg = torch.randint(0, 2**32, (n, 32), generator=gen, device=device)
+    sfb_reg = torch.randint(0, 2**32, (n, 32), generator=gen, device=device)
+    case = torch.arange(n, device=device)[:, None]
     rows = torch.arange(8, device=device)
-    sfa_reg[4 * rows + 2 * tid_a] = _word(sfa[rows])
-    sfa_reg[4 * rows + 2 * tid_a + 1] = _word(sfa[rows + 8])
-    sfb_reg[4 * rows + tid_b] = _word(sfb[rows])
-    c_reg = _pack_cd(c)
+    sfa_reg[case, 4 * rows + 2 * tid_a] = _word(sfa[:, rows])
+    sfa_reg[case, 4 * rows + 2 * tid_a + 1] = _word(sfa[:, rows + 8])
+    sfb_reg[case, 4 * rows + tid_b] = _word(sfb[:, rows])
     a_val = fmt.e2m1_decode(a_codes.to(torch.uint8)).double() * \
-        fmt.e4m3_decode(sfa.to(torch.uint8)).double().repeat_interleave(16, 1)
+        fmt.e4m3_decode(sfa.to(torch.uint8)).double().repeat_interleave(16, -1)
     b_val = fmt.e2m1_decode(b_codes.to(torch.uint8)).double() * \
-        fmt.e4m3_decode(sfb.to(torch.uint8)).double().repeat_interleave(16, 1)
-    return (a_reg, b_reg, sfa_reg, sfb_reg, c_reg), (a_val, b_val, c.double())
+        fmt.e4m3_decode(sfb.to(torch.uint8)).double().repeat_interleave(16, -1)
+    return (a_reg, b_reg, sfa_reg, sfb_reg, _pack_cd(c)), (a_val, b_val, c.double())
 
 
-def mxf8_probe_registers(gen: torch.Generator, tid_a: int, tid_b: int, byte_id: int, device):
-    """Registers of one m16n8k32 kind::mxf8f6f4 MMA (e4m3, ue8m0 scale_vec::1X) laid out by the
-    PTX fragment tables (byte i of a register: k = 4t + i; a0/a1 rows g/g+8 at k, a2/a3 at 16 + k;
-    b0/b1 column g at k and 16 + k), the scale of each row / column in byte ``byte_id`` of the
-    lane the selectors name, and the dense fp64 operands. Returns as mma_probe_registers."""
+def mxf8_probe_cases(gen: torch.Generator, selectors: Sequence[tuple[int, int, int]], device):
+    """The same for one m16n8k32 kind::mxf8f6f4 MMA (e4m3, ue8m0 scale_vec::1X) per (thread-id-a,
+    thread-id-b, byte-id): byte i of a register holds k = 4t + i; a0/a1 rows g/g+8 at k, a2/a3 at
+    16 + k; b0/b1 column g at k and 16 + k; the scale of each row / column sits in byte ``byte-id``
+    of the lane the selectors name."""
+    n = len(selectors)
+    tid_a, tid_b, byte_id = (torch.tensor([s[i] for s in selectors], device=device)[:, None] for i in range(3))
+
     def e4m3_codes(rows):
-        codes = torch.randint(0, 256, (rows, 32), generator=gen, device=device)
+        codes = torch.randint(0, 256, (n, rows, 32), generator=gen, device=device)
         return torch.where((codes & 0x7F) == 0x7F, codes ^ 0x01, codes)   # never NaN
     a_codes, b_codes = e4m3_codes(16), e4m3_codes(8)
-    sfa = torch.randint(127 - 20, 127 + 20, (16,), generator=gen, device=device)
-    sfb = torch.randint(127 - 20, 127 + 20, (8,), generator=gen, device=device)
-    c = torch.randn(16, 8, generator=gen, device=device)
+    sfa = torch.randint(127 - 20, 127 + 20, (n, 16), generator=gen, device=device)
+    sfb = torch.randint(127 - 20, 127 + 20, (n, 8), generator=gen, device=device)
+    c = torch.randn(n, 16, 8, generator=gen, device=device)
     lanes = torch.arange(32, device=device)
     g, t = lanes // 4, lanes % 4
     ks = 4 * t[:, None] + torch.arange(4, device=device)
-    a_reg = torch.stack([_word(a_codes[g[:, None], ks]), _word(a_codes[g[:, None] + 8, ks]),
-                         _word(a_codes[g[:, None], 16 + ks]), _word(a_codes[g[:, None] + 8, 16 + ks])], 1)
-    b_reg = torch.stack([_word(b_codes[g[:, None], ks]), _word(b_codes[g[:, None], 16 + ks])], 1)
-    sfa_reg = torch.randint(0, 2**32, (32,), generator=gen, device=device)
-    sfb_reg = torch.randint(0, 2**32, (32,), generator=gen, device=device)
-    keep = ~(0xFF << (8 * byte_id)) & 0xFFFFFFFF
-
-    def put(reg, lanes, value):   # the scale byte into byte byte_id of those lanes
-        reg[lanes] = (reg[lanes] & keep) | (value << (8 * byte_id))
-
+    rows_g = g[:, None]
+    a_reg = torch.stack([_word(a_codes[:, rows_g, ks]), _word(a_codes[:, rows_g + 8, ks]),
+                         _word(a_codes[:, rows_g, 16 + ks]), _word(a_codes[:, rows_g + 8, 16 + ks])], -1)
+    b_reg = torch.stack([_word(b_codes[:, rows_g, ks]), _word(b_codes[:, rows_g, 16 + ks])], -1)
+    sfa_reg = torch.randint(0, 2**32, (n, 32), generator=gen, device=device)
+    sfb_reg = torch.randint(0, 2**32, (n, 32), generator=gen, device=device)
+    shift = 8 * byte_id
+    keep = ~(0xFF << shift) & 0xFFFFFFFF
+    case = torch.arange(n, device=device)[:, None]
     rows = torch.arange(8, device=device)
-    put(sfa_reg, 4 * rows + 2 * tid_a, sfa[rows])
-    put(sfa_reg, 4 * rows + 2 * tid_a + 1, sfa[rows + 8])
-    put(sfb_reg, 4 * rows + tid_b, sfb[rows])
-    c_reg = _pack_cd(c)
-    a_val = fmt.e4m3_decode(a_codes.to(torch.uint8)).double() * fmt.ue8m0_decode(sfa).double()[:, None]
-    b_val = fmt.e4m3_decode(b_codes.to(torch.uint8)).double() * fmt.ue8m0_decode(sfb).double()[:, None]
-    return (a_reg, b_reg, sfa_reg, sfb_reg, c_reg), (a_val, b_val, c.double())
+
+    def put(reg, lanes, value):   # the scale byte into byte byte-id of those lanes
+        reg[case, lanes] = (reg[case, lanes] & keep) | (value << shift)
+
+    put(sfa_reg, 4 * rows + 2 * tid_a, sfa[:, rows])
+    put(sfa_reg, 4 * rows + 2 * tid_a + 1, sfa[:, rows + 8])
+    put(sfb_reg, 4 * rows + tid_b, sfb[:, rows])
+    a_val = fmt.e4m3_decode(a_codes.to(torch.uint8)).double() * fmt.ue8m0_decode(sfa).double()[..., None]
+    b_val = fmt.e4m3_decode(b_codes.to(torch.uint8)).double() * fmt.ue8m0_decode(sfb).double()[..., None]
+    return (a_reg, b_reg, sfa_reg, sfb_reg, _pack_cd(c)), (a_val, b_val, c.double())
+
+
+def _first_case(cases):
+    registers, values = cases
+    return tuple(r[0] for r in registers), tuple(v[0] for v in values)
+
+
+def mma_probe_registers(gen: torch.Generator, tid_a: int, tid_b: int, device):
+    """One case of :func:`fp4_probe_cases`: registers a [32, 4], b [32, 2], sfa, sfb [32], c [32, 4];
+    a_val [16, 64], b_val [8, 64], c [16, 8]."""
+    return _first_case(fp4_probe_cases(gen, [(tid_a, tid_b)], device))
+
+
+def mxf8_probe_registers(gen: torch.Generator, tid_a: int, tid_b: int, byte_id: int, device):
+    """One case of :func:`mxf8_probe_cases`, shaped as :func:`mma_probe_registers`."""
+    return _first_case(mxf8_probe_cases(gen, [(tid_a, tid_b, byte_id)], device))
 
 
 def _pack_cd(c: torch.Tensor) -> torch.Tensor:
-    """[16, 8] -> the C/D registers [32 lanes, 4] of an m16n8 MMA (the inverse of _unpack_d)."""
+    """[..., 16, 8] -> the C/D registers [..., 32 lanes, 4] of an m16n8 MMA (the inverse of _unpack_d)."""
     lanes = torch.arange(32, device=c.device)
     g, t = lanes // 4, lanes % 4
-    return torch.stack([c[g, 2 * t], c[g, 2 * t + 1], c[g + 8, 2 * t], c[g + 8, 2 * t + 1]], 1)
+    return torch.stack([c[..., g, 2 * t], c[..., g, 2 * t + 1], c[..., g + 8, 2 * t], c[..., g + 8, 2 * t + 1]], -1)
 
 
 def _unpack_d(d_reg: torch.Tensor) -> torch.Tensor:
+    """[..., 32 lanes, 4] D registers -> [..., 16, 8] fp64."""
     lanes = torch.arange(32, device=d_reg.device)
     g, t = lanes // 4, lanes % 4
-    d = torch.empty(16, 8, dtype=torch.float64, device=d_reg.device)
-    d[g, 2 * t], d[g, 2 * t + 1] = d_reg[:, 0].double(), d_reg[:, 1].double()
-    d[g + 8, 2 * t], d[g + 8, 2 * t + 1] = d_reg[:, 2].double(), d_reg[:, 3].double()
+    d = torch.empty(*d_reg.shape[:-2], 16, 8, dtype=torch.float64, device=d_reg.device)
+    d[..., g, 2 * t], d[..., g, 2 * t + 1] = d_reg[..., 0].double(), d_reg[..., 1].double()
+    d[..., g + 8, 2 * t], d[..., g + 8, 2 * t + 1] = d_reg[..., 2].double(), d_reg[..., 3].double()
     return d
 
 
 def check_instruction(device, native: bool, qk_format: str = "nvfp4") -> tuple[bool, str]:
     """One MMA per legal selector combination against a dense product: the FP4 MMA (8 pairs),
-    and for ``qk_format="mxfp8"`` also the 8-bit one (32: pairs x byte-id). The registers and the
-    dense products are built on the host and the results come back in one copy: a round trip to
-    the GPU per combination would cost more than the MMAs."""
+    and for ``qk_format="mxfp8"`` also the 8-bit one (32: pairs x byte-id). Every case is built on
+    the host at once, copied over once, and the results come back in one copy: a round trip to the
+    GPU per combination would cost more than the MMAs."""
     from . import kernels
 
     gen = torch.Generator().manual_seed(2024)
-    cases = [("fp4", a, b, None) for a in range(2) for b in range(4)]
+    pairs = [(a, b) for a in range(2) for b in range(4)]
+    groups = [("fp4", pairs, fp4_probe_cases(gen, pairs, "cpu"), kernels.mma_fp4_probe)]
     if qk_format == "mxfp8":
-        cases += [("mxf8", a, b, i) for a in range(2) for b in range(4) for i in range(4)]
-    results, expected = [], []
-    for kind, tid_a, tid_b, byte_id in cases:
-        if kind == "fp4":
-            registers, values = mma_probe_registers(gen, tid_a, tid_b, "cpu")
-            selectors = (tid_a, tid_b)
-        else:
-            registers, values = mxf8_probe_registers(gen, tid_a, tid_b, byte_id, "cpu")
-            selectors = (tid_a, tid_b, byte_id)
+        triples = [(a, b, i) for a, b in pairs for i in range(4)]
+        groups.append(("mxf8", triples, mxf8_probe_cases(gen, triples, "cpu"), kernels.mma_mxf8_probe))
+    worst, where, count = 0.0, "", 0
+    for kind, selectors, (registers, (a_val, b_val, c_val)), probe in groups:
         a, b, sfa, sfb = (_as_int32(r).to(device) for r in registers[:4])
         c = registers[4].contiguous().to(device)
-        probe = kernels.mma_fp4_probe if kind == "fp4" else kernels.mma_mxf8_probe
-        results.append(probe(a, b, sfa, sfb, c, *selectors, native))
-        expected.append(values)
-    worst, where = 0.0, ""
-    for d_reg, (a_val, b_val, c_val), (kind, tid_a, tid_b, byte_id) in zip(torch.stack(results).cpu(), expected, cases):
-        d = _unpack_d(d_reg)
-        dense = a_val @ b_val.T + c_val
-        magnitude = a_val.abs() @ b_val.abs().T + c_val.abs()
-        excess = ((d - dense).abs() / (magnitude * MMA_ACCUMULATION_BOUND + 1e-30)).max().item()
-        if not math.isfinite(excess) or excess > worst:
-            worst = excess if math.isfinite(excess) else math.inf
-            rel = ((d - dense).norm() / dense.norm()).item()
-            where = f"{kind} thread-id-a {tid_a}, thread-id-b {tid_b}" + (
-                f", byte-id {byte_id}" if byte_id is not None else "") + f": relative error {rel:.3g}"
+        d = _unpack_d(torch.stack([probe(a[i], b[i], sfa[i], sfb[i], c[i], *sel, native)
+                                   for i, sel in enumerate(selectors)]).cpu())
+        dense = a_val @ b_val.transpose(1, 2) + c_val
+        magnitude = a_val.abs() @ b_val.abs().transpose(1, 2) + c_val.abs()
+        excess = ((d - dense).abs() / (magnitude * MMA_ACCUMULATION_BOUND + 1e-30)).flatten(1).amax(1)
+        excess = torch.where(torch.isfinite(excess), excess, torch.full_like(excess, math.inf))
+        i = int(excess.argmax())
+        count += len(selectors)
+        if excess[i].item() > worst:
+            worst = excess[i].item()
+            rel = ((d[i] - dense[i]).norm() / dense[i].norm()).item()
+            names = ("thread-id-a", "thread-id-b", "byte-id")
+            where = f"{kind} " + ", ".join(f"{n} {v}" for n, v in zip(names, selectors[i])) + f": relative error {rel:.3g}"
     ok = worst <= 1.0
-    return ok, (f"{len(cases)} selector combinations within the accumulation bound" if ok else
+    return ok, (f"{count} selector combinations within the accumulation bound" if ok else
                 f"MMA result off by {worst:.3g}x the accumulation bound ({where})")
 
 

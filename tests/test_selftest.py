@@ -85,6 +85,49 @@ def test_8bit_instruction_case_is_laid_out_as_the_ptx_model_reads_it(tid_a, tid_
     assert torch.equal(selftest._unpack_d(d), a_val @ b_val.T + c_val)
 
 
+def test_a_batch_of_every_selector_combination_is_laid_out_as_the_ptx_models_read_it():
+    # check_instruction builds all cases at once; each case's selectors must land in its own lanes.
+    from test_mma_model import mma8, ptx_model8
+
+    gen = torch.Generator().manual_seed(7)
+    pairs = [(a, b) for a in range(2) for b in range(4)]
+    (a, b, sfa, sfb, c), (a_val, b_val, c_val) = selftest.fp4_probe_cases(gen, pairs, "cpu")
+    for i, (tid_a, tid_b) in enumerate(pairs):
+        d = mma(ptx_model(), a[i], b[i], sfa[i], sfb[i], c[i].double(), tid_a, tid_b)
+        assert torch.equal(selftest._unpack_d(d), a_val[i] @ b_val[i].T + c_val[i]), (tid_a, tid_b)
+    triples = [(ta, tb, i) for ta, tb in pairs for i in range(4)]
+    (a, b, sfa, sfb, c), (a_val, b_val, c_val) = selftest.mxf8_probe_cases(gen, triples, "cpu")
+    for i, sel in enumerate(triples):
+        d = mma8(ptx_model8(), a[i], b[i], sfa[i], sfb[i], c[i].double(), *sel)
+        assert torch.equal(selftest._unpack_d(d), a_val[i] @ b_val[i].T + c_val[i]), sel
+
+
+def _model_probes(monkeypatch):
+    """The kernel's MMA probes replaced by the PTX models (CPU), as check_instruction calls them."""
+    from test_mma_model import mma8, ptx_model8
+
+    from nvfp4_dit import kernels
+
+    def unsigned(*regs):
+        return [r.long() & 0xFFFFFFFF for r in regs]
+
+    monkeypatch.setattr(kernels, "mma_fp4_probe", lambda a, b, sfa, sfb, c, ta, tb, native: mma(
+        ptx_model(), *unsigned(a, b, sfa, sfb), c.double(), ta, tb).float())
+    monkeypatch.setattr(kernels, "mma_mxf8_probe", lambda a, b, sfa, sfb, c, ta, tb, i, native: mma8(
+        ptx_model8(), *unsigned(a, b, sfa, sfb), c.double(), ta, tb, i).float())
+
+
+def test_instruction_check_passes_on_the_ptx_models_and_names_a_swapped_scale_pair(monkeypatch):
+    _model_probes(monkeypatch)
+    assert selftest.check_instruction("cpu", True, "nvfp4") == (True, "8 selector combinations within the "
+                                                                      "accumulation bound")
+    ok, detail = selftest.check_instruction("cpu", True, "mxfp8")
+    assert ok and detail.startswith("40 selector combinations"), detail
+    monkeypatch.setattr(selftest, "fp4_probe_cases", _swap_scale_pair(selftest.fp4_probe_cases))
+    ok, detail = selftest.check_instruction("cpu", True, "nvfp4")
+    assert not ok and "fp4 thread-id-a" in detail and "accumulation bound" in detail, detail
+
+
 def _fake_checks(ok):
     return (selftest.Check("instruction", True, "fine"), selftest.Check("quantiser", ok, "k_sf differs in 3 of 9"),
             selftest.Check("attention", True, "fine"))
@@ -202,22 +245,13 @@ def test_selftest_passes_on_this_gpu(cuda_device, qk_format):
 
 
 def _swap_scale_pair(real):
-    def wrong(gen, tid_a, tid_b, device):
-        regs, vals = real(gen, tid_a, tid_b, device)
-        a, b, sfa, sfb, c = regs
-        lanes = torch.arange(8, device=sfa.device) * 4 + 2 * tid_a
-        sfa = sfa.clone()
-        sfa[lanes], sfa[lanes + 1] = regs[2][lanes + 1], regs[2][lanes]   # a hardware reading rows swapped
-        return (a, b, sfa, sfb, c), vals
-    return wrong
-
-
-def _ties_away_from_zero(real):
-    def wrong(x):
-        codes = real(x)
-        a = x.float().abs()
-        up = (a == 0.25) | (a == 1.25) | (a == 2.5)   # ties the hardware would round the other way
-        return torch.where(up, codes + 1, codes).to(torch.uint8)
+    def wrong(gen, selectors, device):
+        (a, b, sfa, sfb, c), vals = real(gen, selectors, device)
+        swapped = sfa.clone()
+        for i, (tid_a, _) in enumerate(selectors):   # a hardware reading rows g and g+8's scales swapped
+            lanes = torch.arange(8, device=sfa.device) * 4 + 2 * tid_a
+            swapped[i, lanes], swapped[i, lanes + 1] = sfa[i, lanes + 1], sfa[i, lanes]
+        return (a, b, swapped, sfb, c), vals
     return wrong
 
 
@@ -225,7 +259,7 @@ def _ties_away_from_zero(real):
 @pytest.mark.parametrize("mismatch", ["scale_pair", "e2m1_ties"])
 def test_forced_mismatch_runs_exact_attention_with_one_warning(cuda_device, monkeypatch, mismatch):
     if mismatch == "scale_pair":
-        monkeypatch.setattr(selftest, "mma_probe_registers", _swap_scale_pair(selftest.mma_probe_registers))
+        monkeypatch.setattr(selftest, "fp4_probe_cases", _swap_scale_pair(selftest.fp4_probe_cases))
         failing = "instruction"
     else:
         monkeypatch.setattr(fmt, "e2m1_encode", _ties_away_from_zero(fmt.e2m1_encode))
