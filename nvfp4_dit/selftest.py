@@ -203,6 +203,21 @@ def _as_int32(x: torch.Tensor) -> torch.Tensor:
     return torch.where(x >= 2**31, x - 2**32, x).to(torch.int32).contiguous()
 
 
+def _ab_registers(a_codes: torch.Tensor, b_codes: torch.Tensor, per_reg: int, pack) -> tuple[torch.Tensor, torch.Tensor]:
+    """A codes [n, 16, K] and B codes [n, 8, K] -> the A [n, 32, 4] and B [n, 32, 2] registers of
+    an m16n8 MMA (PTX fragment tables): lane 4g + t holds k = per_reg * t + i of rows g and g + 8 of
+    A (of column g of B) in its first registers, and the same at K/2 + k in the next; ``pack`` packs
+    the ``per_reg`` codes of one register."""
+    lanes = torch.arange(32, device=a_codes.device)
+    g, t = (lanes // 4)[:, None], lanes % 4
+    ks = per_reg * t[:, None] + torch.arange(per_reg, device=a_codes.device)
+    half = a_codes.shape[-1] // 2
+    a = torch.stack([pack(a_codes[:, g, ks]), pack(a_codes[:, g + 8, ks]),
+                     pack(a_codes[:, g, half + ks]), pack(a_codes[:, g + 8, half + ks])], -1)
+    b = torch.stack([pack(b_codes[:, g, ks]), pack(b_codes[:, g, half + ks])], -1)
+    return a, b
+
+
 def fp4_probe_cases(gen: torch.Generator, selectors: Sequence[tuple[int, int]], device):
     """Registers of one m16n8k64 block-scaled FP4 MMA per (thread-id-a, thread-id-b) of
     ``selectors``, laid out by the PTX fragment tables, and the dense fp64 operands they encode,
@@ -219,13 +234,7 @@ def fp4_probe_cases(gen: torch.Generator, selectors: Sequence[tuple[int, int]], 
     sfa[:, ::3, 1] = torch.randint(0x01, 0x08, sfa[:, ::3, 1].shape, generator=gen, device=device)
     sfb[:, ::2, 2] = torch.randint(0x01, 0x08, sfb[:, ::2, 2].shape, generator=gen, device=device)
     c = torch.randn(n, 16, 8, generator=gen, device=device)
-    lanes = torch.arange(32, device=device)
-    g, t = lanes // 4, lanes % 4
-    ks = 8 * t[:, None] + torch.arange(8, device=device)
-    rows_g = g[:, None]
-    a_reg = torch.stack([_pack8(a_codes[:, rows_g, ks]), _pack8(a_codes[:, rows_g + 8, ks]),
-                         _pack8(a_codes[:, rows_g, 32 + ks]), _pack8(a_codes[:, rows_g + 8, 32 + ks])], -1)
-    b_reg = torch.stack([_pack8(b_codes[:, rows_g, ks]), _pack8(b_codes[:, rows_g, 32 + ks])], -1)
+    a_reg, b_reg = _ab_registers(a_codes, b_codes, 8, _pack8)
     # Lanes the selectors do not name hold garbage: the MMA must ignore them.
     sfa_reg = torch.randint(0, 2**32, (n, 32), generator=gen, device=device)
     sfb_reg = torch.randint(0, 2**32, (n, 32), generator=gen, device=device)
@@ -256,13 +265,7 @@ def mxf8_probe_cases(gen: torch.Generator, selectors: Sequence[tuple[int, int, i
     sfa = torch.randint(127 - 20, 127 + 20, (n, 16), generator=gen, device=device)
     sfb = torch.randint(127 - 20, 127 + 20, (n, 8), generator=gen, device=device)
     c = torch.randn(n, 16, 8, generator=gen, device=device)
-    lanes = torch.arange(32, device=device)
-    g, t = lanes // 4, lanes % 4
-    ks = 4 * t[:, None] + torch.arange(4, device=device)
-    rows_g = g[:, None]
-    a_reg = torch.stack([_word(a_codes[:, rows_g, ks]), _word(a_codes[:, rows_g + 8, ks]),
-                         _word(a_codes[:, rows_g, 16 + ks]), _word(a_codes[:, rows_g + 8, 16 + ks])], -1)
-    b_reg = torch.stack([_word(b_codes[:, rows_g, ks]), _word(b_codes[:, rows_g, 16 + ks])], -1)
+    a_reg, b_reg = _ab_registers(a_codes, b_codes, 4, _word)
     sfa_reg = torch.randint(0, 2**32, (n, 32), generator=gen, device=device)
     sfb_reg = torch.randint(0, 2**32, (n, 32), generator=gen, device=device)
     shift = 8 * byte_id
@@ -336,14 +339,14 @@ def check_instruction(device, native: bool, qk_format: str = "nvfp4") -> tuple[b
         dense = a_val @ b_val.transpose(1, 2) + c_val
         magnitude = a_val.abs() @ b_val.abs().transpose(1, 2) + c_val.abs()
         excess = ((d - dense).abs() / (magnitude * MMA_ACCUMULATION_BOUND + 1e-30)).flatten(1).amax(1)
-        excess = torch.where(torch.isfinite(excess), excess, torch.full_like(excess, math.inf))
+        excess = excess.nan_to_num(nan=math.inf)
         i = int(excess.argmax())
         count += len(selectors)
         if excess[i].item() > worst:
             worst = excess[i].item()
             rel = ((d[i] - dense[i]).norm() / dense[i].norm()).item()
-            names = ("thread-id-a", "thread-id-b", "byte-id")
-            where = f"{kind} " + ", ".join(f"{n} {v}" for n, v in zip(names, selectors[i])) + f": relative error {rel:.3g}"
+            named = zip(("thread-id-a", "thread-id-b", "byte-id"), selectors[i])
+            where = f"{kind} " + ", ".join(f"{n} {v}" for n, v in named) + f": relative error {rel:.3g}"
     ok = worst <= 1.0
     return ok, (f"{count} selector combinations within the accumulation bound" if ok else
                 f"MMA result off by {worst:.3g}x the accumulation bound ({where})")
@@ -498,7 +501,7 @@ def sampled_long_check(seq: int, device, qk_format: str = "nvfp4", heads: int = 
     keys the softmax is nearly flat and the output is a small average of V, which 4-bit V resolves
     only to about 0.96."""
     import nvfp4_dit
-    from .reference import attention_reference
+    from .reference import attention_exact, attention_reference
 
     gen = torch.Generator(device=device).manual_seed(seq)
     q, k, v = (torch.randn(1, seq, heads, head_dim, generator=gen, device=device).to(torch.bfloat16)
@@ -506,18 +509,15 @@ def sampled_long_check(seq: int, device, qk_format: str = "nvfp4", heads: int = 
     out, lse = nvfp4_dit.attention(q, k, v, backend="cuda", return_lse=True, qk_format=qk_format)
     quantized = fmt.quantize_qkv(q, k, v, qk_format=qk_format)
     nblk = -(-seq // fmt.SEQ_TILE)
-    scale = 1.0 / math.sqrt(head_dim)
     got_rows, ref_rows, exact_rows, lse_err = [], [], [], 0.0
     for blk in sorted({0, nblk // 2, nblk - 1}):
         rows = slice(blk * fmt.SEQ_TILE, min(seq, (blk + 1) * fmt.SEQ_TILE))
         ref, ref_lse = attention_reference(q, k, v, return_lse=True, query_blocks=(blk, blk + 1),
                                            quantized=quantized, qk_format=qk_format)
-        s = torch.einsum("shd,thd->hst", q[0, rows].float(), k[0].float()) * scale
-        exact_rows.append(torch.einsum("hst,thd->shd", torch.softmax(s, -1), v[0].float()))
+        exact_rows.append(attention_exact(q[:, rows], k, v, dtype=torch.float32)[0][0])
         got_rows.append(out[0, rows].float())
         ref_rows.append(ref[0].float())
         lse_err = max(lse_err, (lse[0, :, rows] - ref_lse[0]).abs().max().item())
-        del s
     got, ref, exact = (torch.cat(t).flatten(0, 1) for t in (got_rows, ref_rows, exact_rows))
     cos_ref = torch.nn.functional.cosine_similarity(got.flatten(), ref.flatten(), dim=0).item()
     cos_exact = torch.nn.functional.cosine_similarity(got, exact, dim=-1)
@@ -613,7 +613,7 @@ def _markdown(report: dict) -> str:
               "| head dim | Q·Kᵀ | check | result | detail | first-use seconds |", "|---|---|---|---|---|---|"]
     for v in report["known_answer"]:
         for c in v["checks"]:
-            lines.append(f"| {v['head_dim']} | {v.get('qk_format', 'nvfp4')} | {c['name']} | {'ok' if c['ok'] else 'FAILED'} | {c['detail']} | "
+            lines.append(f"| {v['head_dim']} | {v['qk_format']} | {c['name']} | {'ok' if c['ok'] else 'FAILED'} | {c['detail']} | "
                          f"{v['seconds']:.4f} |")
     if report.get("long_sequence"):
         lines += ["", "## Long sequence: first, middle and last Q blocks against the reference numerics", "",
