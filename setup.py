@@ -1,5 +1,5 @@
 """The wheel carries the compiled kernels: ``pip wheel .`` (or ``python -m build``) compiles every
-translation unit of csrc/ for each architecture (nvfp4_dit/compile.py: NVRTC from the build
+translation unit of csrc/ for each architecture (nvfp4_dit/cuda/compile.py: NVRTC from the build
 requirements, in parallel through ninja) into ``nvfp4_dit/_cubins/`` with a manifest. An editable
 install skips it: a checkout builds its kernels on first use.
 
@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parent
 
 def _compile_module():
     # By path: importing the package would import torch, which a build environment does not have.
-    spec = importlib.util.spec_from_file_location("nvfp4_dit_compile", ROOT / "nvfp4_dit" / "compile.py")
+    spec = importlib.util.spec_from_file_location("nvfp4_dit_compile", ROOT / "nvfp4_dit" / "cuda" / "compile.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -283,7 +283,7 @@ class NVFP4AttentionOverride:
 
 
 def _has_native_fp4(q: torch.Tensor) -> bool:
-    from nvfp4_dit import build
+    from nvfp4_dit.cuda import build
 
     return q.is_cuda and build.is_native(torch.cuda.get_device_capability(q.device))
 

@@ -1,7 +1,7 @@
 """Argument checks of the public entry points: shape logic only, so torch.compile can trace them.
 
 A leaf module (it imports nothing of nvfp4_dit but the format), shared by the op
-(:mod:`nvfp4_dit.ops`) and the quantiser (:mod:`nvfp4_dit.quantize`).
+(:mod:`nvfp4_dit.ops`) and the quantiser (:mod:`nvfp4_dit.cuda.quantize`).
 """
 
 from __future__ import annotations

@@ -617,7 +617,7 @@ def correction(qq: QuantizedQKV, block_start: int = 0, block_end: Optional[int] 
     """
     if qq.k_smoothed is None:
         raise ValueError("this QuantizedQKV carries no fp32 k_smoothed (it comes from the CUDA quantiser: "
-                         "use nvfp4_dit.quantize.correction)")
+                         "use nvfp4_dit.cuda.quantize.correction)")
     block_end = qq.num_q_blocks if block_end is None else block_end
     qm = qq.q_mean[:, :, block_start:block_end]
     b, h, n, dp = qm.shape

@@ -122,7 +122,7 @@ def _poison_non_finite(out, lse, layout, q_blocks_bad, kv_bad):
 def _cuda_unsupported_reason(q, k, v, layout, require_native) -> Optional[str]:
     if q.device.type != "cuda":
         return f"no GPU: tensors are on {q.device.type}"
-    from . import attention_cuda  # imported lazily: it pulls in the build machinery
+    from .cuda import attention as attention_cuda  # imported lazily: it pulls in the build machinery
 
     return attention_cuda.unsupported_reason(q, k, v, layout=layout, require_native=require_native)
 
@@ -175,7 +175,8 @@ def _run(q, k, v, layout, causal, scale, attn_mask, kv_lens, return_lse, backend
                 raise BackendUnavailableError(f"backend='cuda' cannot run this call: {reason}")
             _warn_fallback(reason)
             return _attention_sdpa(q, k, v, layout, causal, scale, attn_mask, kv_lens, return_lse)
-        from . import attention_cuda, selftest
+        from . import selftest
+        from .cuda import attention as attention_cuda
 
         # A kernel that failed its first-use self-test (or whose test cannot run yet, during graph
         # capture) never answers, whichever back-end was asked for.

@@ -110,7 +110,7 @@ def verdicts() -> dict[KernelKey, Verdict]:
 
 
 def kernel_key(device: torch.device, head_dim: int, qk_format: str = "nvfp4") -> KernelKey:
-    from . import build
+    from .cuda import build
 
     index = build.device_index(device)
     cc = build.device_capability(index)
@@ -171,7 +171,7 @@ def _verify_key(key: KernelKey) -> Verdict:
 def run_checks(device: torch.device, head_dim: int, qk_format: str = "nvfp4") -> tuple[Check, ...]:
     """The three known-answer checks of the kernel for ``device`` and ``head_dim``. A check that
     raises counts as failed (its exception is the detail)."""
-    from . import build
+    from .cuda import build
 
     if qk_format not in fmt.QK_FORMATS:
         raise ValueError(f"qk_format must be one of {fmt.QK_FORMATS}, got {qk_format!r}")
@@ -322,7 +322,7 @@ def check_instruction(device, native: bool, qk_format: str = "nvfp4") -> tuple[b
     and for ``qk_format="mxfp8"`` also the 8-bit one (32: pairs x byte-id). Every case is built on
     the host at once, copied over once, and the results come back in one copy: a round trip to the
     GPU per combination would cost more than the MMAs."""
-    from . import kernels
+    from .cuda import launch as kernels
 
     gen = torch.Generator().manual_seed(2024)
     pairs = [(a, b) for a in range(2) for b in range(4)]
@@ -399,7 +399,7 @@ QUANTISED_FIELDS = ("q_data", "q_sf", "k_data", "k_sf", "vt_data", "vt_sf", "q_s
 
 def check_quantiser(q, k, v, qk_format: str = "nvfp4") -> tuple[bool, str]:
     """The CUDA quantiser's bytes against format.quantize_qkv, exactly."""
-    from . import quantize
+    from .cuda import quantize
 
     got = quantize.launch_quantize_qkv(q, k, v, layout="NHD", kv_lens=None, balance_qk=True, qk_format=qk_format)
     want = fmt.quantize_qkv(q, k, v, layout="NHD", balance_qk=True, qk_format=qk_format)
@@ -417,7 +417,7 @@ def check_quantiser(q, k, v, qk_format: str = "nvfp4") -> tuple[bool, str]:
 
 def check_attention(q, k, v, qk_format: str = "nvfp4") -> tuple[bool, str]:
     """The kernel against the reference numerics."""
-    from . import attention_cuda
+    from .cuda import attention as attention_cuda
     from .reference import attention_reference
 
     out, lse, _ = attention_cuda.attention(q, k, v, layout="NHD", causal=False, scale=None, kv_lens=None,
@@ -459,7 +459,8 @@ def _display_driver() -> str:
 
 def environment(device=None) -> dict:
     """GPU, driver, torch, CUDA and build facts for reports and warnings."""
-    from . import __version__, build
+    from . import __version__
+    from .cuda import build
 
     info = {"nvfp4_dit": __version__, "torch": torch.__version__, "torch_cuda": torch.version.cuda or "none",
             "python": platform.python_version(), "platform": platform.platform()}
@@ -469,7 +470,7 @@ def environment(device=None) -> dict:
     props = torch.cuda.get_device_properties(device)
     cc = (props.major, props.minor)
     try:
-        from . import driver
+        from .cuda import driver
 
         driver_api = driver.driver_version()
         driver_api = f"{driver_api // 1000}.{driver_api % 1000 // 10}"
@@ -662,7 +663,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               f"(torch {torch.__version__}, CUDA build {torch.version.cuda or 'none'}). The self-test checks the "
               "CUDA kernel and needs a GPU; on a CPU, nvfp4_dit runs backend='reference'.", file=sys.stderr)
         return 2
-    from . import build
+    from .cuda import build
 
     device = torch.device("cuda")
     reason = build.unavailable_reason(device)

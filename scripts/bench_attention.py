@@ -4,7 +4,7 @@
 One run times, at B1 H40 D128 and S = 8k, 32k, 77k, causal and not:
   * ``nvfp4 kernel``: the attention kernel alone on pre-quantised inputs with the whole
     correction precomputed (native FP4 MMA on sm_120/121, the fp16 emulation on sm_80/90);
-  * ``nvfp4 e2e``: ``nvfp4_dit.attention_cuda.attention`` (quantise + correction chunks + kernel);
+  * ``nvfp4 e2e``: ``nvfp4_dit.cuda.attention.attention`` (quantise + correction chunks + kernel);
   * ``mxfp8 Q·Kᵀ e2e``: the same with ``qk_format="mxfp8"`` (8-bit Q·Kᵀ, NVFP4 P·V);
   * ``nvfp4 quantize+correction``: the preprocessing of the e2e path alone (the CUDA quantiser and
     every correction chunk);
@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from nvfp4_dit import attention_cuda, build, quantize  # noqa: E402
+from nvfp4_dit.cuda import attention as attention_cuda, build, quantize  # noqa: E402
 from nvfp4_dit import format as fmt  # noqa: E402
 
 

@@ -44,7 +44,7 @@ def main() -> int:
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
     import nvfp4_dit
-    from nvfp4_dit import build, quantize
+    from nvfp4_dit.cuda import build, quantize
 
     reason = build.unavailable_reason()
     if reason:

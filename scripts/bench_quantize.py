@@ -2,7 +2,7 @@
 
 For B=1, H=40, D=128, bf16 NHD inputs at S = 8k, 32k, 77k and 118.8k tokens:
 
-* default: ``nvfp4_dit.quantize.quantize_qkv`` with the default kernel choice (the tile kernel)
+* default: ``nvfp4_dit.cuda.quantize.quantize_qkv`` with the default kernel choice (the tile kernel)
   and the default per-channel Q/K balance, and each kernel forced
   (``NVFP4_DIT_QUANTIZE_KERNEL=tiles``; ``=stream``: "-" where it does not apply);
 * no balance: the default kernel with ``balance_qk=False`` (no statistics pass over Q);
@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from nvfp4_dit import quantize as cq  # noqa: E402
+from nvfp4_dit.cuda import quantize as cq  # noqa: E402
 from nvfp4_dit import format as fmt  # noqa: E402
 
 GiB = float(1 << 30)

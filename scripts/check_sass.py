@@ -39,7 +39,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from nvfp4_dit import build
+from nvfp4_dit.cuda import build
 from nvfp4_dit import format as fmt
 
 CSRC = build.csrc_dir()

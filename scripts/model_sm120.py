@@ -331,7 +331,7 @@ def model(arch: str = "120a") -> list[dict]:
 def preparation(seq: int, attention_tflops: float, sms: int, clock: float, heads: int = 40, head_dim: int = 128,
                 budget: int = 1 << 30) -> dict:
     """Modelled time of quantise + correction at B=1 (module docstring) and its share of attention."""
-    from nvfp4_dit import quantize
+    from nvfp4_dit.cuda import quantize
 
     elems = seq * heads * head_dim
     quant_bytes = 6 * 2 * elems + 3 * elems // 2 + 3 * elems // 16 + (seq // 128 + 1) * heads * head_dim * 4 + seq * heads * 4

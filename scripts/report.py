@@ -69,7 +69,7 @@ def section_accuracy(out: Path, device: str, backend: str, quick: bool) -> list[
 
 def section_families(out: Path, device: str, backend: str) -> list[str]:
     from nvfp4_dit.processors import apply
-    from nvfp4_dit.tiny_models.diffusers_families import FAMILIES, build
+    from nvfp4_dit.processors.tiny_models.diffusers_families import FAMILIES, build
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     rows = []

@@ -1,4 +1,4 @@
-"""The CUDA attention back-end (nvfp4_dit.attention_cuda, csrc/attention) against the reference
+"""The CUDA attention back-end (nvfp4_dit.cuda.attention, csrc/attention) against the reference
 numerics and exact attention.
 
 On sm_80/sm_90 this runs the fp16-emulated MMA back-end, on sm_120/121 the native FP4 MMA; the
@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from nvfp4_dit import attention as nvfp4_dit_attention
-from nvfp4_dit import attention_cuda, build, quantize
+from nvfp4_dit.cuda import attention as attention_cuda, build, quantize
 from nvfp4_dit import format as fmt
 from nvfp4_dit.reference import attention_exact, attention_reference
 
@@ -40,7 +40,7 @@ def kernel():
         pytest.skip("needs a CUDA GPU")
     reason = build.unavailable_reason()
     assert reason is None, reason
-    from nvfp4_dit import kernels
+    from nvfp4_dit.cuda import launch as kernels
 
     return kernels
 
@@ -406,7 +406,7 @@ def test_no_usable_cubin_and_no_compiler_falls_back_with_one_warning(kernel, mon
     import warnings
 
     import nvfp4_dit
-    from nvfp4_dit import compile as kc
+    from nvfp4_dit.cuda import compile as kc
     from nvfp4_dit import fallback
 
     monkeypatch.setenv(build.CACHE_ENV, str(tmp_path))

@@ -1,4 +1,4 @@
-"""The build modules (nvfp4_dit.compile, nvfp4_dit.build): architectures, the one C++ statement of
+"""The build modules (nvfp4_dit.cuda.compile, nvfp4_dit.cuda.build): architectures, the one C++ statement of
 them (csrc/common/config.h), translation units, source hashes, entry points, errors, the cache
 and the ahead-of-time command."""
 
@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from nvfp4_dit import build
-from nvfp4_dit import compile as kc
+from nvfp4_dit.cuda import build
+from nvfp4_dit.cuda import compile as kc
 from nvfp4_dit import format as fmt
 
 try:
@@ -90,7 +90,7 @@ def test_units_cover_every_translation_unit():
     root = build.csrc_dir()
     assert root == REPO / "csrc"
     on_disk = sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.suffix in (".cu", ".cpp"))
-    assert sorted(kc.ALL_UNITS) == on_disk, "a translation unit is missing from nvfp4_dit.compile"
+    assert sorted(kc.ALL_UNITS) == on_disk, "a translation unit is missing from nvfp4_dit.cuda.compile"
     for arch, kind in kc.ARCHS.items():
         assert set(kc.units(arch)) == set(kc.COMMON_UNITS) | set(kc.ATTENTION_UNITS[kind])
         assert all(f"_{kind}" in u for u in kc.ATTENTION_UNITS[kind])
@@ -199,9 +199,9 @@ def test_without_prebuilt_kernels_and_without_a_compiler_the_reason_says_what_to
 
 @pytest.mark.slow
 def test_ahead_of_time_build_and_cache_hit(tmp_path):
-    """`python -m nvfp4_dit.build --arch sm_90a` builds every unit's cubin and a manifest naming each
+    """`python -m nvfp4_dit.cuda.build --arch sm_90a` builds every unit's cubin and a manifest naming each
     kernel the launcher uses; a second run reuses them."""
-    from nvfp4_dit import kernel_abi as abi
+    from nvfp4_dit.cuda import abi
 
     try:
         kc.find_compiler()
@@ -209,7 +209,7 @@ def test_ahead_of_time_build_and_cache_hit(tmp_path):
         pytest.skip(str(e))
     env = dict(os.environ, **{build.CACHE_ENV: str(tmp_path)})
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    cmd = [sys.executable, "-m", "nvfp4_dit.build", "--arch", "sm_90a"]
+    cmd = [sys.executable, "-m", "nvfp4_dit.cuda.build", "--arch", "sm_90a"]
     first = subprocess.run(cmd, capture_output=True, text=True, env=env)
     assert first.returncode == 0, first.stderr[-4000:]
     folder = Path(first.stdout.strip().split(": ", 1)[1])

@@ -88,8 +88,8 @@ def test_policy_json_round_trip_and_bad_files(tmp_path):
 diffusers = pytest.importorskip("diffusers")
 
 from nvfp4_dit.processors import routing  # noqa: E402
-from nvfp4_dit.tiny_models.diffusers_families import FAMILIES, build  # noqa: E402
-from nvfp4_dit.tiny_models.pipeline import build_tiny_pipeline  # noqa: E402
+from nvfp4_dit.processors.tiny_models.diffusers_families import FAMILIES, build  # noqa: E402
+from nvfp4_dit.processors.tiny_models.pipeline import build_tiny_pipeline  # noqa: E402
 
 BASE = AttentionPolicy(backend="reference", min_seq_len=256)
 STEPS = 6

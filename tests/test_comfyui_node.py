@@ -908,7 +908,7 @@ def test_inputs_the_op_rejects_are_declined(gen, caplog):
 @pytest.mark.parametrize("skip_reshape", [False, True])
 @pytest.mark.parametrize("lk", [300, 77])
 def test_override_runs_the_kernel_on_gpu(skip_reshape, lk):
-    from nvfp4_dit import build
+    from nvfp4_dit.cuda import build
 
     reason = build.unavailable_reason()
     assert reason is None, reason

@@ -1,4 +1,4 @@
-"""Every kernel TU (nvfp4_dit.compile.ALL_UNITS) compiles standalone with nvcc for each target.
+"""Every kernel TU (nvfp4_dit.cuda.compile.ALL_UNITS) compiles standalone with nvcc for each target.
 
 No GPU needed: this is the CI guard for the arch matrix (native sm_120a/sm_121a, emulated sm_90a
 and sm_80). All (TU, arch) compiles start at once on a thread pool sized to the CPU count; each
@@ -14,8 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from nvfp4_dit import build
-from nvfp4_dit import compile as kc
+from nvfp4_dit.cuda import build
+from nvfp4_dit.cuda import compile as kc
 
 CSRC = build.csrc_dir()
 ARCHS = tuple(build.ARCHS)

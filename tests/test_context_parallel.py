@@ -32,7 +32,7 @@ import torch.multiprocessing as mp  # noqa: E402
 
 import nvfp4_dit  # noqa: E402
 from nvfp4_dit.processors import enable_context_parallel, routing  # noqa: E402
-from nvfp4_dit.tiny_models.diffusers_families import build  # noqa: E402
+from nvfp4_dit.processors.tiny_models.diffusers_families import build  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
 

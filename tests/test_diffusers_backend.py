@@ -16,7 +16,7 @@ pytest.importorskip("diffusers")
 import nvfp4_dit  # noqa: E402
 from diffusers.models import attention_dispatch as ad  # noqa: E402
 from nvfp4_dit.processors import apply, backend, routing  # noqa: E402
-from nvfp4_dit.tiny_models.diffusers_families import build  # noqa: E402
+from nvfp4_dit.processors.tiny_models.diffusers_families import build  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 

@@ -12,9 +12,9 @@ import torch
 
 cu = pytest.importorskip("cuda.bindings.driver")
 
-from nvfp4_dit import driver  # noqa: E402
-from nvfp4_dit import kernel_abi as abi  # noqa: E402
-from nvfp4_dit import kernels  # noqa: E402
+from nvfp4_dit.cuda import driver  # noqa: E402
+from nvfp4_dit.cuda import abi  # noqa: E402
+from nvfp4_dit.cuda import launch as kernels  # noqa: E402
 
 # Raised where a call's arguments are wrong, by cuda.bindings or by our code around it.
 MARSHALLING_ERRORS = (TypeError, ValueError, OverflowError, AttributeError, KeyError, IndexError)

@@ -1,4 +1,4 @@
-"""The Python mirror of the kernels' launch interface (nvfp4_dit/kernel_abi.py) agrees with the one
+"""The Python mirror of the kernels' launch interface (nvfp4_dit/cuda/abi.py) agrees with the one
 C++ definition: every field's offset and every struct's size from csrc/attention/params.h and
 csrc/quantize/params.h, and every constant of csrc/common/launch.h, compiled with the host C++
 compiler; the workspace sizes and the streaming schedule's shape on many sizes (nvcc, since the
@@ -12,8 +12,8 @@ import subprocess
 
 import pytest
 
-from nvfp4_dit import build
-from nvfp4_dit import kernel_abi as abi
+from nvfp4_dit.cuda import build
+from nvfp4_dit.cuda import abi
 
 try:
     from host_program import compile_host_program

@@ -30,7 +30,7 @@ pytest.importorskip("diffusers")
 import nvfp4_dit  # noqa: E402
 from nvfp4_dit.processors import apply, routing  # noqa: E402
 from nvfp4_dit.processors import diffusers_processors as dp  # noqa: E402
-from nvfp4_dit.tiny_models.diffusers_families import FAMILIES, build  # noqa: E402
+from nvfp4_dit.processors.tiny_models.diffusers_families import FAMILIES, build  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 

@@ -1,4 +1,4 @@
-"""The CUDA quantize kernels (nvfp4_dit.quantize) against nvfp4_dit.format, and the chunked correction.
+"""The CUDA quantize kernels (nvfp4_dit.cuda.quantize) against nvfp4_dit.format, and the chunked correction.
 
 Bytes and scales must equal format.quantize_qkv exactly. The means are reductions whose
 summation order differs, so they are compared with a tolerance, and the exact comparison feeds the
@@ -14,7 +14,7 @@ import subprocess
 import pytest
 import torch
 
-from nvfp4_dit import quantize as cq
+from nvfp4_dit.cuda import quantize as cq
 from nvfp4_dit import format as fmt
 
 try:

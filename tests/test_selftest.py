@@ -106,7 +106,7 @@ def _model_probes(monkeypatch):
     """The kernel's MMA probes replaced by the PTX models (CPU), as check_instruction calls them."""
     from test_mma_model import mma8, ptx_model8
 
-    from nvfp4_dit import kernels
+    from nvfp4_dit.cuda import launch as kernels
 
     def unsigned(*regs):
         return [r.long() & 0xFFFFFFFF for r in regs]

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from nvfp4_dit import compile as kc
-from nvfp4_dit import kernel_abi as abi
+from nvfp4_dit.cuda import compile as kc
+from nvfp4_dit.cuda import abi
 
 REPO = Path(__file__).resolve().parents[1]
 REQUIRE = os.environ.get("NVFP4_DIT_REQUIRE_NVCC") == "1"
@@ -105,7 +105,7 @@ def test_fresh_install_without_compilers_lists_the_prebuilt_kernels(wheel, tmp_p
     assert "matches the installed sources" in text
     for arch in kc.ARCHS:
         assert f"{arch} ({kc.ARCHS[arch]} MMA" in text, text
-    listed = subprocess.run([str(python), "-m", "nvfp4_dit.build", "--list"], capture_output=True, text=True, env=env,
+    listed = subprocess.run([str(python), "-m", "nvfp4_dit.cuda.build", "--list"], capture_output=True, text=True, env=env,
                             cwd=tmp_path)
     assert listed.returncode == 0 and listed.stdout.strip() == text.strip(), listed.stderr[-2000:]
 

@@ -23,7 +23,7 @@ def kernel_means(q, k, v, *, layout, kv_lens=None, balance_qk=True) -> Optional[
     or None for CPU tensors (there every back-end quantises with ``format.quantize_qkv``)."""
     if q.device.type != "cuda":
         return None
-    from nvfp4_dit import quantize
+    from nvfp4_dit.cuda import quantize
 
     qq = quantize.quantize_qkv(q, k, v, layout=layout, kv_lens=kv_lens, balance_qk=balance_qk)
     return dict(q_mean=qq.q_mean, k_mean_override=qq.k_mean, v_mean_override=qq.v_mean, balance_override=qq.balance)

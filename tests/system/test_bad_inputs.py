@@ -609,7 +609,7 @@ def test_apply_rejects_a_non_pipeline():
 
 def test_processors_nan_hidden_states_give_nan_not_a_finite_output():
     pytest.importorskip("diffusers")
-    from nvfp4_dit.tiny_models.diffusers_families import build
+    from nvfp4_dit.processors.tiny_models.diffusers_families import build
 
     case = build("wan")
     case.inputs["hidden_states"] = case.inputs["hidden_states"].clone()

@@ -77,9 +77,9 @@ _ALLOWED_CONSTANTS = {"nvfp4_dit.format._E2M1_TABLE"}
 # Per-process records that a first call may add: the self-test verdict (the FP4 path's one piece
 # of state), the loaded kernels (and the device attributes their launches read), and the
 # once-per-reason warning bookkeeping.
-_FIRST_CALL_STATE = {"nvfp4_dit.selftest._verdicts", "nvfp4_dit.build._libraries", "nvfp4_dit.build._load_failures",
-                     "nvfp4_dit.build._capabilities",
-                     "nvfp4_dit.driver._device_attributes", "nvfp4_dit.fallback._reported"}
+_FIRST_CALL_STATE = {"nvfp4_dit.selftest._verdicts", "nvfp4_dit.cuda.build._libraries", "nvfp4_dit.cuda.build._load_failures",
+                     "nvfp4_dit.cuda.build._capabilities",
+                     "nvfp4_dit.cuda.driver._device_attributes", "nvfp4_dit.fallback._reported"}
 
 
 def _module_state() -> dict[str, str]:
@@ -204,7 +204,7 @@ def _processor_state_tensors(handle) -> list[str]:
 
 def test_processors_denoising_loop_is_flat_and_stateless():
     pytest.importorskip("diffusers")
-    from nvfp4_dit.tiny_models.diffusers_families import build
+    from nvfp4_dit.processors.tiny_models.diffusers_families import build
 
     case = build("wan", head_dim=64)
     steps = 12
@@ -317,7 +317,7 @@ def test_cuda_override_and_processors_device_memory_is_flat(cuda_device):
     _assert_device_memory_flat(lambda: override(lambda *a, **kw: pytest.fail("declined"), q, k, v, 4))
 
     pytest.importorskip("diffusers")
-    from nvfp4_dit.tiny_models.diffusers_families import build
+    from nvfp4_dit.processors.tiny_models.diffusers_families import build
 
     case = build("wan", head_dim=64)
     case.model.to("cuda", torch.bfloat16)

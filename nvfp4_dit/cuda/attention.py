@@ -2,13 +2,13 @@
 
 The kernel (``csrc/attention/``) is one template with two MMA kinds: the native block-scaled FP4
 ``mma.sync`` on sm_120/sm_121 and an emulated one on sm_80/sm_90 that reproduces it with fp16
-``mma.sync`` from the same registers (:func:`nvfp4_dit.build.mma_kind`). ``backend="auto"`` in
+``mma.sync`` from the same registers (:func:`nvfp4_dit.cuda.build.mma_kind`). ``backend="auto"`` in
 :mod:`nvfp4_dit.ops` takes this back-end only where the MMA is native, since the emulation is
 slower than exact SDPA.
 
 The correction ``delta = qm . k_s^T`` is ``[B, H, Sq/128, Skp]`` fp32, 6.7 GiB per batch element
 at 75k tokens and 40 heads, so it comes in chunks of Q blocks within a memory budget
-(:func:`nvfp4_dit.quantize.iter_corrections`) and the kernel runs once per chunk, writing those
+(:func:`nvfp4_dit.cuda.quantize.iter_corrections`) and the kernel runs once per chunk, writing those
 rows of the output in place.
 """
 
@@ -19,8 +19,8 @@ from typing import Optional
 import torch
 
 from . import build
-from . import format as fmt
-from . import kernels
+from .. import format as fmt
+from . import launch as kernels
 from . import quantize
 
 
@@ -73,7 +73,7 @@ def attention(q, k, v, *, layout, causal, scale, kv_lens, return_lse, balance_qk
               qk_format: str = fmt.QK_FORMAT_DEFAULT, quantizer: str = "cuda"):
     """NVFP4 attention on the GPU; the caller has validated the arguments (:func:`nvfp4_dit.attention`).
 
-    ``quantizer``: "cuda" (:func:`nvfp4_dit.quantize.quantize_qkv`) or "torch"
+    ``quantizer``: "cuda" (:func:`nvfp4_dit.cuda.quantize.quantize_qkv`) or "torch"
     (:func:`nvfp4_dit.format.quantize_qkv` on the GPU: the reference's own bytes, for tests).
 
     Returns ``(out [q's layout and dtype], lse [B, H, Sq] or None, nonfinite)``: ``nonfinite`` is

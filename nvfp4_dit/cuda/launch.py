@@ -1,13 +1,13 @@
 """The CUDA kernels as Python functions on torch tensors: checks, parameter structs, launches.
 
 The host side of ``csrc/``: each function checks its tensors (ValueError naming the argument),
-fills the kernel's parameter structure (:mod:`nvfp4_dit.kernel_abi`), picks the instantiation
+fills the kernel's parameter structure (:mod:`nvfp4_dit.cuda.abi`), picks the instantiation
 (input dtype, padded head dim, vector or scalar loads, Q·Kᵀ format, MMA kind), sizes the grid and
-launches on torch's current stream through the driver (:mod:`nvfp4_dit.driver`). Nothing here
+launches on torch's current stream through the driver (:mod:`nvfp4_dit.cuda.driver`). Nothing here
 synchronises or copies to the host, so every call can be captured into a CUDA graph. The kernels
-must be loaded for the tensors' device first (:func:`nvfp4_dit.build.unavailable_reason`).
+must be loaded for the tensors' device first (:func:`nvfp4_dit.cuda.build.unavailable_reason`).
 
-These are building blocks for :mod:`nvfp4_dit.quantize` and :mod:`nvfp4_dit.attention_cuda`; the
+These are building blocks for :mod:`nvfp4_dit.cuda.quantize` and :mod:`nvfp4_dit.cuda.attention`; the
 public op is :func:`nvfp4_dit.attention`.
 """
 
@@ -21,8 +21,8 @@ import torch
 
 from . import build
 from . import driver
-from . import format as fmt
-from . import kernel_abi as abi
+from .. import format as fmt
+from . import abi
 
 QUANTIZE_KERNEL_ENV = "NVFP4_DIT_QUANTIZE_KERNEL"
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}

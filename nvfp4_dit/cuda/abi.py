@@ -190,7 +190,7 @@ def correction_entry(dtype: str, head_dim_padded: int, vector_load: bool, vector
 
 
 def launcher_entries(kind: str) -> set[str]:
-    """Every entry point the launcher (nvfp4_dit/kernels.py) may ask for on a target of MMA ``kind``."""
+    """Every entry point the launcher (nvfp4_dit/cuda/launch.py) may ask for on a target of MMA ``kind``."""
     formats, head_dims = ("nvfp4", "mxfp8"), (64, 128)
     names = {attention_entry(kind, f, d, lse) for f in formats for d in head_dims for lse in (False, True)}
     names |= {probe_entry(p, k, i) for p, n in (("fp4", 8), ("mxf8", 32)) for k in ("native", "emulated")

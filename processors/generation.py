@@ -5,7 +5,7 @@ Used by ``scripts/generate_video.py``, ``capture_attention.py`` and ``report.py`
 * the generation arguments every tool takes (model, prompt, size, steps, seed, dtype, offload,
   and the NVFP4 policy: back-end, dense steps, cross-attention, min_seq_len, layers);
 * loading a pipeline: a hub id or local path through ``DiffusionPipeline.from_pretrained``, or,
-  with no ``--model``, the built-in tiny random video DiT (``nvfp4_dit/tiny_models``);
+  with no ``--model``, the built-in tiny random video DiT (``processors/tiny_models``);
 * :class:`RunRecorder`: per-step DiT time, attention time and share, sequence lengths per
   attention call, peak memory -- from forward hooks on the denoisers and a router observer.
 """
@@ -154,7 +154,7 @@ def load_pipeline(args, device: torch.device, dtype: torch.dtype):
     if args.cpu_offload != "none" and device.type != "cuda":
         raise SystemExit(f"--cpu-offload {args.cpu_offload} needs a CUDA device (got {device})")
     if args.model is None:
-        from nvfp4_dit.tiny_models.pipeline import build_tiny_pipeline
+        from nvfp4_dit.processors.tiny_models.pipeline import build_tiny_pipeline
 
         pipe = build_tiny_pipeline(args.tiny_config, dtype=dtype)
         defaults, name = dict(pipe.tiny_config["defaults"]), "tiny-wan-t2v (built-in, random weights)"

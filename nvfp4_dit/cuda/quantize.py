@@ -32,9 +32,9 @@ from typing import Iterator, Optional, Union
 
 import torch
 
-from . import kernels
-from . import format as fmt
-from .checks import validate_attention_args
+from . import launch as kernels
+from .. import format as fmt
+from ..checks import validate_attention_args
 
 KERNEL_ENV = "NVFP4_DIT_QUANTIZE_KERNEL"
 BUDGET_ENV = "NVFP4_DIT_CORRECTION_BUDGET"
@@ -159,7 +159,7 @@ def correction_chunks(num_q_blocks: int, batch: int, heads: int, seq_k_padded: i
 
 def _check_kernel_quantized(qq) -> None:
     if not isinstance(qq, KernelQuantizedQKV) or qq.k_input is None:
-        raise TypeError("qq must come from nvfp4_dit.quantize.quantize_qkv (a KernelQuantizedQKV with k_input)")
+        raise TypeError("qq must come from nvfp4_dit.cuda.quantize.quantize_qkv (a KernelQuantizedQKV with k_input)")
 
 
 def correction(qq: KernelQuantizedQKV, block_start: int = 0, block_end: Optional[int] = None, *,

@@ -5,7 +5,7 @@ manifest). Each cubin is loaded with ``cuLibraryLoadFromFile`` on first use: a c
 library, so one load serves every device of that architecture. A :class:`Kernel` is one entry
 point on one device (the current context's, which the callers set with ``torch.cuda.device``);
 it keeps the function handle, its dynamic shared-memory limit and its occupancy, and launches on a
-stream with arguments given as ``ctypes`` objects (the structures of :mod:`nvfp4_dit.kernel_abi`).
+stream with arguments given as ``ctypes`` objects (the structures of :mod:`nvfp4_dit.cuda.abi`).
 No call here synchronises, so launches can be captured into CUDA graphs.
 """
 

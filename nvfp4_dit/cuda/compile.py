@@ -90,11 +90,11 @@ def gencode_flags(arch: str) -> list[str]:
 
 def csrc_dir() -> Path:
     """The CUDA sources: ``nvfp4_dit/_csrc`` in a wheel, ``<repo>/csrc`` in a checkout."""
-    here = Path(__file__).resolve().parent
-    for candidate in (here / "_csrc", here.parent / "csrc"):
+    package = Path(__file__).resolve().parents[1]  # nvfp4_dit/
+    for candidate in (package / "_csrc", package.parent / "csrc"):
         if (candidate / "common" / "config.h").is_file():
             return candidate
-    raise KernelBuildError(f"cannot find the CUDA sources: neither {here / '_csrc'} nor {here.parent / 'csrc'} "
+    raise KernelBuildError(f"cannot find the CUDA sources: neither {package / '_csrc'} nor {package.parent / 'csrc'} "
                            "holds common/config.h")
 
 
@@ -420,7 +420,7 @@ def read_manifest(folder: Path) -> Optional[dict]:
 
 def _main(argv: Optional[Sequence[str]] = None) -> int:
     """``python compile.py nvrtc-unit ...``: one unit with NVRTC, what a build's ninja edge runs
-    (``python -m nvfp4_dit.build`` is the user-facing command)."""
+    (``python -m nvfp4_dit.cuda.build`` is the user-facing command)."""
     parser = argparse.ArgumentParser(description="Compile one nvfp4_dit unit with NVRTC (a ninja edge).")
     sub = parser.add_subparsers(dest="command", required=True)
     unit = sub.add_parser("nvrtc-unit")

@@ -13,16 +13,16 @@ Where a GPU's kernels come from, in order:
 
 Where none of them works, :func:`unavailable_reason` says why and what to install, and
 :func:`nvfp4_dit.attention` falls back to exact attention with one warning. The cubins are
-loaded and launched through the driver API (:mod:`nvfp4_dit.driver`).
+loaded and launched through the driver API (:mod:`nvfp4_dit.cuda.driver`).
 
-Architectures (:data:`ARCHS`, :mod:`nvfp4_dit.compile`): compute capability 12.0 / 12.1 build
+Architectures (:data:`ARCHS`, :mod:`nvfp4_dit.cuda.compile`): compute capability 12.0 / 12.1 build
 ``sm_120a`` / ``sm_121a`` (native block-scaled FP4 MMA); 9.0 builds ``sm_90a`` and 8.x ``sm_80``
 (the emulated MMA). ``NVFP4_DIT_ARCH`` overrides the device's choice.
 
 Ahead of time, into the cache (a machine without a GPU, a shared cache)::
 
-    python -m nvfp4_dit.build --arch sm_120a --arch sm_121a
-    python -m nvfp4_dit.build --list      # what this install carries prebuilt
+    python -m nvfp4_dit.cuda.build --arch sm_120a --arch sm_121a
+    python -m nvfp4_dit.cuda.build --list      # what this install carries prebuilt
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from .compile import (ARCHS, EMULATED_ARCHS, NATIVE_ARCHS, KernelBuildError, che
 
 CACHE_ENV = "NVFP4_DIT_CACHE_DIR"
 ARCH_ENV = "NVFP4_DIT_ARCH"
-PREBUILT_DIR = Path(__file__).resolve().parent / "_cubins"
+PREBUILT_DIR = Path(__file__).resolve().parents[1] / "_cubins"  # nvfp4_dit/_cubins
 # Compute capabilities of each kind (csrc/common/config.h: kNativeCapabilities, kEmulated*).
 NATIVE_CAPABILITIES = ((12, 0), (12, 1))
 EMULATED_CAPABILITIES = ((8, 0), (9, 0))  # the inclusive range
@@ -273,7 +273,7 @@ def describe_loaded(arch: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# python -m nvfp4_dit.build
+# python -m nvfp4_dit.cuda.build
 # ---------------------------------------------------------------------------------------------
 
 def list_prebuilt() -> str:
@@ -294,7 +294,7 @@ def list_prebuilt() -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m nvfp4_dit.build",
+    parser = argparse.ArgumentParser(prog="python -m nvfp4_dit.cuda.build",
                                      description="Build the nvfp4_dit CUDA kernels into the cache ahead of time, "
                                                  "or list the prebuilt ones.")
     parser.add_argument("--arch", action="append", choices=tuple(ARCHS),
