@@ -2,9 +2,7 @@
 
 For B=1, H=40, D=128, bf16 NHD inputs at S = 8k, 32k, 77k and 118.8k tokens:
 
-* default: ``nvfp4_dit.cuda.quantize.quantize_qkv`` with the default kernel choice (the tile kernel)
-  and the default per-channel Q/K balance, and each kernel forced
-  (``NVFP4_DIT_QUANTIZE_KERNEL=tiles``; ``=stream``: "-" where it does not apply);
+* default: ``nvfp4_dit.cuda.quantize.quantize_qkv`` with the default per-channel Q/K balance;
 * no balance: the default kernel with ``balance_qk=False`` (no statistics pass over Q);
 * copy: a device-to-device copy moving the same number of bytes (the bandwidth ceiling);
 * torch-ops: ``nvfp4_dit.format.quantize_qkv`` on the GPU (the plain-PyTorch preprocessing);
@@ -13,7 +11,7 @@ For B=1, H=40, D=128, bf16 NHD inputs at S = 8k, 32k, 77k and 118.8k tokens:
   (cuDNN SDPA where torch has it, else the default SDPA back-end; the column says which) and as a
   ratio to a device-to-device copy of Q, K and V.
 
-Default, no balance, tile, streaming and copy are timed in interleaved rounds (``--rounds``), each peer's
+Default, no balance and copy are timed in interleaved rounds (``--rounds``), each peer's
 best round kept. "Bytes" = the inputs read once plus every output written (the minimum traffic);
 the copy moves half that many bytes (read + write = the same traffic). Peak memory is the
 allocator's peak above what was allocated before the call. Prints a markdown table, writes JSON
@@ -27,9 +25,7 @@ and a PNG. Current figures: docs/quantize.md.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -43,7 +39,6 @@ from nvfp4_dit.cuda import quantize as cq  # noqa: E402
 from nvfp4_dit import format as fmt  # noqa: E402
 
 GiB = float(1 << 30)
-KERNEL_ENV = "NVFP4_DIT_QUANTIZE_KERNEL"
 
 
 def cuda_time(fn, iters: int, warmup: int = 1) -> float:
@@ -82,43 +77,15 @@ def output_bytes(qq) -> int:
     return sum(getattr(qq, f).nbytes for f in fields if getattr(qq, f) is not None)
 
 
-@contextlib.contextmanager
-def kernel_choice(choice: str):
-    """NVFP4_DIT_QUANTIZE_KERNEL=choice inside the block; the caller's setting after it."""
-    previous = os.environ.get(KERNEL_ENV)
-    os.environ[KERNEL_ENV] = choice
-    try:
-        yield
-    finally:
-        if previous is None:
-            del os.environ[KERNEL_ENV]
-        else:
-            os.environ[KERNEL_ENV] = previous
-
-
-def time_forced_kernel(choice: str, fn, iters: int):
-    """Seconds of ``fn()`` with NVFP4_DIT_QUANTIZE_KERNEL=choice, or None where that kernel does not
-    apply (the streaming kernel before sm_90)."""
-    with kernel_choice(choice):
-        try:
-            return cuda_time(fn, iters, warmup=2)
-        except RuntimeError as err:
-            print(f"{choice} kernel: {err}", file=sys.stderr)
-            return None
-
-
 def best_of_rounds(timers: dict, rounds: int) -> dict:
-    """Each timer (name -> a function returning seconds, or None where it does not apply) called once
-    per round, the rounds interleaved, and its best round kept; a timer that returned None is not
-    called again. Timed once in a fixed order, whichever peer ran first at a new size measured up to
+    """Each timer (name -> a function returning seconds) called once per round, the rounds
+    interleaved, and its best round kept. Timed once in a fixed order, whichever peer ran first at a new size measured up to
     10 % slower than the same kernel timed a few calls later (two H200 runs; likely clocks
     recovering from the previous size's SDPA), charged to that peer alone."""
     best = {name: float("inf") for name in timers}
     for _ in range(rounds):
         for name, timer in timers.items():
-            if best[name] is not None:
-                t = timer()
-                best[name] = None if t is None else min(best[name], t)
+            best[name] = min(best[name], timer())
     return best
 
 
@@ -145,10 +112,8 @@ def bench_one(seq: int, heads: int, dim: int, iters: int, rounds: int) -> dict:
         default=lambda: cuda_time(default, iters, warmup=2),
         no_balance=lambda: cuda_time(lambda: cq.quantize_qkv(q, k, v, layout="NHD", balance_qk=False), iters,
                                      warmup=2),
-        tiles=lambda: time_forced_kernel("tiles", default, iters),
-        stream=lambda: time_forced_kernel("stream", default, iters),
         copy=lambda: cuda_time(lambda: dst.copy_(src), iters, warmup=2)), rounds)
-    t_default, t_tiles, t_stream, t_copy = best["default"], best["tiles"], best["stream"], best["copy"]
+    t_default, t_copy = best["default"], best["copy"]
     t_no_balance = best["no_balance"]
     del src, dst
 
@@ -168,8 +133,8 @@ def bench_one(seq: int, heads: int, dim: int, iters: int, rounds: int) -> dict:
     t_sdpa, sdpa_backend = time_sdpa(qh, kh, vh)
     del qq
     torch.cuda.empty_cache()
-    return dict(seq=seq, heads=heads, dim=dim, traffic_bytes=traffic, t_default=t_default, t_no_balance=t_no_balance, t_tiles=t_tiles,
-                t_stream=t_stream, t_copy=t_copy, t_torch=t_torch, t_corr=t_corr, t_sdpa=t_sdpa,
+    return dict(seq=seq, heads=heads, dim=dim, traffic_bytes=traffic, t_default=t_default, t_no_balance=t_no_balance,
+                t_copy=t_copy, t_torch=t_torch, t_corr=t_corr, t_sdpa=t_sdpa,
                 sdpa_backend=sdpa_backend, t_qkv_copy=t_qkv_copy, mem_default=mem_default, mem_torch=mem_torch,
                 mem_corr=mem_corr, corr_chunks=n_chunks)
 
@@ -195,20 +160,17 @@ def smoke() -> int:
                 shape = (2, 300, 2, d) if layout == "NHD" else (2, 2, 300, d)
                 q, k, v = (torch.randn(*shape, device="cuda", dtype=dtype, generator=gen) for _ in range(3))
                 lens = torch.tensor([300, 170], device="cuda", dtype=torch.int32)
-                streams = dtype != torch.float32 and d in (64, 128) and torch.cuda.get_device_capability() >= (9, 0)
-                for choice in ("tiles", "stream") if streams else ("tiles",):
-                    with kernel_choice(choice):
-                        for balance_qk in (True, False):
-                            qq = cq.quantize_qkv(q, k, v, layout=layout, kv_lens=lens, balance_qk=balance_qk)
-                    for _ in cq.iter_corrections(qq, budget=2 * 2 * 384 * 4):
-                        pass
+                for balance_qk in (True, False):
+                    qq = cq.quantize_qkv(q, k, v, layout=layout, kv_lens=lens, balance_qk=balance_qk)
+                for _ in cq.iter_corrections(qq, budget=2 * 2 * 384 * 4):
+                    pass
     torch.cuda.synchronize()
     print("smoke ok")
     return 0
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| S | bytes (GB) | default GB/s | copy GB/s | default / copy | no balance / copy | tile kernel / copy | streaming kernel / copy "
+    head = ("| S | bytes (GB) | default GB/s | copy GB/s | default / copy | no balance / copy "
             "| torch-ops GB/s "
             "| default speed-up vs torch-ops "
             "| peak mem default (GiB) | peak mem torch-ops (GiB) | correction ms (chunks) | SDPA ms | correction / SDPA "
@@ -216,12 +178,11 @@ def table(rows: list[dict]) -> str:
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         gb = r["traffic_bytes"] / 1e9
-        no_balance, tiles, stream = (f"{r['t_copy'] / r[key]:.0%}" if r.get(key) else "-"
-                                     for key in ("t_no_balance", "t_tiles", "t_stream"))
+        no_balance = f"{r['t_copy'] / r['t_no_balance']:.0%}" if r.get("t_no_balance") else "-"
         qkv_copy = f"{(r['t_default'] + r['t_corr']) / r['t_qkv_copy']:.1f}x" if r.get("t_qkv_copy") else "-"
         lines.append(
             f"| {r['seq']:,} | {gb:.2f} | {gb / r['t_default']:.0f} | {gb / r['t_copy']:.0f} | "
-            f"{r['t_copy'] / r['t_default']:.0%} | {no_balance} | {tiles} | {stream} | {gb / r['t_torch']:.0f} | "
+            f"{r['t_copy'] / r['t_default']:.0%} | {no_balance} | {gb / r['t_torch']:.0f} | "
             f"{r['t_torch'] / r['t_default']:.1f}x | {r['mem_default'] / GiB:.2f} | {r['mem_torch'] / GiB:.2f} | {r['t_corr'] * 1e3:.1f} ({r['corr_chunks']}) | "
             f"{r['t_sdpa'] * 1e3:.0f} ({r.get('sdpa_backend', '-')}) | {r['t_corr'] / r['t_sdpa']:.1%} | "
             f"{r['mem_corr'] / GiB:.2f} | {(r['t_default'] + r['t_corr']) / r['t_sdpa']:.1%} | {qkv_copy} |")
@@ -239,9 +200,8 @@ def plot(rows: list[dict], path: Path) -> bool:
         return False
     seqs = [r["seq"] / 1000 for r in rows]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    for key, label in (("t_copy", "device copy (ceiling)"), ("t_default", "CUDA, default kernel choice"),
-                       ("t_no_balance", "default, balance_qk=False"),
-                       ("t_tiles", "tile kernel"), ("t_stream", "streaming kernel"), ("t_torch", "torch ops")):
+    for key, label in (("t_copy", "device copy (ceiling)"), ("t_default", "CUDA quantiser"),
+                       ("t_no_balance", "default, balance_qk=False"), ("t_torch", "torch ops")):
         if not all(r.get(key) for r in rows):
             continue
         ax1.plot(seqs, [r["traffic_bytes"] / r[key] / 1e9 for r in rows], marker="o", label=label)
@@ -271,7 +231,7 @@ def main() -> int:
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=3,
-                        help="interleaved rounds of the default, no-balance, tile, streaming and copy timings (best kept)")
+                        help="interleaved rounds of the default, no-balance and copy timings (best kept)")
     parser.add_argument("--out", type=Path, default=Path("bench_out"))
     parser.add_argument("--plot-only", type=Path, help="redraw the table and PNG from a JSON of an earlier run")
     parser.add_argument("--smoke", action="store_true",

@@ -1,8 +1,7 @@
 """The Python mirror of the kernels' launch interface (nvfp4_dit/cuda/abi.py) agrees with the one
 C++ definition: every field's offset and every struct's size from csrc/attention/params.h and
 csrc/quantize/params.h, and every constant of csrc/common/launch.h, compiled with the host C++
-compiler; the workspace sizes and the streaming schedule's shape on many sizes (nvcc, since the
-schedule header is host-and-device code)."""
+compiler; the workspace sizes on many sizes."""
 
 import ctypes
 import itertools
@@ -44,8 +43,8 @@ def _layout_program() -> str:
             lines.append(f'  std::printf("offset {name}.{field} %zu\\n", offsetof({name}, {field}));')
     constants = {
         "ATTENTION_THREADS": "launch::kAttentionThreads", "PROBE_THREADS": "launch::kProbeThreads",
-        "QUANTIZE_THREADS": "launch::kQuantizeThreads", "PREFETCH_WAVES": "launch::kPrefetchWaves", "STREAM_THREADS": "launch::kStreamThreads",
-        "STREAM_MAX_STAGES": "launch::kStreamMaxStages", "CORRECTION_THREADS": "launch::kCorrectionThreads",
+        "QUANTIZE_THREADS": "launch::kQuantizeThreads", "PREFETCH_WAVES": "launch::kPrefetchWaves",
+        "CORRECTION_THREADS": "launch::kCorrectionThreads",
         "CORRECTION_TILE_M": "launch::kCorrectionTileM", "CORRECTION_TILE_N": "launch::kCorrectionTileN",
         "TILE_ROWS": "kTileRows", "KEY_MEAN_CHUNK": "kKeyMeanChunk", "STAT_TENSORS": "kStatTensors",
         "STAT_VECTORS": "kStatVectors",
@@ -55,8 +54,7 @@ def _layout_program() -> str:
     for i, j in itertools.product(range(2), range(2)):
         lines.append(f'  std::printf("const ATTENTION_SMEM_BYTES.{i}.{j} %d\\n", launch::kAttentionSmemBytes[{i}][{j}]);')
     for i in range(2):
-        for py, cpp in (("STREAM_STAGE_BYTES", "kStreamStageBytes"), ("STREAM_FIXED_SMEM_BYTES", "kStreamFixedSmemBytes"),
-                        ("CORRECTION_SMEM_BYTES", "kCorrectionSmemBytes")):
+        for py, cpp in (("CORRECTION_SMEM_BYTES", "kCorrectionSmemBytes"),):
             lines.append(f'  std::printf("const {py}.{i} %d\\n", launch::{cpp}[{i}]);')
     for name, value in (("bf16", "kBFloat16"), ("fp16", "kFloat16"), ("fp32", "kFloat32")):
         lines.append(f'  std::printf("dtype {name} %d\\n", int(InputDtype::{value}));')
@@ -93,7 +91,7 @@ def test_every_header_field_is_mirrored():
             offset = getattr(struct, field).offset
             assert offset >= end, f"{name}.{field} overlaps the field before it"
             end = offset + ctypes.sizeof(ctype)
-        assert ctypes.sizeof(struct) - end < 8 or name in ("StreamMaps",), f"{name} has unmirrored bytes at its end"
+        assert ctypes.sizeof(struct) - end < 8, f"{name} has unmirrored bytes at its end"
 
 
 def test_constants_match_the_header(layout):
@@ -112,43 +110,31 @@ def test_input_dtype_codes_match_the_header(layout):
         assert layout[("dtype", name)] == code
 
 
-SCHEDULE_PROGRAM = r"""
+WORKSPACE_PROGRAM = r"""
 #include <cstdio>
-#include "quantize/quantize_schedule.cuh"
+#include "quantize/params.h"
 using namespace nvfp4_dit;
 int main() {
-  long long b, h, hkv, sq, sk, depth;
-  while (std::scanf("%lld %lld %lld %lld %lld %lld", &b, &h, &hkv, &sq, &sk, &depth) == 6) {
-    QuantizeQkvParams p{};
-    p.batch = b; p.heads_q = h; p.heads_kv = hkv; p.seq_q = sq; p.seq_k = sk;
-    p.seq_q_padded = (sq + 127) / 128 * 128; p.seq_k_padded = (sk + 127) / 128 * 128;
-    const ScheduleShape s = schedule_shape(p, depth);
-    std::printf("%lld %lld %d %lld %lld\n", (long long)s.unit_heads, (long long)s.lookahead,
-                int(schedule_fits_32_bits(p)), (long long)quantize_qkv_workspace_floats(b, hkv, sk, 128, true),
-                (long long)quantize_qkv_workspace_counters(b, hkv, sk));
-  }
+  long long b, hkv, sk, dp;
+  while (std::scanf("%lld %lld %lld %lld", &b, &hkv, &sk, &dp) == 4)
+    std::printf("%lld %lld\n", (long long)quantize_qkv_workspace_floats(b, hkv, sk, dp),
+                (long long)quantize_qkv_workspace_counters(b, hkv));
   return 0;
 }
 """
 
 
-def test_schedule_and_workspace_sizes_match_the_header(tmp_path):
-    if REQUIRE and shutil.which("nvcc") is None:
-        pytest.fail("nvcc not found, and NVFP4_DIT_REQUIRE_NVCC=1")
-    exe = compile_host_program(tmp_path, "schedule", SCHEDULE_PROGRAM)
-    cases = [(b, h, hkv, sq, sk, depth) for b in (1, 2, 3) for h, hkv in ((1, 1), (8, 2), (40, 40), (24, 8))
-             for sq, sk in ((1, 1), (300, 77), (4096, 4096), (75_600, 512), (118_800, 118_800))
-             for depth in (3, 396, 1056)]
+def test_workspace_sizes_match_the_header(tmp_path):
+    exe = compile_host_program(tmp_path, "workspace", WORKSPACE_PROGRAM)
+    cases = [(b, hkv, sk, dp) for b in (1, 2, 3) for hkv in (1, 2, 8, 40)
+             for sk in (0, 1, 77, 1024, 1025, 4096, 118_800) for dp in (64, 128)]
     text = "\n".join(" ".join(map(str, c)) for c in cases) + "\n"
     out = subprocess.run([str(exe)], input=text, capture_output=True, text=True, check=True).stdout.splitlines()
     assert len(out) == len(cases)
-    for (b, h, hkv, sq, sk, depth), line in zip(cases, out):
-        sqp, skp = -(-sq // 128) * 128, -(-sk // 128) * 128
-        unit, look, fits, floats, counters = map(int, line.split())
-        assert abi.schedule_shape(b, h, hkv, sqp, skp, depth) == (unit, look), (b, h, hkv, sq, sk, depth)
-        assert abi.schedule_fits_32_bits(b, h, hkv, sqp, skp) == bool(fits)
-        assert abi.workspace_floats(b, hkv, sk, 128, True) == floats
-        assert abi.workspace_counters(b, hkv, sk) == counters
+    for (b, hkv, sk, dp), line in zip(cases, out):
+        floats, counters = map(int, line.split())
+        assert abi.workspace_floats(b, hkv, sk, dp) == floats, (b, hkv, sk, dp)
+        assert abi.workspace_counters(b, hkv) == counters
 
 
 def test_entry_names_follow_the_header():
@@ -158,7 +144,6 @@ def test_entry_names_follow_the_header():
     for fragment in ("nvfp4_dit_attention_fwd_{native,emulated}_{nvfp4,mxfp8}_d{64,128}[_lse]",
                      "nvfp4_dit_mma_probe_fp4_{native,emulated}_", "nvfp4_dit_balance_statistics_<dtype>_d<DP>_<load>",
                      "nvfp4_dit_key_stats_<dtype>_d<DP>_<load>", "nvfp4_dit_quantize_tiles_<dtype>_d<DP>_<load>_{nvfp4,mxfp8}",
-                     "nvfp4_dit_quantize_stream_{bf16,fp16}_d<DP>",
                      "nvfp4_dit_correction_<dtype>_d<DP>_<load>_{vecstore,scalarstore}"):
         assert fragment in text, fragment
     assert abi.attention_entry("native", "mxfp8", 128, True) == "nvfp4_dit_attention_fwd_native_mxfp8_d128_lse"

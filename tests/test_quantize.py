@@ -5,8 +5,7 @@ summation order differs, so they are compared with a tolerance, and the exact co
 kernel's own means into format.quantize_qkv (its q_mean / k_mean_override arguments).
 
 CPU tests: the kernel's fast per-element arithmetic (csrc/quantize/quantize_math.cuh) equals the reference
-formulation exhaustively on the host; the streaming kernel's ticket order (csrc/quantize/quantize_schedule.cuh)
-holds every work item once and after what it waits for; the correction chunking obeys its budget.
+formulation exhaustively on the host; the correction chunking obeys its budget.
 """
 
 import subprocess
@@ -111,89 +110,6 @@ def test_fast_element_math_equals_reference_on_host(tmp_path):
     assert bad_enc == 0, f"{bad_enc} fp32 values encode differently from float_to_e2m1_sw"
     assert n_div > 90_000_000
     assert bad_div == 0, f"{bad_div} of {n_div} quotients differ from IEEE division"
-
-
-# The streaming kernel's ticket order (quantize_schedule.cuh), every ticket decoded on the host:
-# each work item exactly once, every V, K and Q tile after all statistics tiles (K and V) of its kv
-# head (the only dependency; the lowest unfinished ticket then never waits), the kv head of a Q
-# tile right for GQA, the unit a divisor of B * Hkv whose runs fill the pipeline depth where one can.
-# Arguments: batch heads_q heads_kv seq_q seq_k depth. Prints "ok" or the first violation.
-SCHEDULE_PROGRAM = r"""
-#include "quantize/quantize_schedule.cuh"
-#include <cstdio>
-#include <cstdlib>
-#include <vector>
-using namespace nvfp4_dit;
-#define FAIL(...) do { printf(__VA_ARGS__); printf("\n"); return 0; } while (0)
-int main(int argc, char** argv) {
-  QuantizeQkvParams p{};
-  p.batch = atoll(argv[1]); p.heads_q = atoll(argv[2]); p.heads_kv = atoll(argv[3]);
-  p.seq_q = atoll(argv[4]); p.seq_k = atoll(argv[5]);
-  const int64_t depth = atoll(argv[6]);
-  p.seq_q_padded = (p.seq_q + 127) / 128 * 128; p.seq_k_padded = (p.seq_k + 127) / 128 * 128;
-  if (!schedule_fits_32_bits(p)) FAIL("does not fit 32 bits");
-  const int64_t heads = p.batch * p.heads_kv, n_kv = p.seq_k_padded / 128, n_qh = p.seq_q_padded / 128;
-  const int64_t group = p.heads_q / p.heads_kv;
-  const ScheduleShape shape = schedule_shape(p, depth);
-  if (shape.unit_heads < 1 || heads % shape.unit_heads || shape.lookahead < 1) FAIL("bad shape");
-  if (shape.unit_heads < heads && shape.unit_heads * n_kv < depth) FAIL("runs shorter than the depth");
-  for (int64_t g = 1; g < shape.unit_heads; ++g)
-    if (heads % g == 0 && g * n_kv >= depth) FAIL("a smaller unit reaches the depth");
-  const Schedule sc(p, shape);
-  if (int64_t(sc.total) != heads * tickets_per_kv_head(p)) FAIL("total %u", sc.total);
-  // Ticket of every item: [kind][head][tile], -1 = not seen.
-  std::vector<int64_t> kstat(heads * n_kv, -1), vstat(heads * n_kv, -1), v(heads * n_kv, -1), k(heads * n_kv, -1);
-  std::vector<int64_t> q(p.batch * p.heads_q * n_qh, -1);
-  std::vector<int64_t> last_stat(heads, -1);
-  for (uint32_t t = 0; t < sc.total; ++t) {
-    const Item it = decode_ticket(sc, t);
-    std::vector<int64_t>* seen = it.kind == kKStatTile ? &kstat : it.kind == kVStatTile ? &vstat
-                               : it.kind == kVTile ? &v : it.kind == kKTile ? &k : it.kind == kQTile ? &q : nullptr;
-    if (seen == nullptr) FAIL("ticket %u: kind %d", t, it.kind);
-    const int64_t per_head = it.kind == kQTile ? n_qh : n_kv;
-    const int64_t n_heads = it.kind == kQTile ? p.batch * p.heads_q : heads;
-    if (int64_t(it.bh) >= n_heads || int64_t(it.tile) >= per_head) FAIL("ticket %u: item out of range", t);
-    int64_t& slot = (*seen)[it.bh * per_head + it.tile];
-    if (slot >= 0) FAIL("ticket %u: kind %d head %u tile %u again", t, it.kind, it.bh, it.tile);
-    slot = t;
-    const int64_t kv_head = it.kind == kQTile ? (it.bh / p.heads_q) * p.heads_kv + (it.bh % p.heads_q) / group
-                                              : int64_t(it.bh);
-    if (int64_t(it.kv_head) != kv_head) FAIL("ticket %u: kv head %u, expected %ld", t, it.kv_head, (long)kv_head);
-    if (is_stat_tile(it.kind)) last_stat[it.bh] = t;
-  }
-  if (decode_ticket(sc, sc.total).kind != kEnd) FAIL("no end after the last ticket");
-  for (const auto* seen : {&kstat, &vstat, &v, &k, &q})
-    for (int64_t s : *seen)
-      if (s < 0) FAIL("an item has no ticket");
-  for (int64_t i = 0; i < heads * n_kv; ++i) {
-    if (last_stat[i / n_kv] > k[i]) FAIL("K tile before its head's statistics tiles");
-    if (last_stat[i / n_kv] > v[i]) FAIL("V tile before its head's statistics tiles");
-  }
-  for (int64_t i = 0; i < p.batch * p.heads_q * n_qh; ++i) {
-    const int64_t bh = i / n_qh, kvh = (bh / p.heads_q) * p.heads_kv + (bh % p.heads_q) / group;
-    if (last_stat[kvh] > q[i]) FAIL("Q tile before its kv head's statistics tiles");
-  }
-  printf("ok\n");
-  return 0;
-}
-"""
-
-
-@pytest.mark.parametrize("args", [
-    (1, 40, 40, 32768, 32768, 792),    # the benchmark: units of 4 heads at 32k on an H200
-    (1, 40, 40, 118800, 118800, 792),  # one head per unit
-    (2, 40, 40, 8192, 8192, 792),      # CFG batch
-    (1, 8, 2, 257, 4133, 792),         # GQA 4:1, one unit of all heads
-    (2, 12, 4, 300, 1500, 10),         # GQA 3:1, several units and units of lookahead
-    (3, 6, 3, 1000, 700, 5),
-    (1, 7, 7, 4096, 4096, 100),        # a prime head count: no divisor reaches the depth
-    (1, 1, 1, 1, 50, 792),
-    (2, 24, 24, 75600, 70000, 1000),   # Sq != Sk
-])
-def test_streaming_schedule_on_host(tmp_path, args):
-    exe = compile_host_program(tmp_path, "schedule", SCHEDULE_PROGRAM)
-    out = subprocess.run([str(exe), *map(str, args)], capture_output=True, text=True, check=True).stdout.strip()
-    assert out == "ok", out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -317,33 +233,12 @@ def _run_case(b, h, hkv, sq, sk, d, layout, dtype, kv_lens=None, seed=0, balance
     return qq, ref, (q, k, v, lens)
 
 
-@pytest.fixture(params=["auto", "stream"])
-def kernel_choice(request, monkeypatch):
-    """Runs a test with the default kernel (the tile kernel) and with the streaming kernel, so both
-    meet every input of the test that they take: where the streaming kernel refuses an input (it
-    raises rather than fall back when asked for), the rest of that run is skipped."""
-    monkeypatch.setenv("NVFP4_DIT_QUANTIZE_KERNEL", request.param)
-    if request.param == "stream":
-        quantize = cq.quantize_qkv
-
-        def stream_or_skip(*args, **kwargs):
-            try:
-                return quantize(*args, **kwargs)
-            except ValueError as e:
-                if "the streaming kernel needs" not in str(e):
-                    raise
-                pytest.skip(f"the streaming kernel does not take this input: {e}")
-
-        monkeypatch.setattr(cq, "quantize_qkv", stream_or_skip)
-    return request.param
-
-
 @pytest.mark.cuda
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 @pytest.mark.parametrize("balance_qk", [False, True])
-def test_bytes_equal_format_4096(kernel_choice, layout, dtype, d, balance_qk):
+def test_bytes_equal_format_4096(layout, dtype, d, balance_qk):
     kv_lens = [4096, 3001] if dtype == torch.float16 else None
     _run_case(2, 4, 2, 4096, 4096, d, layout, dtype, kv_lens=kv_lens, balance_qk=balance_qk)
 
@@ -356,8 +251,8 @@ def test_bytes_equal_format_4096(kernel_choice, layout, dtype, d, balance_qk):
     (1, 8, 2, 257, 4133, 40, "NHD", torch.bfloat16, [4100]),   # D padded to 64, GQA 4:1
 ])
 @pytest.mark.parametrize("balance_qk", [False, True])
-def test_mxfp8_bytes_equal_format(kernel_choice, b, h, hkv, sq, sk, d, layout, dtype, kv_lens, balance_qk):
-    """MXFP8 Q/K (e4m3, ue8m0 per 32) from the tile kernel (the streaming kernel declines them)."""
+def test_mxfp8_bytes_equal_format(b, h, hkv, sq, sk, d, layout, dtype, kv_lens, balance_qk):
+    """MXFP8 Q/K (e4m3, ue8m0 per 32) from the quantiser."""
     qq, _, _ = _run_case(b, h, hkv, sq, sk, d, layout, dtype, kv_lens=kv_lens, seed=3, balance_qk=balance_qk,
                          qk_format="mxfp8")
     dp = fmt.padded_head_dim(d)
@@ -371,7 +266,7 @@ def test_mxfp8_bytes_equal_format(kernel_choice, b, h, hkv, sq, sk, d, layout, d
     (1, 8, 2, 257, 4133, 128, "NHD", torch.float16, [4100]),  # GQA 4:1, tails inside a 32-key group
 ])
 @pytest.mark.parametrize("balance_qk", [False, True])
-def test_bytes_equal_format_ragged(kernel_choice, b, h, hkv, sq, sk, d, layout, dtype, kv_lens, balance_qk):
+def test_bytes_equal_format_ragged(b, h, hkv, sq, sk, d, layout, dtype, kv_lens, balance_qk):
     qq, ref, (q, k, v, lens) = _run_case(b, h, hkv, sq, sk, d, layout, dtype, kv_lens=kv_lens, seed=1,
                                          balance_qk=balance_qk)
     # The correction kernel's integer arithmetic is format.correction's: bit for bit (same means).
@@ -400,7 +295,7 @@ def test_bytes_equal_format_on_the_coarsest_scales(d, dtype):
 
 
 @pytest.mark.cuda
-def test_non_unit_strides_and_specials(kernel_choice):
+def test_non_unit_strides_and_specials():
     """Strided views (no copy; D not unit-stride) and NaN, inf, -0, huge values."""
     gen = torch.Generator(device="cuda").manual_seed(3)
     b, s, h, d = 2, 700, 2, 64
@@ -435,41 +330,17 @@ def test_non_unit_strides_and_specials(kernel_choice):
     torch.testing.assert_close(qq2.k_mean, qq.k_mean, rtol=1e-5, atol=1e-6, equal_nan=True)
 
 
-def _has_streaming_kernel() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
-
-
 @pytest.mark.cuda
-@pytest.mark.parametrize("kernel", ["stream", "tiles", "auto"])
 @pytest.mark.parametrize("b, h, hkv, sq, sk, d, layout, dtype, kv_lens", [
-    (1, 1, 1, 1, 50, 64, "NHD", torch.bfloat16, None),            # one query row, keys < a tile: TMA zero fill
+    (1, 1, 1, 1, 50, 64, "NHD", torch.bfloat16, None),            # one query row, keys < a tile
     (2, 4, 2, 300, 1500, 128, "HND", torch.float16, [0, 1111]),  # a batch without keys, a tail in a chunk
     (1, 8, 2, 257, 4133, 128, "NHD", torch.bfloat16, [4100]),    # GQA 4:1, several K-mean chunks
-    # Several units of kv heads in the streaming schedule on an H200 (8 heads of 128 tiles fill
-    # its ~800 stages), MHA and GQA 2:1 with Sq != Sk:
     (1, 40, 40, 16384, 16384, 128, "NHD", torch.bfloat16, None),
     (2, 16, 8, 4096, 16384, 128, "HND", torch.float16, [16384, 9000]),
 ])
-def test_streaming_and_tile_kernels(monkeypatch, kernel, b, h, hkv, sq, sk, d, layout, dtype, kv_lens):
-    """Both quantize kernels give format.py's bytes on inputs both take (NVFP4_DIT_QUANTIZE_KERNEL
-    forces one; "stream" raises where the streaming kernel does not apply, so it cannot silently
-    fall back here; "auto", the default, is the tile kernel)."""
-    if kernel == "stream" and not _has_streaming_kernel():
-        pytest.skip("the streaming kernel needs sm_90+")
-    monkeypatch.setenv("NVFP4_DIT_QUANTIZE_KERNEL", kernel)
+def test_bytes_equal_format_at_scale(b, h, hkv, sq, sk, d, layout, dtype, kv_lens):
+    """format.py's bytes on long and GQA inputs with key lengths."""
     _run_case(b, h, hkv, sq, sk, d, layout, dtype, kv_lens=kv_lens, seed=4)
-
-
-@pytest.mark.cuda
-def test_kernel_choice_errors(monkeypatch):
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    q = _make((1, 2, 256, 64), "NHD", torch.float32, gen)
-    monkeypatch.setenv("NVFP4_DIT_QUANTIZE_KERNEL", "stream")
-    with pytest.raises(ValueError, match="streaming kernel needs bf16/fp16"):
-        cq.quantize_qkv(q, q, q, layout="NHD")
-    monkeypatch.setenv("NVFP4_DIT_QUANTIZE_KERNEL", "fastest")
-    with pytest.raises(ValueError, match="must be auto, tiles or stream"):
-        cq.quantize_qkv(q, q, q, layout="NHD")
 
 
 @pytest.mark.cuda
@@ -479,7 +350,7 @@ def test_kernel_choice_errors(monkeypatch):
     ("NHD", torch.float32, 40, [1, 300]),     # scalar loads (D < Dp)
     ("HND", torch.bfloat16, 72, [0, 250]),    # a batch without keys
 ])
-def test_nonfinite_flags_equal_torch(kernel_choice, layout, dtype, d, kv_lens):
+def test_nonfinite_flags_equal_torch(layout, dtype, d, kv_lens):
     """The quantiser's NaN/inf flags (per Q block, per kv head) equal format.nonfinite_blocks:
     values past kv_lens are ignored, huge finite values are not flagged."""
     gen = torch.Generator(device="cuda").manual_seed(11)

@@ -37,7 +37,7 @@ def test_native_preparation_kernels_do_not_spill():
     rows, failures = check_sass.check_preparation()
     correction = [r for r in rows if r["kernel"].startswith(check_sass.CORRECTION_PREFIX)]
     assert len(correction) == 2 * 24 and all(r["imma"] in (64, 128) for r in correction)
-    assert len(rows) == len(correction) + 2 * (48 + 4)   # and the tile and streaming quantisers' entries
+    assert len(rows) == len(correction) + 2 * 48   # and the quantiser's entries
     assert not failures, "\n".join(failures)
 
 

@@ -14,8 +14,6 @@
 //     nvfp4_dit_balance_statistics_<dtype>_d<DP>_<load>(QuantizeQkvParams)      launch 0 (balance_qk)
 //     nvfp4_dit_key_stats_<dtype>_d<DP>_<load>(QuantizeQkvParams)               launch 1
 //     nvfp4_dit_quantize_tiles_<dtype>_d<DP>_<load>_{nvfp4,mxfp8}(QuantizeQkvParams, int64 prefetch)  launch 2
-//   quantize/quantize_stream.cu (sm_90 and newer; bf16/fp16, vector loads, NVFP4 Q/K):
-//     nvfp4_dit_quantize_stream_{bf16,fp16}_d<DP>(QuantizeQkvParams, StreamMaps, int stages, ScheduleShape)
 //   quantize/correction.cu:
 //     nvfp4_dit_correction_<dtype>_d<DP>_<load>_{vecstore,scalarstore}(CorrectionParams)
 #pragma once
@@ -35,14 +33,6 @@ constexpr int kProbeThreads = 32;
 // waves of resident CTAs ahead (the launcher reads the residency off the occupancy API).
 constexpr int kQuantizeThreads = 256;
 constexpr int kPrefetchWaves = 1;
-
-// The streaming quantiser: 8 consumer warps, a producer and a reducer warp; dynamic shared memory
-// of kStreamFixedSmemBytes (barriers, tables; [padded head dim 64, 128]) plus 2 to kStreamMaxStages
-// stages of kStreamStageBytes (one 128-row tile as 64-column TMA boxes).
-constexpr int kStreamThreads = 320;
-constexpr int kStreamMaxStages = 8;
-constexpr int kStreamStageBytes[2] = {16384, 32768};
-constexpr int kStreamFixedSmemBytes[2] = {9151, 15295};
 
 // The correction GEMM (int8 tensor cores): a CTA owns kCorrectionTileN keys of one head and walks
 // Q blocks kCorrectionTileM at a time; dynamic shared memory per padded head dim 64, 128.

@@ -1,5 +1,5 @@
-// Launch parameters of the NVFP4 preprocessing of Q, K, V for the attention kernel (the tile and
-// streaming kernels) and of the per-Q-block correction term qm . (k - km)^T computed in chunks.
+// Launch parameters of the NVFP4 preprocessing of Q, K, V for the attention kernel (the tile
+// quantiser) and of the per-Q-block correction term qm . (k - km)^T computed in chunks.
 //
 // Plain data: no torch, no CUDA types. The host launcher (nvfp4_dit/kernels.py) fills a mirror of
 // these structs (nvfp4_dit/kernel_abi.py; tests/test_kernel_abi.py compiles this header with the
@@ -71,40 +71,19 @@ struct QuantizeQkvParams {
   uint32_t* nonfinite_kv;        // [B * Hkv]: a valid key (j < kv_lens[b]) of K or V holds NaN/inf
   uint32_t* nonfinite_q_blocks;  // [B * H * Sqp/128]: that 128-row Q block holds NaN/inf
 
-  // Workspace of the K and V statistics and the work-item order (see quantize_qkv_workspace_*).
+  // Workspace of the K and V statistics (see quantize_qkv_workspace_*).
   float* k_partial_sums;    // [quantize_qkv_workspace_floats]: chunk statistics
-                            // [B * Hkv, kStatTensors, k_chunks, kStatVectors, Dp], then (streaming kernel)
-                            // tile statistics [B * Hkv, kStatTensors, k_tiles, kStatVectors, Dp]; no initial value
+                            // [B * Hkv, kStatTensors, k_chunks, kStatVectors, Dp]; no initial value
   uint32_t* work_counters;  // [quantize_qkv_workspace_counters], zero on entry
 
   // Q and K as NVFP4 (above) or MXFP8: e4m3 data q_data [B, H, Sqp, Dp], k_data [B, Hkv, Skp, Dp]
-  // and one ue8m0 byte per 32 elements, q_sf [B, H, Sqp, Dp/32], k_sf [B, Hkv, Skp, Dp/32]. The
-  // streaming kernel writes NVFP4 only.
+  // and one ue8m0 byte per 32 elements, q_sf [B, H, Sqp, Dp/32], k_sf [B, Hkv, Skp, Dp/32].
   bool qk_mxfp8;
-};
-
-// The streaming kernel's other parameters (quantize_stream.cu). The TMA descriptors of Q, K and V:
-// logical [B, H, S, D] through the inputs' strides, boxes of 64 columns x 128 rows, the 128-byte
-// swizzle, rows past S read as zeros; each is the driver's CUtensorMap (128 opaque bytes, 64-byte
-// aligned), encoded by the host launcher.
-struct alignas(64) TensorMap {
-  uint64_t opaque[16];
-};
-struct StreamMaps {
-  TensorMap q, k, v;
-};
-
-// The ticket order's shape (quantize_schedule.cuh), chosen on the host: kv heads per unit and
-// units of statistics lookahead.
-struct ScheduleShape {
-  int64_t unit_heads;  // divides B * Hkv
-  int64_t lookahead;
 };
 
 constexpr int kTileRows = 128;  // rows of a Q/K tile and tokens of a V^T tile, in every kernel
 
-// Keys reduced by one statistics work item (quantize_tiles.cu), or per chunk of tile statistics
-// (quantize_stream.cu).
+// Keys reduced by one statistics work item (quantize_tiles.cu).
 constexpr int64_t kKeyMeanChunk = 1024;
 
 // Per-head statistics of the keys: for K and V (kStatTensors), per channel the sum, the minimum and
@@ -117,21 +96,17 @@ NVFP4_DIT_HOST_DEVICE inline int64_t quantize_qkv_k_chunks(int64_t seq_k) {
   return seq_k <= 0 ? 1 : (seq_k + kKeyMeanChunk - 1) / kKeyMeanChunk;
 }
 
-NVFP4_DIT_HOST_DEVICE inline int64_t quantize_qkv_k_tiles(int64_t seq_k) { return seq_k <= 0 ? 1 : (seq_k + 127) / 128; }
-
 // Floats of k_partial_sums needed for these sizes: per (b, kv-head) and tensor the statistics of
-// each chunk, and for the streaming kernel then those of each 128-key tile (its first level).
+// each chunk.
 NVFP4_DIT_HOST_DEVICE inline int64_t quantize_qkv_workspace_floats(int64_t batch, int64_t heads_kv, int64_t seq_k,
-                                                                 int64_t head_dim_padded, bool streaming) {
-  const int64_t per_head = quantize_qkv_k_chunks(seq_k) + (streaming ? quantize_qkv_k_tiles(seq_k) : 0);
-  return batch * heads_kv * kStatTensors * per_head * kStatVectors * head_dim_padded;
+                                                                 int64_t head_dim_padded) {
+  return batch * heads_kv * kStatTensors * quantize_qkv_k_chunks(seq_k) * kStatVectors * head_dim_padded;
 }
 
-// 32-bit counters of work_counters (zeroed before every quantisation): the streaming
-// kernel's ticket dispenser, per (b, kv-head) the chunk arrivals and the statistics-ready flag, then
-// per (b, kv-head), tensor and chunk its tile arrivals (the tile kernel uses only the chunk arrivals).
-NVFP4_DIT_HOST_DEVICE inline int64_t quantize_qkv_workspace_counters(int64_t batch, int64_t heads_kv, int64_t seq_k) {
-  return 1 + 2 * batch * heads_kv + batch * heads_kv * kStatTensors * quantize_qkv_k_chunks(seq_k);
+// 32-bit counters of work_counters (zeroed before every quantisation): per (b, kv-head) the
+// arrivals of its statistics chunks.
+NVFP4_DIT_HOST_DEVICE inline int64_t quantize_qkv_workspace_counters(int64_t batch, int64_t heads_kv) {
+  return batch * heads_kv;
 }
 
 struct CorrectionParams {

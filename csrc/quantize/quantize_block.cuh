@@ -1,6 +1,5 @@
-// Per-block NVFP4 quantization shared by the quantize kernels (quantize_tiles.cu: any strides and
-// dtypes, register tiles; quantize_stream.cu: contiguous 16-bit rows streamed through shared
-// memory). Torch-free; device code only, in an unnamed namespace so each TU has its own copy.
+// Per-block NVFP4 quantization of the tile quantiser (quantize_tiles.cu). Torch-free; device code
+// only, in an unnamed namespace so each TU has its own copy.
 #pragma once
 
 #include "common/portable.h"
@@ -207,8 +206,8 @@ __device__ __forceinline__ uint4 lds128(uint32_t addr) {
 // The V^T outputs of kTokens tokens (a tile or a sub-tile) of one kv head: DP rows of kTokens / 2
 // data and kTokens / 16 scale bytes, each row quantized by several threads of different warps
 // (kBlocks 16-token blocks each). Stored by those threads, a warp's store would touch 32 rows with
-// a partial 32-byte sector each, which cost up to a fifth of the streaming kernel's time on the
-// H200. So the threads put their bytes into shared
+// a partial 32-byte sector each (measured at up to a fifth of a quantiser's time on the H200).
+// So the threads put their bytes into shared
 // memory (`base`, kBytes), meet at a barrier, and store whole rows: kTokens / 32 lanes per row.
 template <int DP, int kTokens>
 struct VtRowGather {
@@ -273,11 +272,9 @@ __device__ __forceinline__ int k_row_perm(int t) {
   return (t & ~31) | (a << 3) | (b << 1) | c;
 }
 
-// Work counters (one zeroed workspace, quantize_qkv_workspace_counters): [0] the streaming
-// kernel's ticket dispenser, then per (b, kv-head) the chunk arrivals and (streaming kernel) the
-// statistics-ready flag, then (streaming kernel) per (b, kv-head), tensor and chunk the arrivals of
-// its tile statistics.
-__device__ __forceinline__ uint32_t* arrivals(const QuantizeQkvParams& p) { return p.work_counters + 1; }
+// Work counters (one zeroed workspace, quantize_qkv_workspace_counters): per (b, kv-head) the
+// arrivals of its statistics chunks.
+__device__ __forceinline__ uint32_t* arrivals(const QuantizeQkvParams& p) { return p.work_counters; }
 
 // The statistics of chunk `chunk` of tensor `tensor` (0: K, 1: V) of kv head bh in the workspace:
 // [kStatVectors, dp] (sum, min, max per channel; QuantizeQkvParams::k_partial_sums).

@@ -1,6 +1,5 @@
-// The tile kernel of the NVFP4 preprocessing of Q, K and V (contract: params.h). It takes any
-// input (fp32, strided, D < Dp, any GPU); quantize_stream.cu is the faster kernel for contiguous
-// 16-bit rows on sm_90+.
+// The quantiser of Q, K and V for the attention kernel (contract: params.h). It takes any input
+// (fp32, strided, D < Dp, any GPU).
 //
 // Two kernel launches (after the caller's memset of a small counter workspace), each CTA one
 // work item by blockIdx, none waiting for another:
@@ -18,8 +17,7 @@
 // statistics from other CTAs (a ticket atomic, a ready-flag poll, then the loads), which needs
 // every earlier ticket's CTA to be resident and costs round trips to L2 per tile. Split, no CTA
 // waits on another and each tile issues its loads first thing. The price: K and V are read twice
-// from DRAM (by their statistics chunks, then by their tiles); the streaming kernel's per-head
-// order serves the second reads from L2 (docs/quantize.md).
+// from DRAM (by their statistics chunks, then by their tiles; docs/quantize.md).
 // Padding rows/columns are written as zero data with zero scales; keys past kv_lens are padding.
 //
 // Every offset is int64. No fast-math: the scale and data divisions are correctly rounded

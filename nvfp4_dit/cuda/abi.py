@@ -10,7 +10,7 @@ this module. Names follow the C++ ones.
 from __future__ import annotations
 
 import ctypes
-from ctypes import c_bool, c_float, c_int, c_int32, c_int64, c_uint64, c_void_p
+from ctypes import c_bool, c_float, c_int, c_int32, c_int64, c_void_p
 
 # csrc/common/launch.h
 ATTENTION_THREADS = 256
@@ -19,10 +19,6 @@ ATTENTION_SMEM_BYTES = ((38912, 75776), (54272, 79872))
 PROBE_THREADS = 32
 QUANTIZE_THREADS = 256
 PREFETCH_WAVES = 1
-STREAM_THREADS = 320
-STREAM_MAX_STAGES = 8
-STREAM_STAGE_BYTES = (16384, 32768)        # [head dim 64, 128]
-STREAM_FIXED_SMEM_BYTES = (9151, 15295)    # [head dim 64, 128]
 CORRECTION_THREADS = 256
 CORRECTION_TILE_M = 64
 CORRECTION_TILE_N = 128
@@ -98,60 +94,22 @@ class CorrectionParams(ctypes.Structure):
     ]
 
 
-class TensorMap(ctypes.Structure):
-    """The driver's CUtensorMap: 128 opaque bytes, 64-byte aligned (quantize_stream.cu)."""
-    _fields_ = [("opaque", c_uint64 * 16)]
-
-
-class StreamMaps(ctypes.Structure):
-    _fields_ = [("q", TensorMap), ("k", TensorMap), ("v", TensorMap)]
-
-
-class ScheduleShape(ctypes.Structure):
-    _fields_ = [("unit_heads", c_int64), ("lookahead", c_int64)]
-
-
 STRUCTS = {"AttentionFwdParams": AttentionFwdParams, "StridedInput": StridedInput,
-           "QuantizeQkvParams": QuantizeQkvParams, "CorrectionParams": CorrectionParams,
-           "StreamMaps": StreamMaps, "ScheduleShape": ScheduleShape}
+           "QuantizeQkvParams": QuantizeQkvParams, "CorrectionParams": CorrectionParams}
 
 
-# The workspace sizes and the streaming schedule's shape (csrc/quantize/params.h,
-# csrc/quantize/quantize_schedule.cuh; tests/test_kernel_abi.py compares them on many sizes).
+# The workspace sizes (csrc/quantize/params.h; tests/test_kernel_abi.py compares them on many sizes).
 
 def k_chunks(seq_k: int) -> int:
     return 1 if seq_k <= 0 else -(-seq_k // KEY_MEAN_CHUNK)
 
 
-def k_tiles(seq_k: int) -> int:
-    return 1 if seq_k <= 0 else -(-seq_k // TILE_ROWS)
+def workspace_floats(batch: int, heads_kv: int, seq_k: int, head_dim_padded: int) -> int:
+    return batch * heads_kv * STAT_TENSORS * k_chunks(seq_k) * STAT_VECTORS * head_dim_padded
 
 
-def workspace_floats(batch: int, heads_kv: int, seq_k: int, head_dim_padded: int, streaming: bool) -> int:
-    per_head = k_chunks(seq_k) + (k_tiles(seq_k) if streaming else 0)
-    return batch * heads_kv * STAT_TENSORS * per_head * STAT_VECTORS * head_dim_padded
-
-
-def workspace_counters(batch: int, heads_kv: int, seq_k: int) -> int:
-    return 1 + 2 * batch * heads_kv + batch * heads_kv * STAT_TENSORS * k_chunks(seq_k)
-
-
-def tickets_per_kv_head(heads_q: int, heads_kv: int, seq_q_padded: int, seq_k_padded: int) -> int:
-    return 4 * (seq_k_padded // TILE_ROWS) + (heads_q // heads_kv) * (seq_q_padded // TILE_ROWS)
-
-
-def schedule_fits_32_bits(batch: int, heads_q: int, heads_kv: int, seq_q_padded: int, seq_k_padded: int) -> bool:
-    return (batch * heads_q <= 0x7FFFFFFF and
-            tickets_per_kv_head(heads_q, heads_kv, seq_q_padded, seq_k_padded) <= 0x7FFFFFFF // (batch * heads_kv))
-
-
-def schedule_shape(batch: int, heads_q: int, heads_kv: int, seq_q_padded: int, seq_k_padded: int,
-                   depth: int) -> tuple[int, int]:
-    """(unit_heads, lookahead) of the streaming quantiser's ticket order (quantize_schedule.cuh)."""
-    heads, n_kv = batch * heads_kv, seq_k_padded // TILE_ROWS
-    unit_heads = next((g for g in range(1, heads) if heads % g == 0 and g * n_kv >= depth), heads)
-    unit = unit_heads * tickets_per_kv_head(heads_q, heads_kv, seq_q_padded, seq_k_padded)
-    return unit_heads, -(-3 * depth // unit)
+def workspace_counters(batch: int, heads_kv: int) -> int:
+    return batch * heads_kv
 
 
 # Entry-point names (csrc/common/launch.h).
@@ -180,10 +138,6 @@ def quantize_tiles_entry(dtype: str, head_dim_padded: int, vector: bool, qk_form
     return f"nvfp4_dit_quantize_tiles_{dtype}_d{head_dim_padded}_{_load(vector)}_{qk_format}"
 
 
-def quantize_stream_entry(dtype: str, head_dim_padded: int) -> str:
-    return f"nvfp4_dit_quantize_stream_{dtype}_d{head_dim_padded}"
-
-
 def correction_entry(dtype: str, head_dim_padded: int, vector_load: bool, vector_store: bool) -> str:
     store = "vecstore" if vector_store else "scalarstore"
     return f"nvfp4_dit_correction_{dtype}_d{head_dim_padded}_{_load(vector_load)}_{store}"
@@ -201,6 +155,4 @@ def launcher_entries(kind: str) -> set[str]:
                 names |= {balance_statistics_entry(dt, d, vec), key_stats_entry(dt, d, vec)}
                 names |= {quantize_tiles_entry(dt, d, vec, f) for f in formats}
                 names |= {correction_entry(dt, d, vec, st) for st in (False, True)}
-            if dt != "fp32":
-                names.add(quantize_stream_entry(dt, d))
     return names

@@ -14,7 +14,6 @@ public op is :func:`nvfp4_dit.attention`.
 from __future__ import annotations
 
 import ctypes
-import os
 from typing import Optional
 
 import torch
@@ -24,7 +23,6 @@ from . import driver
 from .. import format as fmt
 from . import abi
 
-QUANTIZE_KERNEL_ENV = "NVFP4_DIT_QUANTIZE_KERNEL"
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 _MAX_GRID_X = 0x7FFFFFFF
 _MAX_GRID_YZ = 65535
@@ -81,92 +79,6 @@ def _round_up_128(n: int) -> int:
 # Quantisation of Q, K, V
 # ---------------------------------------------------------------------------------------------
 
-def quantize_kernel_choice() -> str:
-    """$NVFP4_DIT_QUANTIZE_KERNEL: "auto" (default) or "tiles" run the tile kernel; "stream" the
-    streaming kernel, raising where it does not apply. The tile kernel is the faster of the two at
-    every size measured, on the H100 and the H200 (docs/quantize.md); tests and
-    scripts/bench_quantize.py run each."""
-    value = os.environ.get(QUANTIZE_KERNEL_ENV, "").strip() or "auto"
-    if value not in ("auto", "tiles", "stream"):
-        raise ValueError(f"{QUANTIZE_KERNEL_ENV} must be auto, tiles or stream, not {value!r}")
-    return value
-
-
-def _stream_stages(device: torch.device, dp_index: int) -> Optional[int]:
-    """Pipeline stages of the streaming quantiser on ``device``, or None where it does not apply:
-    two CTAs per SM where three stages each fit (the H100 and H200), else one CTA with as many as
-    fit."""
-    index = build.device_index(device)
-    smem_sm = driver.device_attribute(index, "MAX_SHARED_MEMORY_PER_MULTIPROCESSOR")
-    smem_block = driver.device_attribute(index, "MAX_SHARED_MEMORY_PER_BLOCK_OPTIN")
-    reserved = driver.device_attribute(index, "RESERVED_SHARED_MEMORY_PER_BLOCK")
-    fixed, stage = abi.STREAM_FIXED_SMEM_BYTES[dp_index], abi.STREAM_STAGE_BYTES[dp_index]
-    stages = (smem_sm // 2 - reserved - fixed) // stage
-    if stages < 3:
-        stages = (smem_block - fixed) // stage
-    stages = min(stages, abi.STREAM_MAX_STAGES)
-    return stages if stages >= 2 else None
-
-
-def _encode_input_map(t: torch.Tensor, dp: int, heads: int, seq: int) -> Optional[abi.TensorMap]:
-    """The TMA descriptor of one logical [B, H, S, D] 16-bit input (D == Dp, unit stride along D):
-    boxes of 64 columns x 128 rows, 128-byte swizzle, rows past S read as zeros. A dimension of
-    extent 1 gets a nominal stride: only coordinate 0 is ever read there. None where the driver
-    declines it."""
-    from cuda.bindings import driver as cu
-
-    batch = t.shape[0]
-    if seq <= 0 or seq > 0x7FFFFFFF or min(t.stride()) < 0:
-        return None
-    u64, u32 = cu.cuuint64_t, cu.cuuint32_t
-    es = t.element_size()
-    dims = [dp, seq, heads, batch]
-    strides = [dp * es if seq == 1 else t.stride(2) * es, 16 if heads == 1 else t.stride(1) * es,
-               16 if batch == 1 else t.stride(0) * es]
-    dtype = (cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 if t.dtype == torch.bfloat16
-             else cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16)
-    err, tmap = cu.cuTensorMapEncodeTiled(
-        dtype, 4, t.data_ptr(), [u64(x) for x in dims], [u64(x) for x in strides],
-        [u32(64), u32(abi.TILE_ROWS), u32(1), u32(1)], [u32(1)] * 4,
-        cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE, cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
-        cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-        cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
-    if err != cu.CUresult.CUDA_SUCCESS:
-        return None
-    out = abi.TensorMap()
-    ctypes.memmove(ctypes.addressof(out), tmap.getPtr(), ctypes.sizeof(out))
-    return out
-
-
-def _launch_stream(p: abi.QuantizeQkvParams, q, k, v, dtype: str, dp: int, vector: bool) -> bool:
-    """Launch the streaming quantiser (sm_90+, bf16/fp16, vector loads, NVFP4 Q/K); False, having
-    launched nothing, where it does not apply."""
-    device = q.device
-    if p.qk_mxfp8 or dtype == "fp32" or not vector or build.device_capability(device) < (9, 0):
-        return False
-    if not abi.schedule_fits_32_bits(p.batch, p.heads_q, p.heads_kv, p.seq_q_padded, p.seq_k_padded):
-        return False
-    dp_index = abi.head_dim_index(dp)
-    stages = _stream_stages(device, dp_index)
-    if stages is None:
-        return False
-    smem = abi.STREAM_FIXED_SMEM_BYTES[dp_index] + stages * abi.STREAM_STAGE_BYTES[dp_index]
-    kernel = _kernel(device, abi.quantize_stream_entry(dtype, dp))
-    per_sm = kernel.blocks_per_sm(abi.STREAM_THREADS, smem)
-    if per_sm < 1:
-        return False
-    # The descriptors last: where the kernel does not apply, no driver call is spent on them.
-    maps = [_encode_input_map(t, dp, t.shape[1], t.shape[2]) for t in (q, k, v)]
-    if any(m is None for m in maps):
-        return False
-    grid = _sms(device) * per_sm
-    shape = abi.ScheduleShape(*abi.schedule_shape(p.batch, p.heads_q, p.heads_kv, p.seq_q_padded, p.seq_k_padded,
-                                                  grid * stages))
-    kernel.launch((grid,), abi.STREAM_THREADS, [p, abi.StreamMaps(*maps), ctypes.c_int(stages), shape],
-                  _stream(device), smem)
-    return True
-
-
 def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_lens: Optional[torch.Tensor],
                  balance_qk: bool, qk_mxfp8: bool) -> list[torch.Tensor]:
     """Quantise logical [B, H, S, D] views (any strides; NHD callers pass a transposed view) in the
@@ -203,11 +115,10 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_lens: Opt
     q_scale = torch.empty(b, h, sqp // 128, **f32)
     k_scale, v_scale = torch.empty(b, hkv, **f32), torch.empty(b, hkv, **f32)
     q_dot_km = torch.empty(b, h, sq, **f32)
-    streaming = quantize_kernel_choice() == "stream"
-    partial = torch.empty(abi.workspace_floats(b, hkv, sk, dp, streaming), **f32)
+    partial = torch.empty(abi.workspace_floats(b, hkv, sk, dp), **f32)
     # One zeroed int32 buffer (one memset): the work counters, the non-finite flags, then (balance_qk)
     # the channel statistics of Q.
-    n_counters = abi.workspace_counters(b, hkv, sk)
+    n_counters = abi.workspace_counters(b, hkv)
     n_flags = b * hkv + b * h * (sqp // 128)
     n_q_stats = b * hkv * dp if balance_qk else 0
     counters = torch.zeros(n_counters + n_flags + n_q_stats, dtype=torch.int32, device=dev)
@@ -237,17 +148,13 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_lens: Opt
             _check(q_tiles <= _MAX_GRID_X, "too many Q tiles for one launch")
             _kernel(dev, abi.balance_statistics_entry(dtype, dp, vector)).launch(
                 (q_tiles,), abi.QUANTIZE_THREADS, [p], stream)
-        if streaming and not _launch_stream(p, q, k, v, dtype, dp, vector):
-            raise ValueError(f"{QUANTIZE_KERNEL_ENV}=stream, but the streaming kernel needs bf16/fp16 inputs with "
-                             "contiguous 16-byte-aligned rows, D of 64 or 128, NVFP4 Q·Kᵀ and an sm_90+ device")
-        if not streaming:
-            first = b * hkv * abi.STAT_TENSORS * abi.k_chunks(sk)
-            second = 2 * kv_tiles + q_tiles
-            _check(first <= _MAX_GRID_X and second <= _MAX_GRID_X, "too many tiles for one launch")
-            _kernel(dev, abi.key_stats_entry(dtype, dp, vector)).launch((first,), abi.QUANTIZE_THREADS, [p], stream)
-            tiles = _kernel(dev, abi.quantize_tiles_entry(dtype, dp, vector, "mxfp8" if qk_mxfp8 else "nvfp4"))
-            resident = _sms(dev) * tiles.blocks_per_sm(abi.QUANTIZE_THREADS)
-            tiles.launch((second,), abi.QUANTIZE_THREADS, [p, ctypes.c_int64(abi.PREFETCH_WAVES * resident)], stream)
+        first = b * hkv * abi.STAT_TENSORS * abi.k_chunks(sk)
+        second = 2 * kv_tiles + q_tiles
+        _check(first <= _MAX_GRID_X and second <= _MAX_GRID_X, "too many tiles for one launch")
+        _kernel(dev, abi.key_stats_entry(dtype, dp, vector)).launch((first,), abi.QUANTIZE_THREADS, [p], stream)
+        tiles = _kernel(dev, abi.quantize_tiles_entry(dtype, dp, vector, "mxfp8" if qk_mxfp8 else "nvfp4"))
+        resident = _sms(dev) * tiles.blocks_per_sm(abi.QUANTIZE_THREADS)
+        tiles.launch((second,), abi.QUANTIZE_THREADS, [p, ctypes.c_int64(abi.PREFETCH_WAVES * resident)], stream)
     return [q_data, q_sf, k_data, k_sf, vt_data, vt_sf, q_mean, k_mean, v_mean, q_scale, k_scale, v_scale, balance,
             q_dot_km, nonfinite_q, nonfinite_kv]
 

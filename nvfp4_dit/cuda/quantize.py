@@ -2,20 +2,11 @@
 
 :func:`quantize_qkv` is the CUDA twin of :func:`nvfp4_dit.format.quantize_qkv`: the same bytes
 and scales (tests compare them exactly), the means equal up to reduction order, read straight
-from the strides of NHD or HND inputs. Two kernels implement it (``csrc/quantize/``):
-
-* the tile kernel (``quantize_tiles.cu``), the default: any input, two launches (the K and V
-  statistics chunks, then the K, Q and V^T tiles, which need their head's statistics);
-* the streaming kernel (``quantize_stream.cu``), on request: persistent CTAs whose producer warp
-  feeds TMA copies of 128-row tiles to consumer warps; one launch, for bf16/fp16 rows contiguous
-  with D of 64 or 128 on sm_90+. It is the slower of the two at every size measured (its consumers
-  wait on each head's statistics, docs/quantize.md).
-
-With ``balance_qk`` one more launch reads Q first for the balance statistics.
-
-``NVFP4_DIT_QUANTIZE_KERNEL=stream`` asks for the streaming kernel (raising where it does not
-apply); ``auto`` (the default) and ``tiles`` run the tile kernel. Both raise NaN/inf flags while
-they quantise (:attr:`KernelQuantizedQKV.nonfinite`).
+from the strides of NHD or HND inputs, for any input dtype, strides and head dim
+(``csrc/quantize/quantize_tiles.cu``): one launch reduces the K and V statistics in chunks, a
+second quantises the K, Q and V^T tiles, which need their head's statistics; with ``balance_qk``
+one more launch reads Q first for the balance statistics. NaN/inf flags are raised while it
+quantises (:attr:`KernelQuantizedQKV.nonfinite`).
 
 The correction ``delta = qm . (k - km)^T`` is ``B*H*Sq/128*Skp`` fp32 (17.6 GB at 118,800 tokens
 and 40 heads), so it is produced for a chunk of Q blocks at a time (:func:`iter_corrections`)
@@ -36,7 +27,6 @@ from . import launch as kernels
 from .. import format as fmt
 from ..checks import validate_attention_args
 
-KERNEL_ENV = "NVFP4_DIT_QUANTIZE_KERNEL"
 BUDGET_ENV = "NVFP4_DIT_CORRECTION_BUDGET"
 DEFAULT_CORRECTION_BUDGET = 1 << 30
 _CORRECTION_TILE_BLOCKS = 64  # Q blocks per CTA of the correction kernel: chunks are multiples of it
@@ -67,8 +57,7 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: s
     kv_lens : optional int [B]; keys at or past ``kv_lens[b]`` are excluded from the K and V
         statistics and quantised as zero padding, as in :func:`nvfp4_dit.format.quantize_qkv`.
     balance_qk : balance Q and K per channel (one more read of Q, by a statistics kernel).
-    qk_format : "nvfp4" or "mxfp8" (Q and K as e4m3 with ue8m0 scales per 32; the tile kernel
-        writes it, the streaming kernel NVFP4 only).
+    qk_format : "nvfp4" or "mxfp8" (Q and K as e4m3 with ue8m0 scales per 32).
 
     Returns
     -------
