@@ -237,7 +237,7 @@ class NVFP4AttentionOverride:
         if policy.dense_reason(cross=queries != keys, step=step, seq_q=queries, seq_k=keys) is not None:
             return None
         precision = policy.precision_for(layer_name(options, queries != keys), step)
-        if precision == "dense":
+        if precision is not None and precision.exact:
             return None
         if precision is not None:
             policy = self._precision_policies[precision]

@@ -19,7 +19,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .policy import FP4_PRECISIONS, PRECISION_COST, AttentionPolicy, LayerPrecision, step_bucket
+from .policy import EXACT, FP4_PRECISIONS, PRECISION_COST, AttentionPolicy, LayerPrecision, Precision, step_bucket
 
 # Relative L2 error of a layer's attention output that calibration accepts by default.  Measured
 # with the FP4 path against exact attention on bf16 inputs (docs/report): iid 0.19, RoPE'd Q/K
@@ -53,7 +53,7 @@ class CalibrationTable:
         # (layer, bucket) -> precision -> [sum of squared error, sum of squared exact norm]
         self._sums: dict = defaultdict(lambda: defaultdict(lambda: [0.0, 0.0]))
 
-    def add(self, layer: str, step: Optional[tuple[int, int]], precision: str, err2: float, ref2: float) -> None:
+    def add(self, layer: str, step: Optional[tuple[int, int]], precision: Precision, err2: float, ref2: float) -> None:
         if precision not in FP4_PRECISIONS:
             raise ValueError(f"precision must be one of {FP4_PRECISIONS}, got {precision!r}")
         s = self._sums[(layer, step_bucket(step))][precision]
@@ -61,7 +61,7 @@ class CalibrationTable:
         s[1] += ref2
 
     def measure(self, layer: str, step: Optional[tuple[int, int]], exact: torch.Tensor,
-                run: Callable[[str], Optional[torch.Tensor]]) -> bool:
+                run: Callable[[Precision], Optional[torch.Tensor]]) -> bool:
         """Run one observed call in every NVFP4 precision (``run(precision)``: its output, or None
         where that precision cannot take the call) and add each error against ``exact``. Adds
         nothing (returns False) unless every precision ran."""
@@ -93,25 +93,25 @@ class CalibrationTable:
         entries = []
         for (layer, bucket), errs in sorted(self.errors().items()):
             entries.append(LayerPrecision(layer, bucket, choose_precision(errs, budget),
-                                          tuple(sorted(errs.items()))))
+                                          tuple(sorted(errs.items(), key=lambda pe: PRECISION_COST[pe[0]]))))
         return base.replace(per_layer=tuple(entries), model_class=model_class, budget=float(budget))
 
 
-def choose_precision(errors: dict, budget: float) -> str:
-    """The cheapest precision of ``errors`` ({precision: relative L2 error}) within ``budget``;
-    "dense" when none is within it."""
+def choose_precision(errors: dict, budget: float) -> Precision:
+    """The cheapest precision of ``errors`` ({Precision: relative L2 error}) within ``budget``;
+    :data:`~nvfp4_dit.policy.EXACT` when none is within it."""
     ok = [p for p, e in errors.items() if e <= budget]
-    return min(ok, key=PRECISION_COST.__getitem__) if ok else "dense"
+    return min(ok, key=PRECISION_COST.__getitem__) if ok else EXACT
 
 
 def format_table(policy: AttentionPolicy) -> str:
     """The per-layer entries of a calibrated policy as a Markdown table."""
     if not policy.per_layer:
         return "(no per-layer entries)"
-    head = "| layer | steps | precision | " + " | ".join(f"rel-L2 {p}" for p in FP4_PRECISIONS) + " |"
+    head = "| layer | steps | precision | " + " | ".join(f"rel-L2 {p.label}" for p in FP4_PRECISIONS) + " |"
     rows = [head, "|" + "---|" * (3 + len(FP4_PRECISIONS))]
     for e in policy.per_layer:
         errs = dict(e.errors)
         cells = [f"{errs[p]:.4f}" if p in errs else "-" for p in FP4_PRECISIONS]
-        rows.append(f"| {e.layer} | {e.bucket} | {e.precision} | " + " | ".join(cells) + " |")
+        rows.append(f"| {e.layer} | {e.bucket} | {e.precision.label} | " + " | ".join(cells) + " |")
     return "\n".join(rows)

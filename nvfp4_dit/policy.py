@@ -39,14 +39,58 @@ DEFAULT_MIN_SEQ_LEN = 1024
 LayerSpec = Union[str, int]
 _BLOCK_INDEX = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
 
-# Per-layer precisions, cheapest first: without the channel balance the quantiser reads Q and K
-# once instead of twice (same attention kernel time); MXFP8 Q·Kᵀ runs its MMAs at half the FP4
-# rate; exact attention costs several times more.
-PRECISIONS = ("nvfp4-unbalanced", "nvfp4", "mxfp8", "dense")
-PRECISION_COST = {p: i for i, p in enumerate(PRECISIONS)}
-FP4_PRECISIONS = tuple(p for p in PRECISIONS if p != "dense")   # the ones that run nvfp4_dit.attention
 STEP_BUCKETS = ("first", "middle", "last")
-POLICY_FILE_VERSION = 1
+POLICY_FILE_VERSION = 2
+
+
+def _check_bool(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Precision:
+    """How one attention call runs: exact attention (``qk_format=None``), or FP4 attention with Q
+    and K in ``qk_format`` (:data:`~nvfp4_dit.format.QK_FORMATS`) and, with ``balance_qk``, the
+    per-channel Q/K balance (:func:`nvfp4_dit.attention`)."""
+
+    qk_format: Optional[str] = None
+    balance_qk: bool = False
+
+    def __post_init__(self):
+        if self.qk_format is not None and self.qk_format not in QK_FORMATS:
+            raise ValueError(f"qk_format must be one of {QK_FORMATS} or None (exact), got {self.qk_format!r}")
+        _check_bool("balance_qk", self.balance_qk)
+        if self.qk_format is None and self.balance_qk:
+            raise ValueError("exact attention (qk_format None) has no channel balance")
+
+    @property
+    def exact(self) -> bool:
+        return self.qk_format is None
+
+    @property
+    def label(self) -> str:
+        """A short name for tables: "exact", "nvfp4", "nvfp4+balance", "mxfp8+balance"."""
+        return "exact" if self.exact else self.qk_format + ("+balance" if self.balance_qk else "")
+
+    def to_dict(self) -> dict:
+        return {"qk_format": self.qk_format, "balance_qk": self.balance_qk}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Precision":
+        return cls(d.get("qk_format"), bool(d.get("balance_qk", False)))
+
+
+EXACT = Precision()
+# The FP4 precisions a calibration measures, cheapest first: without the channel balance the
+# quantiser reads Q and K once instead of twice (same attention kernel time); MXFP8 Q·Kᵀ runs its
+# MMAs at half the FP4 rate; exact attention costs several times more.
+FP4_PRECISIONS = (Precision("nvfp4", False), Precision("nvfp4", True), Precision("mxfp8", True))
+PRECISIONS = FP4_PRECISIONS + (EXACT,)
+PRECISION_COST = {p: i for i, p in enumerate(PRECISIONS)}
+# Policy files of version 1 named the precisions by these strings.
+_VERSION1_PRECISIONS = {"nvfp4-unbalanced": FP4_PRECISIONS[0], "nvfp4": FP4_PRECISIONS[1],
+                        "mxfp8": FP4_PRECISIONS[2], "dense": EXACT}
 
 
 def step_bucket(step: Optional[tuple[int, int]]) -> str:
@@ -64,27 +108,43 @@ class LayerPrecision:
     Args:
         layer: the module path as :func:`nvfp4_dit.apply` names it (``transformer.blocks.3.attn1``).
         bucket: "first", "middle" or "last" (:func:`step_bucket`).
-        precision: one of :data:`PRECISIONS`.
+        precision: a :class:`Precision` (one of :data:`PRECISIONS`).
         errors: ``((precision, relative L2 error of the attention output), ...)`` measured by
             :func:`nvfp4_dit.calibrate` (empty when written by hand).
     """
 
     layer: str
     bucket: str
-    precision: str
-    errors: tuple[tuple[str, float], ...] = ()
+    precision: Precision
+    errors: tuple[tuple[Precision, float], ...] = ()
 
     def __post_init__(self):
         if not isinstance(self.layer, str) or not self.layer:
             raise ValueError(f"layer must be a module path, got {self.layer!r}")
         if self.bucket not in STEP_BUCKETS:
             raise ValueError(f"bucket must be one of {STEP_BUCKETS}, got {self.bucket!r}")
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
-        errors = tuple((str(p), float(e)) for p, e in self.errors)
-        if any(p not in PRECISIONS for p, _ in errors):
-            raise ValueError(f"errors name precisions outside {PRECISIONS}: {self.errors!r}")
+        if not isinstance(self.precision, Precision):
+            raise TypeError(f"precision must be a Precision, got {type(self.precision).__name__}")
+        errors = tuple((p, float(e)) for p, e in self.errors)
+        if any(not isinstance(p, Precision) for p, _ in errors):
+            raise TypeError(f"errors must pair a Precision with an error, got {self.errors!r}")
         object.__setattr__(self, "errors", errors)
+
+    def to_dict(self) -> dict:
+        return {"layer": self.layer, "bucket": self.bucket, **self.precision.to_dict(),
+                "errors": [{**p.to_dict(), "error": e} for p, e in self.errors]}
+
+    @classmethod
+    def from_dict(cls, d: dict, version: int) -> "LayerPrecision":
+        if version == 1:   # {"precision": "nvfp4-unbalanced", "errors": {"nvfp4": 0.07, ...}}
+            def old(name):
+                if name not in _VERSION1_PRECISIONS:
+                    raise ValueError(f"unknown precision {name!r}")
+                return _VERSION1_PRECISIONS[name]
+            return cls(d["layer"], d["bucket"], old(d["precision"]),
+                       tuple((old(p), e) for p, e in d.get("errors", {}).items()))
+        return cls(d["layer"], d["bucket"], Precision.from_dict(d),
+                   tuple((Precision.from_dict(e), e["error"]) for e in d.get("errors", [])))
 
 
 def _check_per_layer(entries) -> Optional[tuple[LayerPrecision, ...]]:
@@ -99,11 +159,6 @@ def _check_per_layer(entries) -> Optional[tuple[LayerPrecision, ...]]:
             raise ValueError(f"per_layer names {e.layer} ({e.bucket}) twice")
         seen.add((e.layer, e.bucket))
     return out
-
-
-def _check_bool(name: str, value) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
 
 
 def _check_dense_steps(dense_steps) -> tuple[int, int]:
@@ -231,7 +286,7 @@ class AttentionPolicy:
             return "short sequence"
         return None
 
-    def precision_for(self, layer: Optional[str], step: Optional[tuple[int, int]]) -> Optional[str]:
+    def precision_for(self, layer: Optional[str], step: Optional[tuple[int, int]]) -> Optional[Precision]:
         """The calibrated precision of module ``layer`` at ``step``, or None where ``per_layer``
         says nothing (the uniform rules apply)."""
         if self.per_layer is None or layer is None:
@@ -242,19 +297,19 @@ class AttentionPolicy:
                 return e.precision
         return None
 
-    def for_precision(self, precision: str) -> "AttentionPolicy":
-        """The uniform policy of an NVFP4 call that runs in ``precision`` (not "dense")."""
-        if precision not in PRECISIONS or precision == "dense":
-            raise ValueError(f"precision must be an NVFP4 one of {PRECISIONS}, got {precision!r}")
-        balance = precision != "nvfp4-unbalanced"
-        qk_format = "mxfp8" if precision == "mxfp8" else "nvfp4"
-        if self.per_layer is None and self.balance_qk == balance and self.qk_format == qk_format:
+    def for_precision(self, precision: Precision) -> "AttentionPolicy":
+        """The uniform policy of an FP4 call that runs in ``precision`` (not :data:`EXACT`)."""
+        if not isinstance(precision, Precision) or precision.exact:
+            raise ValueError(f"precision must be one of the FP4 precisions {FP4_PRECISIONS}, got {precision!r}")
+        if (self.per_layer is None and self.balance_qk == precision.balance_qk
+                and self.qk_format == precision.qk_format):
             return self
-        return dataclasses.replace(self, balance_qk=balance, qk_format=qk_format, per_layer=None)
+        return dataclasses.replace(self, balance_qk=precision.balance_qk, qk_format=precision.qk_format,
+                                   per_layer=None)
 
     def precision_policies(self) -> dict:
-        """{precision: :meth:`for_precision`} for every non-dense precision, built once by a caller
-        that looks precisions up per call."""
+        """{precision: :meth:`for_precision`} for every FP4 precision, built once by a caller that
+        looks precisions up per call."""
         return {p: self.for_precision(p) for p in FP4_PRECISIONS}
 
     def check_layers(self, model_class: str, layers: Iterable[str]) -> None:
@@ -283,7 +338,7 @@ class AttentionPolicy:
         if self.per_layer is not None:
             counts = {p: sum(e.precision == p for e in self.per_layer) for p in PRECISIONS}
             text += (f", calibrated on {self.model_class} (budget {self.budget}): "
-                     + ", ".join(f"{n} {p}" for p, n in counts.items() if n))
+                     + ", ".join(f"{n} {p.label}" for p, n in counts.items() if n))
         return text
 
     # -- JSON -------------------------------------------------------------------------------------
@@ -293,8 +348,7 @@ class AttentionPolicy:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if f.name == "per_layer" and value is not None:
-                value = [{"layer": e.layer, "bucket": e.bucket, "precision": e.precision,
-                          "errors": {p: err for p, err in e.errors}} for e in value]
+                value = [e.to_dict() for e in value]
             elif isinstance(value, tuple):
                 value = list(value)
             d[f.name] = value
@@ -304,8 +358,9 @@ class AttentionPolicy:
     def from_dict(cls, d: dict) -> "AttentionPolicy":
         if not isinstance(d, dict):
             raise ValueError(f"a policy must be a JSON object, got {type(d).__name__}")
-        if d.get("version") != POLICY_FILE_VERSION:
-            raise ValueError(f"policy file version {d.get('version')!r} is not {POLICY_FILE_VERSION}")
+        version = d.get("version")
+        if version not in (1, POLICY_FILE_VERSION):
+            raise ValueError(f"policy file version {version!r} is not one of 1, {POLICY_FILE_VERSION}")
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - names - {"version"})
         if unknown:
@@ -314,8 +369,7 @@ class AttentionPolicy:
         if kw.get("dense_steps") is not None:
             kw["dense_steps"] = tuple(kw["dense_steps"])
         if kw.get("per_layer") is not None:
-            kw["per_layer"] = tuple(LayerPrecision(e["layer"], e["bucket"], e["precision"],
-                                                   tuple(e.get("errors", {}).items())) for e in kw["per_layer"])
+            kw["per_layer"] = tuple(LayerPrecision.from_dict(e, version) for e in kw["per_layer"])
         return cls(**kw)
 
     def save(self, path: Union[str, os.PathLike]) -> None:

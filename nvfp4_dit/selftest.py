@@ -218,7 +218,7 @@ def _ab_registers(a_codes: torch.Tensor, b_codes: torch.Tensor, per_reg: int, pa
     return a, b
 
 
-def fp4_probe_cases(gen: torch.Generator, selectors: Sequence[tuple[int, int]], device):
+def nvfp4_probe_cases(gen: torch.Generator, selectors: Sequence[tuple[int, int]], device):
     """Registers of one m16n8k64 block-scaled FP4 MMA per (thread-id-a, thread-id-b) of
     ``selectors``, laid out by the PTX fragment tables, and the dense fp64 operands they encode,
     each stacked along a leading case dimension. Returns (a [n, 32, 4], b [n, 32, 2], sfa, sfb
@@ -250,7 +250,7 @@ def fp4_probe_cases(gen: torch.Generator, selectors: Sequence[tuple[int, int]], 
     return (a_reg, b_reg, sfa_reg, sfb_reg, _pack_cd(c)), (a_val, b_val, c.double())
 
 
-def mxf8_probe_cases(gen: torch.Generator, selectors: Sequence[tuple[int, int, int]], device):
+def mxfp8_probe_cases(gen: torch.Generator, selectors: Sequence[tuple[int, int, int]], device):
     """The same for one m16n8k32 kind::mxf8f6f4 MMA (e4m3, ue8m0 scale_vec::1X) per (thread-id-a,
     thread-id-b, byte-id): byte i of a register holds k = 4t + i; a0/a1 rows g/g+8 at k, a2/a3 at
     16 + k; b0/b1 column g at k and 16 + k; the scale of each row / column sits in byte ``byte-id``
@@ -289,15 +289,15 @@ def _first_case(cases):
     return tuple(r[0] for r in registers), tuple(v[0] for v in values)
 
 
-def mma_probe_registers(gen: torch.Generator, tid_a: int, tid_b: int, device):
-    """One case of :func:`fp4_probe_cases`: registers a [32, 4], b [32, 2], sfa, sfb [32], c [32, 4];
+def nvfp4_probe_registers(gen: torch.Generator, tid_a: int, tid_b: int, device):
+    """One case of :func:`nvfp4_probe_cases`: registers a [32, 4], b [32, 2], sfa, sfb [32], c [32, 4];
     a_val [16, 64], b_val [8, 64], c [16, 8]."""
-    return _first_case(fp4_probe_cases(gen, [(tid_a, tid_b)], device))
+    return _first_case(nvfp4_probe_cases(gen, [(tid_a, tid_b)], device))
 
 
-def mxf8_probe_registers(gen: torch.Generator, tid_a: int, tid_b: int, byte_id: int, device):
-    """One case of :func:`mxf8_probe_cases`, shaped as :func:`mma_probe_registers`."""
-    return _first_case(mxf8_probe_cases(gen, [(tid_a, tid_b, byte_id)], device))
+def mxfp8_probe_registers(gen: torch.Generator, tid_a: int, tid_b: int, byte_id: int, device):
+    """One case of :func:`mxfp8_probe_cases`, shaped as :func:`nvfp4_probe_registers`."""
+    return _first_case(mxfp8_probe_cases(gen, [(tid_a, tid_b, byte_id)], device))
 
 
 def _pack_cd(c: torch.Tensor) -> torch.Tensor:
@@ -326,10 +326,10 @@ def check_instruction(device, native: bool, qk_format: str = "nvfp4") -> tuple[b
 
     gen = torch.Generator().manual_seed(2024)
     pairs = [(a, b) for a in range(2) for b in range(4)]
-    groups = [("fp4", pairs, fp4_probe_cases(gen, pairs, "cpu"), kernels.mma_fp4_probe)]
+    groups = [("nvfp4", pairs, nvfp4_probe_cases(gen, pairs, "cpu"), kernels.mma_nvfp4_probe)]
     if qk_format == "mxfp8":
         triples = [(a, b, i) for a, b in pairs for i in range(4)]
-        groups.append(("mxf8", triples, mxf8_probe_cases(gen, triples, "cpu"), kernels.mma_mxf8_probe))
+        groups.append(("mxfp8", triples, mxfp8_probe_cases(gen, triples, "cpu"), kernels.mma_mxfp8_probe))
     worst, where, count = 0.0, "", 0
     for kind, selectors, (registers, (a_val, b_val, c_val)), probe in groups:
         a, b, sfa, sfb = (_as_int32(r).to(device) for r in registers[:4])

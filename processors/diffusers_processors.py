@@ -190,8 +190,8 @@ class NVFP4AttnProcessorBase:
     def _forward(self, attn, args, kwargs):
         step = self.steps.current_step if self.steps is not None else None
         precision = self.policy.precision_for(self.name, step)
-        policy = self.policy if precision is None or precision == "dense" else self._precision_policies[precision]
-        dense = (not self.enabled or precision == "dense"
+        policy = self.policy if precision is None or precision.exact else self._precision_policies[precision]
+        dense = (not self.enabled or (precision is not None and precision.exact)
                  or self.policy.dense_reason(cross=self._is_cross(args, kwargs), step=step) is not None)
         if dense:
             if not routing._OBSERVERS:

@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from nvfp4_dit import generation  # noqa: E402
+from nvfp4_dit.processors import generation  # noqa: E402
 from nvfp4_dit.processors import apply, routing  # noqa: E402
 
 FORMAT = "nvfp4_dit.capture/1"

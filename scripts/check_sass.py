@@ -222,13 +222,13 @@ def _probe_encoding(arch: str, out_dir: Path, probe: str, kind: str, count: int)
 
 def selector_encoding(arch: str, out_dir: Path) -> dict[int, tuple[int, int]]:
     """{selector operand value: (thread-id-a, thread-id-b)} of the FP4 MMA."""
-    return {v: (i // 4, i % 4) for v, i in _probe_encoding(arch, out_dir, "fp4", "omma", 8).items()}
+    return {v: (i // 4, i % 4) for v, i in _probe_encoding(arch, out_dir, "nvfp4", "omma", 8).items()}
 
 
 def mx_selector_encoding(arch: str, out_dir: Path) -> dict[int, tuple[int, int, int]]:
     """{selector operand value: (thread-id-a, thread-id-b, byte-id)} of the 8-bit MMA."""
     return {v: (i // 16, (i // 4) % 4, i % 4)
-            for v, i in _probe_encoding(arch, out_dir, "mxf8", "qmma", 32).items()}
+            for v, i in _probe_encoding(arch, out_dir, "mxfp8", "qmma", 32).items()}
 
 
 def selector_failures(name: str, selectors: list, encoding: dict, count: int, byte_ids: int = 0) -> list[str]:
@@ -251,7 +251,7 @@ def selector_failures(name: str, selectors: list, encoding: dict, count: int, by
 def dynamic_smem_bytes(head_dim: int, out_dir: Path, member: str = "kSmemBytes", qk_format: str = "nvfp4") -> int:
     """AttentionTraits<D, QkFmt>::kSmemBytes (or another int member), read from the header by a
     host-only nvcc program."""
-    qk = {"nvfp4": "nvfp4_dit::QkNvfp4", "mxfp8": "nvfp4_dit::QkMxfp8"}[qk_format]
+    qk = {"nvfp4": "nvfp4_dit::QkFormatNvfp4", "mxfp8": "nvfp4_dit::QkFormatMxfp8"}[qk_format]
     src = out_dir / f"{member}_{qk_format}_d{head_dim}.cu"
     src.write_text('#include <cstdio>\n#include "attention/traits.cuh"\n'
                    f'int main() {{ std::printf("%d", nvfp4_dit::AttentionTraits<{head_dim}, {qk}>::{member}); }}\n')

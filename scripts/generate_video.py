@@ -39,7 +39,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from nvfp4_dit import generation  # noqa: E402
+from nvfp4_dit.processors import generation  # noqa: E402
 from nvfp4_dit.calibration import DEFAULT_BUDGET, format_table  # noqa: E402
 
 

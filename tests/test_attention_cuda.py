@@ -82,8 +82,8 @@ def test_mma_backend_matches_dense_product(kernel, tid_a, tid_b):
     dev = _device()
     g = torch.Generator(device="cuda").manual_seed(100 + 4 * tid_a + tid_b)
     for _ in range(4):
-        (a, b, sfa, sfb, c), (a_val, b_val, c_val) = selftest.mma_probe_registers(g, tid_a, tid_b, dev)
-        d_reg = kernel.mma_fp4_probe(selftest._as_int32(a), selftest._as_int32(b), selftest._as_int32(sfa),
+        (a, b, sfa, sfb, c), (a_val, b_val, c_val) = selftest.nvfp4_probe_registers(g, tid_a, tid_b, dev)
+        d_reg = kernel.mma_nvfp4_probe(selftest._as_int32(a), selftest._as_int32(b), selftest._as_int32(sfa),
                                      selftest._as_int32(sfb), c.contiguous(), tid_a, tid_b, _native())
         got = selftest._unpack_d(d_reg)
         dense = a_val @ b_val.T + c_val
@@ -107,8 +107,8 @@ def test_8bit_mma_backend_matches_dense_product(kernel, tid_a, tid_b, byte_id):
     dev = _device()
     g = torch.Generator(device="cuda").manual_seed(300 + 16 * tid_a + 4 * tid_b + byte_id)
     for _ in range(4):
-        (a, b, sfa, sfb, c), (a_val, b_val, c_val) = selftest.mxf8_probe_registers(g, tid_a, tid_b, byte_id, dev)
-        d_reg = kernel.mma_mxf8_probe(selftest._as_int32(a), selftest._as_int32(b), selftest._as_int32(sfa),
+        (a, b, sfa, sfb, c), (a_val, b_val, c_val) = selftest.mxfp8_probe_registers(g, tid_a, tid_b, byte_id, dev)
+        d_reg = kernel.mma_mxfp8_probe(selftest._as_int32(a), selftest._as_int32(b), selftest._as_int32(sfa),
                                       selftest._as_int32(sfb), c.contiguous(), tid_a, tid_b, byte_id, _native())
         got = selftest._unpack_d(d_reg)
         dense = a_val @ b_val.T + c_val

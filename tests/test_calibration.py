@@ -11,7 +11,9 @@ import torch
 
 import nvfp4_dit
 from nvfp4_dit.calibration import DEFAULT_BUDGET, CalibrationTable, choose_precision, format_table, measurement_policy
-from nvfp4_dit.policy import PRECISIONS, AttentionPolicy, LayerPrecision, step_bucket
+from nvfp4_dit.policy import EXACT, FP4_PRECISIONS, PRECISIONS, AttentionPolicy, LayerPrecision, Precision, step_bucket
+
+NV, NVB, MXB = FP4_PRECISIONS   # nvfp4, nvfp4 with the channel balance, mxfp8 with it
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
 
@@ -24,63 +26,99 @@ def test_step_buckets_split_the_schedule_in_thirds():
 
 
 def test_choose_precision_takes_the_cheapest_within_budget():
-    assert PRECISIONS == ("nvfp4-unbalanced", "nvfp4", "mxfp8", "dense")
-    assert choose_precision({"nvfp4-unbalanced": 0.10, "nvfp4": 0.09, "mxfp8": 0.05}, 0.25) == "nvfp4-unbalanced"
-    assert choose_precision({"nvfp4-unbalanced": 0.30, "nvfp4": 0.20, "mxfp8": 0.05}, 0.25) == "nvfp4"
-    assert choose_precision({"nvfp4-unbalanced": 0.30, "nvfp4": 0.26, "mxfp8": 0.10}, 0.25) == "mxfp8"
-    assert choose_precision({"nvfp4-unbalanced": 0.30, "nvfp4": 0.26, "mxfp8": 0.26}, 0.25) == "dense"
-    assert choose_precision({"nvfp4-unbalanced": 0.25}, 0.25) == "nvfp4-unbalanced"
+    assert PRECISIONS == (Precision("nvfp4", False), Precision("nvfp4", True), Precision("mxfp8", True), EXACT)
+    assert [p.label for p in PRECISIONS] == ["nvfp4", "nvfp4+balance", "mxfp8+balance", "exact"]
+    assert choose_precision({NV: 0.10, NVB: 0.09, MXB: 0.05}, 0.25) == NV
+    assert choose_precision({NV: 0.30, NVB: 0.20, MXB: 0.05}, 0.25) == NVB
+    assert choose_precision({NV: 0.30, NVB: 0.26, MXB: 0.10}, 0.25) == MXB
+    assert choose_precision({NV: 0.30, NVB: 0.26, MXB: 0.26}, 0.25) == EXACT
+    assert choose_precision({NV: 0.25}, 0.25) == NV
 
 
 def test_table_accumulates_relative_l2_over_calls():
     t = CalibrationTable()
-    t.add("a", (0, 6), "nvfp4", 1.0, 100.0)
-    t.add("a", (1, 6), "nvfp4", 3.0, 300.0)  # same bucket (first third)
-    t.add("a", (5, 6), "nvfp4", 9.0, 100.0)
+    t.add("a", (0, 6), NVB, 1.0, 100.0)
+    t.add("a", (1, 6), NVB, 3.0, 300.0)  # same bucket (first third)
+    t.add("a", (5, 6), NVB, 9.0, 100.0)
     errs = t.errors()
-    assert errs[("a", "first")]["nvfp4"] == pytest.approx(0.1)
-    assert errs[("a", "last")]["nvfp4"] == pytest.approx(0.3)
+    assert errs[("a", "first")][NVB] == pytest.approx(0.1)
+    assert errs[("a", "last")][NVB] == pytest.approx(0.3)
     pol = t.policy(AttentionPolicy(backend="reference"), budget=0.2, model_class="M")
-    assert {(e.layer, e.bucket): e.precision for e in pol.per_layer} == {("a", "first"): "nvfp4", ("a", "last"): "dense"}
+    assert {(e.layer, e.bucket): e.precision for e in pol.per_layer} == {("a", "first"): NVB, ("a", "last"): EXACT}
     assert pol.model_class == "M" and pol.budget == 0.2 and pol.backend == "reference"
-    assert "| a | first | nvfp4 |" in format_table(pol)
+    assert "| a | first | nvfp4+balance |" in format_table(pol)
     with pytest.raises(ValueError, match="precision"):
-        t.add("a", None, "dense", 0.0, 1.0)
+        t.add("a", None, EXACT, 0.0, 1.0)
     with pytest.raises(ValueError, match="budget"):
         t.policy(AttentionPolicy(), budget=0, model_class=None)
 
 
 def test_layer_precision_and_policy_validate():
     with pytest.raises(ValueError, match="bucket"):
-        LayerPrecision("a", "early", "nvfp4")
-    with pytest.raises(ValueError, match="precision"):
-        LayerPrecision("a", "first", "fp8")
+        LayerPrecision("a", "early", NVB)
+    with pytest.raises(TypeError, match="precision"):
+        LayerPrecision("a", "first", "nvfp4")
+    with pytest.raises(ValueError, match="qk_format"):
+        Precision("fp8", True)
+    with pytest.raises(ValueError, match="balance"):
+        Precision(None, True)
     with pytest.raises(ValueError, match="twice"):
-        AttentionPolicy(per_layer=[LayerPrecision("a", "first", "dense")] * 2)
+        AttentionPolicy(per_layer=[LayerPrecision("a", "first", EXACT)] * 2)
     with pytest.raises(TypeError, match="per_layer"):
-        AttentionPolicy(per_layer=[("a", "first", "dense")])
+        AttentionPolicy(per_layer=[("a", "first", EXACT)])
     with pytest.raises(ValueError, match="budget"):
         AttentionPolicy(budget=-1.0)
 
 
 def test_policy_json_round_trip_and_bad_files(tmp_path):
     pol = AttentionPolicy(backend="reference", dense_steps=(2, 1), min_seq_len=128, layers=("blocks.*",),
-                          per_layer=[LayerPrecision("blocks.0.attn1", "middle", "nvfp4",
-                                                    (("nvfp4", 0.1), ("nvfp4-unbalanced", 0.3)))],
+                          per_layer=[LayerPrecision("blocks.0.attn1", "middle", NVB, ((NV, 0.3), (NVB, 0.1)))],
                           model_class="WanTransformer3DModel", budget=0.25)
     path = tmp_path / "p.json"
     pol.save(path)
     assert AttentionPolicy.load(path) == pol
-    assert json.loads(path.read_text())["per_layer"][0]["errors"] == {"nvfp4": 0.1, "nvfp4-unbalanced": 0.3}
-    assert pol.precision_for("blocks.0.attn1", (4, 9)) == "nvfp4"
+    entry = json.loads(path.read_text())["per_layer"][0]
+    assert entry["qk_format"] == "nvfp4" and entry["balance_qk"] is True
+    assert entry["errors"] == [{"qk_format": "nvfp4", "balance_qk": False, "error": 0.3},
+                               {"qk_format": "nvfp4", "balance_qk": True, "error": 0.1}]
+    assert pol.precision_for("blocks.0.attn1", (4, 9)) == NVB
     assert pol.precision_for("blocks.0.attn1", (0, 9)) is None and pol.precision_for("x", None) is None
     for text, match in [("{", "not a policy JSON"), ('{"version": 7}', "version"),
-                        ('{"version": 1, "colour": 1}', "unknown fields"),
-                        ('{"version": 1, "per_layer": [{"layer": "a"}]}', "not a valid")]:
+                        ('{"version": 2, "colour": 1}', "unknown fields"),
+                        ('{"version": 2, "per_layer": [{"layer": "a"}]}', "not a valid"),
+                        ('{"version": 1, "per_layer": [{"layer": "a", "bucket": "first", "precision": "fp8"}]}',
+                         "unknown precision")]:
         path.write_text(text)
         with pytest.raises(ValueError, match=match) as e:
             AttentionPolicy.load(path)
         assert str(path) in str(e.value)
+
+
+# A calibrated policy as the previous file version wrote it (fused precision names).
+VERSION1_POLICY = """{
+ "version": 1, "backend": "auto", "self_attention": true, "cross_attention": false, "dense_steps": [1, 1],
+ "min_seq_len": 1024, "layers": null, "balance_qk": true, "qk_format": "nvfp4",
+ "per_layer": [
+  {"layer": "transformer.blocks.0.attn1", "bucket": "first", "precision": "nvfp4-unbalanced",
+   "errors": {"mxfp8": 0.0351, "nvfp4": 0.0688, "nvfp4-unbalanced": 0.0688}},
+  {"layer": "transformer.blocks.1.attn1", "bucket": "middle", "precision": "mxfp8", "errors": {"mxfp8": 0.2}},
+  {"layer": "transformer.blocks.1.attn1", "bucket": "last", "precision": "dense", "errors": {}},
+  {"layer": "transformer.blocks.0.attn1", "bucket": "last", "precision": "nvfp4", "errors": {}}],
+ "model_class": "WanTransformer3DModel", "budget": 0.25
+}
+"""
+
+
+def test_version1_policy_files_keep_loading(tmp_path):
+    path = tmp_path / "old.policy.json"
+    path.write_text(VERSION1_POLICY)
+    pol = AttentionPolicy.load(path)
+    assert [(e.layer, e.bucket, e.precision) for e in pol.per_layer] == [
+        ("transformer.blocks.0.attn1", "first", NV), ("transformer.blocks.1.attn1", "middle", MXB),
+        ("transformer.blocks.1.attn1", "last", EXACT), ("transformer.blocks.0.attn1", "last", NVB)]
+    assert dict(pol.per_layer[0].errors) == {MXB: 0.0351, NVB: 0.0688, NV: 0.0688}
+    pol.save(path)   # written back in the current version, read back the same
+    assert json.loads(path.read_text())["version"] == 2 and AttentionPolicy.load(path) == pol
 
 
 # -- calibrate() on the tiny models ---------------------------------------------------------------------
@@ -141,15 +179,15 @@ def test_calibration_gives_layers_of_different_error_different_precisions(forced
     got = _assignments(policy)
     layers = {"transformer.blocks.0.attn1", "transformer.blocks.1.attn1"}
     assert set(got) == {(layer, b) for layer in layers for b in ("first", "middle", "last")}  # cross-attention: none
-    assert {got[("transformer.blocks.0.attn1", b)] for b in ("first", "middle", "last")} == {"nvfp4"}
-    assert {got[("transformer.blocks.1.attn1", b)] for b in ("first", "middle", "last")} == {"mxfp8"}
+    assert {got[("transformer.blocks.0.attn1", b)] for b in ("first", "middle", "last")} == {NVB}
+    assert {got[("transformer.blocks.1.attn1", b)] for b in ("first", "middle", "last")} == {MXB}
     errs = {(e.layer, e.bucket): dict(e.errors) for e in policy.per_layer}
     b0, b1 = errs[("transformer.blocks.0.attn1", "middle")], errs[("transformer.blocks.1.attn1", "middle")]
-    assert b0["nvfp4"] < DEFAULT_BUDGET < b0["nvfp4-unbalanced"]
-    assert b1["mxfp8"] < DEFAULT_BUDGET < min(b1["nvfp4"], b1["nvfp4-unbalanced"])
+    assert b0[NVB] < DEFAULT_BUDGET < b0[NV]
+    assert b1[MXB] < DEFAULT_BUDGET < min(b1[NVB], b1[NV])
     # A tighter budget than 8-bit Q·Kᵀ reaches keeps the sharp layer exact.
-    tight = errs_to_policy(policy, budget=0.5 * b1["mxfp8"])
-    assert {e.precision for e in tight.per_layer if e.layer == "transformer.blocks.1.attn1"} == {"dense"}
+    tight = errs_to_policy(policy, budget=0.5 * b1[MXB])
+    assert {e.precision for e in tight.per_layer if e.layer == "transformer.blocks.1.attn1"} == {EXACT}
     assert policy.model_class == "WanTransformer3DModel" and policy.budget == DEFAULT_BUDGET
     assert policy.backend == "reference" and policy.dense_steps == BASE.dense_steps
 
@@ -157,7 +195,7 @@ def test_calibration_gives_layers_of_different_error_different_precisions(forced
 def test_unmodified_model_calibrates_to_the_cheapest_fp4():
     pipe = _pipe()
     policy = nvfp4_dit.calibrate(pipe, lambda: _generate(pipe), policy=BASE, steps=[2, 3])
-    assert set(_assignments(policy).values()) == {"nvfp4-unbalanced"}
+    assert set(_assignments(policy).values()) == {NV}
     assert {e.bucket for e in policy.per_layer} == {"middle"}  # only steps 2 and 3 measured
 
 
@@ -254,4 +292,4 @@ def test_every_family_calibrates_and_applies(family):
     assert any(precision is not None for _, _, precision in seen)
     for layer, path, precision in seen:
         if precision is not None:
-            assert (path == "fp4") == (precision != "dense"), (layer, path, precision)
+            assert (path == "fp4") == (not precision.exact), (layer, path, precision)

@@ -311,12 +311,12 @@ def _options(block, step):
 
 
 def test_a_calibrated_policy_picks_each_blocks_precision(gen, op_calls):
-    from nvfp4_dit.policy import LayerPrecision
+    from nvfp4_dit.policy import EXACT, LayerPrecision, Precision
 
     q, k, v = qkv(gen, False)
-    entries = [LayerPrecision("double_blocks.0.self", "middle", "nvfp4"),
-               LayerPrecision("double_blocks.1.self", "middle", "nvfp4-unbalanced"),
-               LayerPrecision("double_blocks.2.self", "middle", "dense")]
+    entries = [LayerPrecision("double_blocks.0.self", "middle", Precision("nvfp4", True)),
+               LayerPrecision("double_blocks.1.self", "middle", Precision("nvfp4", False)),
+               LayerPrecision("double_blocks.2.self", "middle", EXACT)]
     override = NVFP4AttentionOverride(AttentionPolicy(backend="sdpa", **OPEN, per_layer=entries))
     for block in range(4):
         func = RecordingFunc()
@@ -348,9 +348,9 @@ def test_calibrating_override_samples_exactly_and_writes_the_policy(gen, tmp_pat
     assert saved.model_class == "WanModel" and saved.dense_steps == (1, 1) and saved.budget == 0.25
     got = {(e.layer, e.bucket): e.precision for e in saved.per_layer}
     assert set(got) == {(f"double_blocks.{b}.self", t) for b in (0, 1) for t in ("first", "middle", "last")}
-    assert {got[("double_blocks.0.self", t)] for t in ("first", "middle", "last")} == {"nvfp4-unbalanced"}
+    assert {got[("double_blocks.0.self", t)].label for t in ("first", "middle", "last")} == {"nvfp4"}
     # Logits 4x sharper: 4-bit Q/K miss the budget, 8-bit Q·Kᵀ meets it.
-    assert {got[("double_blocks.1.self", t)] for t in ("first", "middle", "last")} == {"mxfp8"}
+    assert {got[("double_blocks.1.self", t)].label for t in ("first", "middle", "last")} == {"mxfp8+balance"}
 
 
 def test_unknown_keywords_and_odd_inputs_are_declined(gen):
@@ -668,9 +668,9 @@ def test_node_calibrates_in_a_graph_then_runs_the_saved_policy(comfyui, tiny_cas
     op_calls.clear()
     patched = _patch_with_node(comfyui, case.patcher, backend="reference", policy_file=str(path))
     comfyui_env.sample(comfyui, patched, case)
-    fp4 = {(e.layer, e.bucket): e.precision for e in policy.per_layer if e.precision != "dense"}
+    fp4 = {(e.layer, e.bucket): e.precision for e in policy.per_layer if not e.precision.exact}
     assert len(op_calls) == len(fp4)  # 3 steps, one per third; cond and uncond in one call per block
-    assert all(c["balance_qk"] == (fp4[k] == "nvfp4") for c, k in zip(op_calls, sorted(fp4, key=lambda x: (
+    assert all(c["balance_qk"] == fp4[k].balance_qk for c, k in zip(op_calls, sorted(fp4, key=lambda x: (
         ("first", "middle", "last").index(x[1]), x[0]))))
     # A policy calibrated on another model is refused.
     with pytest.raises(ValueError, match="calibrated on WanModel"):

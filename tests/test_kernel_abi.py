@@ -142,7 +142,7 @@ def test_entry_names_follow_the_header():
     tests/test_build.py checks that the cubins hold exactly these)."""
     text = (CSRC / "common" / "launch.h").read_text()
     for fragment in ("nvfp4_dit_attention_fwd_{native,emulated}_{nvfp4,mxfp8}_d{64,128}[_lse]",
-                     "nvfp4_dit_mma_probe_fp4_{native,emulated}_", "nvfp4_dit_balance_statistics_<dtype>_d<DP>_<load>",
+                     "nvfp4_dit_mma_probe_nvfp4_{native,emulated}_", "nvfp4_dit_balance_statistics_<dtype>_d<DP>_<load>",
                      "nvfp4_dit_key_stats_<dtype>_d<DP>_<load>", "nvfp4_dit_quantize_tiles_<dtype>_d<DP>_<load>_{nvfp4,mxfp8}",
                      "nvfp4_dit_correction_<dtype>_d<DP>_<load>_{vecstore,scalarstore}"):
         assert fragment in text, fragment

@@ -120,10 +120,10 @@ void dump() {
 }
 
 int main() {
-  dump<64, QkNvfp4>();
-  dump<128, QkNvfp4>();
-  dump<64, QkMxfp8>();
-  dump<128, QkMxfp8>();
+  dump<64, QkFormatNvfp4>();
+  dump<128, QkFormatNvfp4>();
+  dump<64, QkFormatMxfp8>();
+  dump<128, QkFormatMxfp8>();
 }
 """
 
@@ -590,8 +590,8 @@ def test_kernel_key_order_and_delta_loads(kernel_tables):
 
 
 # product -> (the kernel's construction, its Q·Kᵀ format, the hardware model)
-PRODUCTS = {"qk": (run_qk, "nvfp4", ptx_model), "pv": (run_pv, "nvfp4", ptx_model),
-            "qk_mxfp8": (run_qk_mx, "mxfp8", ptx_model8)}
+PRODUCTS = {"qk-nvfp4": (run_qk, "nvfp4", ptx_model), "pv-nvfp4": (run_pv, "nvfp4", ptx_model),
+            "qk-mxfp8": (run_qk_mx, "mxfp8", ptx_model8)}
 
 
 @pytest.mark.parametrize("d", HEAD_DIMS)

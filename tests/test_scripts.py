@@ -152,7 +152,8 @@ def test_generate_video_calibrates_then_reuses_the_policy(tmp_path, capsys):
     assert report["policy"] == saved and report["policy_file"] == str(policy_file)
     assert {(e["layer"], e["bucket"]) for e in saved["per_layer"]} == {
         (f"transformer.blocks.{i}.attn1", b) for i in (0, 1) for b in ("first", "middle", "last")}
-    assert all(set(e["errors"]) == {"nvfp4", "nvfp4-unbalanced", "mxfp8"} for e in saved["per_layer"])
+    assert all({(e["qk_format"], e["balance_qk"]) for e in entry["errors"]}
+               == {("nvfp4", False), ("nvfp4", True), ("mxfp8", True)} for entry in saved["per_layer"])
     assert generate_video.main([*common, "--policy", str(policy_file), "--json", str(tmp_path / "re.json")]) == 0
     again = json.loads((tmp_path / "re.json").read_text())
     assert again["policy"] == saved and again["runs"]["nvfp4"]["steps"][1]["fp4_calls"] == 4

@@ -66,7 +66,7 @@ def test_known_answer_inputs_have_exact_means_ties_and_subnormal_scales(d):
 @pytest.mark.parametrize("tid_b", [0, 3])
 def test_instruction_case_is_laid_out_as_the_ptx_model_reads_it(tid_a, tid_b):
     gen = torch.Generator().manual_seed(5)
-    (a, b, sfa, sfb, c), (a_val, b_val, c_val) = selftest.mma_probe_registers(gen, tid_a, tid_b, "cpu")
+    (a, b, sfa, sfb, c), (a_val, b_val, c_val) = selftest.nvfp4_probe_registers(gen, tid_a, tid_b, "cpu")
     d = mma(ptx_model(), a, b, sfa, sfb, c.double(), tid_a, tid_b)
     dense = a_val @ b_val.T + c_val
     assert torch.equal(selftest._unpack_d(d), dense)
@@ -80,7 +80,7 @@ def test_8bit_instruction_case_is_laid_out_as_the_ptx_model_reads_it(tid_a, tid_
     from test_mma_model import mma8, ptx_model8
 
     gen = torch.Generator().manual_seed(6)
-    (a, b, sfa, sfb, c), (a_val, b_val, c_val) = selftest.mxf8_probe_registers(gen, tid_a, tid_b, byte_id, "cpu")
+    (a, b, sfa, sfb, c), (a_val, b_val, c_val) = selftest.mxfp8_probe_registers(gen, tid_a, tid_b, byte_id, "cpu")
     d = mma8(ptx_model8(), a, b, sfa, sfb, c.double(), tid_a, tid_b, byte_id)
     assert torch.equal(selftest._unpack_d(d), a_val @ b_val.T + c_val)
 
@@ -91,12 +91,12 @@ def test_a_batch_of_every_selector_combination_is_laid_out_as_the_ptx_models_rea
 
     gen = torch.Generator().manual_seed(7)
     pairs = [(a, b) for a in range(2) for b in range(4)]
-    (a, b, sfa, sfb, c), (a_val, b_val, c_val) = selftest.fp4_probe_cases(gen, pairs, "cpu")
+    (a, b, sfa, sfb, c), (a_val, b_val, c_val) = selftest.nvfp4_probe_cases(gen, pairs, "cpu")
     for i, (tid_a, tid_b) in enumerate(pairs):
         d = mma(ptx_model(), a[i], b[i], sfa[i], sfb[i], c[i].double(), tid_a, tid_b)
         assert torch.equal(selftest._unpack_d(d), a_val[i] @ b_val[i].T + c_val[i]), (tid_a, tid_b)
     triples = [(ta, tb, i) for ta, tb in pairs for i in range(4)]
-    (a, b, sfa, sfb, c), (a_val, b_val, c_val) = selftest.mxf8_probe_cases(gen, triples, "cpu")
+    (a, b, sfa, sfb, c), (a_val, b_val, c_val) = selftest.mxfp8_probe_cases(gen, triples, "cpu")
     for i, sel in enumerate(triples):
         d = mma8(ptx_model8(), a[i], b[i], sfa[i], sfb[i], c[i].double(), *sel)
         assert torch.equal(selftest._unpack_d(d), a_val[i] @ b_val[i].T + c_val[i]), sel
@@ -111,9 +111,9 @@ def _model_probes(monkeypatch):
     def unsigned(*regs):
         return [r.long() & 0xFFFFFFFF for r in regs]
 
-    monkeypatch.setattr(kernels, "mma_fp4_probe", lambda a, b, sfa, sfb, c, ta, tb, native: mma(
+    monkeypatch.setattr(kernels, "mma_nvfp4_probe", lambda a, b, sfa, sfb, c, ta, tb, native: mma(
         ptx_model(), *unsigned(a, b, sfa, sfb), c.double(), ta, tb).float())
-    monkeypatch.setattr(kernels, "mma_mxf8_probe", lambda a, b, sfa, sfb, c, ta, tb, i, native: mma8(
+    monkeypatch.setattr(kernels, "mma_mxfp8_probe", lambda a, b, sfa, sfb, c, ta, tb, i, native: mma8(
         ptx_model8(), *unsigned(a, b, sfa, sfb), c.double(), ta, tb, i).float())
 
 
@@ -123,9 +123,9 @@ def test_instruction_check_passes_on_the_ptx_models_and_names_a_swapped_scale_pa
                                                                       "accumulation bound")
     ok, detail = selftest.check_instruction("cpu", True, "mxfp8")
     assert ok and detail.startswith("40 selector combinations"), detail
-    monkeypatch.setattr(selftest, "fp4_probe_cases", _swap_scale_pair(selftest.fp4_probe_cases))
+    monkeypatch.setattr(selftest, "nvfp4_probe_cases", _swap_scale_pair(selftest.nvfp4_probe_cases))
     ok, detail = selftest.check_instruction("cpu", True, "nvfp4")
-    assert not ok and "fp4 thread-id-a" in detail and "accumulation bound" in detail, detail
+    assert not ok and "nvfp4 thread-id-a" in detail and "accumulation bound" in detail, detail
 
 
 def _fake_checks(ok):
@@ -268,7 +268,7 @@ def _ties_away_from_zero(real):
 @pytest.mark.parametrize("mismatch", ["scale_pair", "e2m1_ties"])
 def test_forced_mismatch_runs_exact_attention_with_one_warning(cuda_device, monkeypatch, mismatch):
     if mismatch == "scale_pair":
-        monkeypatch.setattr(selftest, "fp4_probe_cases", _swap_scale_pair(selftest.fp4_probe_cases))
+        monkeypatch.setattr(selftest, "nvfp4_probe_cases", _swap_scale_pair(selftest.nvfp4_probe_cases))
         failing = "instruction"
     else:
         monkeypatch.setattr(fmt, "e2m1_encode", _ties_away_from_zero(fmt.e2m1_encode))

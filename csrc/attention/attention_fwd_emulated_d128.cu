@@ -3,4 +3,4 @@
 #include "attention/kernel.cuh"
 #include "attention/mma_emulated.cuh"
 
-NVFP4_DIT_ATTENTION_ENTRIES(emulated, MmaEmulated, nvfp4, QkNvfp4, 128)
+NVFP4_DIT_ATTENTION_ENTRIES(emulated, MmaEmulated, nvfp4, QkFormatNvfp4, 128)

@@ -3,4 +3,4 @@
 #include "attention/kernel.cuh"
 #include "attention/mma_emulated.cuh"
 
-NVFP4_DIT_ATTENTION_ENTRIES(emulated, MmaEmulated, mxfp8, QkMxfp8, 128)
+NVFP4_DIT_ATTENTION_ENTRIES(emulated, MmaEmulated, mxfp8, QkFormatMxfp8, 128)

@@ -3,4 +3,4 @@
 #include "attention/kernel.cuh"
 #include "attention/mma_emulated.cuh"
 
-NVFP4_DIT_ATTENTION_ENTRIES(emulated, MmaEmulated, mxfp8, QkMxfp8, 64)
+NVFP4_DIT_ATTENTION_ENTRIES(emulated, MmaEmulated, mxfp8, QkFormatMxfp8, 64)

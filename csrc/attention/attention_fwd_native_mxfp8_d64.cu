@@ -3,4 +3,4 @@
 #include "attention/kernel.cuh"
 #include "attention/mma_native.cuh"
 
-NVFP4_DIT_ATTENTION_ENTRIES(native, MmaNative, mxfp8, QkMxfp8, 64)
+NVFP4_DIT_ATTENTION_ENTRIES(native, MmaNative, mxfp8, QkFormatMxfp8, 64)

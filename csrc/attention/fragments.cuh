@@ -18,7 +18,7 @@ namespace nvfp4_dit {
 // exactly the k range of the P·V A fragment it feeds, and P needs no shuffles.
 __host__ __device__ constexpr int score_key(int j, int t, int e) { return 32 * (j >> 2) + 8 * t + 2 * (j & 3) + e; }
 
-template <int kHeadDim, class QkFmt = QkNvfp4>
+template <int kHeadDim, class QkFmt = QkFormatNvfp4>
 struct Fragments {
   using T = AttentionTraits<kHeadDim, QkFmt>;
   static constexpr int kQRowBytes = T::kKRowBytes;     // data bytes of one Q or K row

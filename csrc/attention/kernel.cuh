@@ -44,7 +44,7 @@ __device__ __forceinline__ void cp_async_wait() {
 
 // One ldmatrix.x4 = the B fragments of the n8 tiles 2kPair and 2kPair + 1 of a 32-row group
 // (Fragments: ldsm_result, tid_b, pair_tile), then their two MMAs; acc points at the group's tile 0.
-// MmaOp: a qk_format.cuh MMA (Fp4MmaOp / Mxf8MmaOp); kByteId: the chunk's scale byte (MXFP8).
+// MmaOp: a qk_format.cuh MMA (Nvfp4MmaOp / Mxfp8MmaOp); kByteId: the chunk's scale byte (MXFP8).
 template <class MmaOp, class Frag, int kPair, int kByteId>
 __device__ __forceinline__ void ldsm_mma_pair(float (*acc)[4], const uint32_t (&a)[4], uint32_t sfa, uint32_t sfb,
                                               uint32_t smem_addr) {
@@ -111,7 +111,7 @@ __device__ __forceinline__ void attention_fwd_body(const AttentionFwdParams& p) 
   using T = AttentionTraits<kHeadDim, QkFmt>;
   using F = Fragments<kHeadDim, QkFmt>;
   using QkMma = typename QkFmt::template Mma<Mma>;
-  using PvMma = Fp4MmaOp<Mma>;
+  using PvMma = Nvfp4MmaOp<Mma>;
   constexpr int kStages = T::kStages;
   constexpr int kKC = T::kKChunks;
   constexpr int kSfRow = F::kSfRowBytes;

@@ -104,14 +104,14 @@ struct MmaEmulated {
     }
   }
 
-  // The 8-bit Q·Kᵀ MMA (MmaNative::mma_mxf8) from the same registers: e4m3 values are exact in
+  // The 8-bit Q·Kᵀ MMA (MmaNative::mma_mxfp8) from the same registers: e4m3 values are exact in
   // fp16, so two fp16 m16n8k16 steps give the unscaled k32 dot products exactly in fp32 products;
   // the ue8m0 scales (2^-127..2^127, beyond fp16) multiply the fp32 result. Step s takes bytes
   // 2s, 2s+1 of every register: k = 4t + 2s + e of A and B alike (a consistent relabelling).
   // Scales: rows g / g+8 from lanes quad + 2 kTidA (+1), columns 2t / 2t+1 from lanes 8t + kTidB
   // and 8t + 4 + kTidB (column c from lane 4c + kTidB), byte kByteId of each.
   template <int kTidA, int kTidB, int kByteId>
-  static __device__ __forceinline__ void mma_mxf8(float (&d)[4], const uint32_t (&a)[4],
+  static __device__ __forceinline__ void mma_mxfp8(float (&d)[4], const uint32_t (&a)[4],
                                                   const uint32_t (&b)[2], uint32_t sfa, uint32_t sfb) {
     static_assert(ScaleSelectors1X<kTidA, kTidB, kByteId>::kValid, "selector rules");
     const int lane = threadIdx.x & 31;

@@ -52,7 +52,7 @@ struct MmaNative {
   // Fragments (bytes of a register, k = 4t + i): a0 = A[g][k], a1 = A[g+8][k], a2 = A[g][16+k],
   // a3 = A[g+8][16+k]; b0 = B[k][g], b1 = B[16+k][g].
   template <int kTidA, int kTidB, int kByteId>
-  static __device__ __forceinline__ void mma_mxf8(float (&d)[4], const uint32_t (&a)[4],
+  static __device__ __forceinline__ void mma_mxfp8(float (&d)[4], const uint32_t (&a)[4],
                                                   const uint32_t (&b)[2], uint32_t sfa, uint32_t sfb) {
     static_assert(ScaleSelectors1X<kTidA, kTidB, kByteId>::kValid, "selector rules");
 #if defined(NVFP4_DIT_NATIVE_MMA)

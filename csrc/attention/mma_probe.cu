@@ -8,10 +8,10 @@
 namespace nvfp4_dit {
 
 // The single-MMA probes: one warp runs one MMA of a back-end with given per-lane registers, for
-// selector combination I (Fp4Probe: I = 4 * thread-id-a + thread-id-b, the 8 legal pairs of
-// scale_vec::4X; Mxf8Probe: I = 16 * thread-id-a + 4 * thread-id-b + byte-id, the 32 of 1X).
+// selector combination I (Nvfp4Probe: I = 4 * thread-id-a + thread-id-b, the 8 legal pairs of
+// scale_vec::4X; Mxfp8Probe: I = 16 * thread-id-a + 4 * thread-id-b + byte-id, the 32 of 1X).
 template <class Mma>
-struct Fp4Probe {
+struct Nvfp4Probe {
   static constexpr bool kCompiledHere = Mma::kCompiledHere;
   static constexpr int kCombinations = 8;
   template <int I>
@@ -22,13 +22,13 @@ struct Fp4Probe {
 };
 
 template <class Mma>
-struct Mxf8Probe {
+struct Mxfp8Probe {
   static constexpr bool kCompiledHere = Mma::kCompiledHere;
   static constexpr int kCombinations = 32;
   template <int I>
   static __device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2],
                                              uint32_t sfa, uint32_t sfb) {
-    Mma::template mma_mxf8<I / 16, (I / 4) % 4, I % 4>(d, a, b, sfa, sfb);
+    Mma::template mma_mxfp8<I / 16, (I / 4) % 4, I % 4>(d, a, b, sfa, sfb);
   }
 };
 
@@ -58,14 +58,14 @@ __device__ __forceinline__ void mma_probe(const uint32_t* a, const uint32_t* b, 
 #define NVFP4_DIT_PROBE_KINDS(PROBE, NAME, I)                  \
   NVFP4_DIT_PROBE_ENTRY(PROBE, NAME, MmaNative, native, I)     \
   NVFP4_DIT_PROBE_ENTRY(PROBE, NAME, MmaEmulated, emulated, I)
-// Fp4Probe: I = 4 * thread-id-a + thread-id-b; Mxf8Probe: I = 16 * thread-id-a + 4 * thread-id-b + byte-id.
-NVFP4_DIT_PROBE_KINDS(Fp4Probe, fp4, 0) NVFP4_DIT_PROBE_KINDS(Fp4Probe, fp4, 1) NVFP4_DIT_PROBE_KINDS(Fp4Probe, fp4, 2) NVFP4_DIT_PROBE_KINDS(Fp4Probe, fp4, 3)
-NVFP4_DIT_PROBE_KINDS(Fp4Probe, fp4, 4) NVFP4_DIT_PROBE_KINDS(Fp4Probe, fp4, 5) NVFP4_DIT_PROBE_KINDS(Fp4Probe, fp4, 6) NVFP4_DIT_PROBE_KINDS(Fp4Probe, fp4, 7)
-NVFP4_DIT_PROBE_KINDS(Mxf8Probe, mxf8, 0) NVFP4_DIT_PROBE_KINDS(Mxf8Probe, mxf8, 1) NVFP4_DIT_PROBE_KINDS(Mxf8Probe, mxf8, 2) NVFP4_DIT_PROBE_KINDS(Mxf8Probe, mxf8, 3)
-NVFP4_DIT_PROBE_KINDS(Mxf8Probe, mxf8, 4) NVFP4_DIT_PROBE_KINDS(Mxf8Probe, mxf8, 5) NVFP4_DIT_PROBE_KINDS(Mxf8Probe, mxf8, 6) NVFP4_DIT_PROBE_KINDS(Mxf8Probe, mxf8, 7)
-NVFP4_DIT_PROBE_KINDS(Mxf8Probe, mxf8, 8) NVFP4_DIT_PROBE_KINDS(Mxf8Probe, mxf8, 9) NVFP4_DIT_PROBE_KINDS(Mxf8Probe, mxf8, 10) NVFP4_DIT_PROBE_KINDS(Mxf8Probe, mxf8, 11)
-NVFP4_DIT_PROBE_KINDS(Mxf8Probe, mxf8, 12) NVFP4_DIT_PROBE_KINDS(Mxf8Probe, mxf8, 13) NVFP4_DIT_PROBE_KINDS(Mxf8Probe, mxf8, 14) NVFP4_DIT_PROBE_KINDS(Mxf8Probe, mxf8, 15)
-NVFP4_DIT_PROBE_KINDS(Mxf8Probe, mxf8, 16) NVFP4_DIT_PROBE_KINDS(Mxf8Probe, mxf8, 17) NVFP4_DIT_PROBE_KINDS(Mxf8Probe, mxf8, 18) NVFP4_DIT_PROBE_KINDS(Mxf8Probe, mxf8, 19)
-NVFP4_DIT_PROBE_KINDS(Mxf8Probe, mxf8, 20) NVFP4_DIT_PROBE_KINDS(Mxf8Probe, mxf8, 21) NVFP4_DIT_PROBE_KINDS(Mxf8Probe, mxf8, 22) NVFP4_DIT_PROBE_KINDS(Mxf8Probe, mxf8, 23)
-NVFP4_DIT_PROBE_KINDS(Mxf8Probe, mxf8, 24) NVFP4_DIT_PROBE_KINDS(Mxf8Probe, mxf8, 25) NVFP4_DIT_PROBE_KINDS(Mxf8Probe, mxf8, 26) NVFP4_DIT_PROBE_KINDS(Mxf8Probe, mxf8, 27)
-NVFP4_DIT_PROBE_KINDS(Mxf8Probe, mxf8, 28) NVFP4_DIT_PROBE_KINDS(Mxf8Probe, mxf8, 29) NVFP4_DIT_PROBE_KINDS(Mxf8Probe, mxf8, 30) NVFP4_DIT_PROBE_KINDS(Mxf8Probe, mxf8, 31)
+// Nvfp4Probe: I = 4 * thread-id-a + thread-id-b; Mxfp8Probe: I = 16 * thread-id-a + 4 * thread-id-b + byte-id.
+NVFP4_DIT_PROBE_KINDS(Nvfp4Probe, nvfp4, 0) NVFP4_DIT_PROBE_KINDS(Nvfp4Probe, nvfp4, 1) NVFP4_DIT_PROBE_KINDS(Nvfp4Probe, nvfp4, 2) NVFP4_DIT_PROBE_KINDS(Nvfp4Probe, nvfp4, 3)
+NVFP4_DIT_PROBE_KINDS(Nvfp4Probe, nvfp4, 4) NVFP4_DIT_PROBE_KINDS(Nvfp4Probe, nvfp4, 5) NVFP4_DIT_PROBE_KINDS(Nvfp4Probe, nvfp4, 6) NVFP4_DIT_PROBE_KINDS(Nvfp4Probe, nvfp4, 7)
+NVFP4_DIT_PROBE_KINDS(Mxfp8Probe, mxfp8, 0) NVFP4_DIT_PROBE_KINDS(Mxfp8Probe, mxfp8, 1) NVFP4_DIT_PROBE_KINDS(Mxfp8Probe, mxfp8, 2) NVFP4_DIT_PROBE_KINDS(Mxfp8Probe, mxfp8, 3)
+NVFP4_DIT_PROBE_KINDS(Mxfp8Probe, mxfp8, 4) NVFP4_DIT_PROBE_KINDS(Mxfp8Probe, mxfp8, 5) NVFP4_DIT_PROBE_KINDS(Mxfp8Probe, mxfp8, 6) NVFP4_DIT_PROBE_KINDS(Mxfp8Probe, mxfp8, 7)
+NVFP4_DIT_PROBE_KINDS(Mxfp8Probe, mxfp8, 8) NVFP4_DIT_PROBE_KINDS(Mxfp8Probe, mxfp8, 9) NVFP4_DIT_PROBE_KINDS(Mxfp8Probe, mxfp8, 10) NVFP4_DIT_PROBE_KINDS(Mxfp8Probe, mxfp8, 11)
+NVFP4_DIT_PROBE_KINDS(Mxfp8Probe, mxfp8, 12) NVFP4_DIT_PROBE_KINDS(Mxfp8Probe, mxfp8, 13) NVFP4_DIT_PROBE_KINDS(Mxfp8Probe, mxfp8, 14) NVFP4_DIT_PROBE_KINDS(Mxfp8Probe, mxfp8, 15)
+NVFP4_DIT_PROBE_KINDS(Mxfp8Probe, mxfp8, 16) NVFP4_DIT_PROBE_KINDS(Mxfp8Probe, mxfp8, 17) NVFP4_DIT_PROBE_KINDS(Mxfp8Probe, mxfp8, 18) NVFP4_DIT_PROBE_KINDS(Mxfp8Probe, mxfp8, 19)
+NVFP4_DIT_PROBE_KINDS(Mxfp8Probe, mxfp8, 20) NVFP4_DIT_PROBE_KINDS(Mxfp8Probe, mxfp8, 21) NVFP4_DIT_PROBE_KINDS(Mxfp8Probe, mxfp8, 22) NVFP4_DIT_PROBE_KINDS(Mxfp8Probe, mxfp8, 23)
+NVFP4_DIT_PROBE_KINDS(Mxfp8Probe, mxfp8, 24) NVFP4_DIT_PROBE_KINDS(Mxfp8Probe, mxfp8, 25) NVFP4_DIT_PROBE_KINDS(Mxfp8Probe, mxfp8, 26) NVFP4_DIT_PROBE_KINDS(Mxfp8Probe, mxfp8, 27)
+NVFP4_DIT_PROBE_KINDS(Mxfp8Probe, mxfp8, 28) NVFP4_DIT_PROBE_KINDS(Mxfp8Probe, mxfp8, 29) NVFP4_DIT_PROBE_KINDS(Mxfp8Probe, mxfp8, 30) NVFP4_DIT_PROBE_KINDS(Mxfp8Probe, mxfp8, 31)

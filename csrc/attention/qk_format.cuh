@@ -1,8 +1,8 @@
 // The two formats of the Q·Kᵀ operands (nvfp4_dit/format.py, QK_FORMATS); P·V is NVFP4 in both.
 //
-//   QkNvfp4  e2m1 data (2 per byte), one ue4m3 scale per 16 elements; m16n8k64 MMAs
+//   QkFormatNvfp4  e2m1 data (2 per byte), one ue4m3 scale per 16 elements; m16n8k64 MMAs
 //            (kind::mxf4nvf4, scale_vec::4X): a scale register holds the 4 scales of one chunk.
-//   QkMxfp8  e4m3 data (1 per byte), one ue8m0 scale per 32 elements; m16n8k32 MMAs
+//   QkFormatMxfp8  e4m3 data (1 per byte), one ue8m0 scale per 32 elements; m16n8k32 MMAs
 //            (kind::mxf8f6f4, scale_vec::1X): a scale register holds the scales of 4 chunks and
 //            the byte-id selector picks the chunk's byte.
 //
@@ -18,7 +18,7 @@ namespace nvfp4_dit {
 // The MMA a Q·Kᵀ chunk uses, on back-end Backend (MmaNative or MmaEmulated): one signature for
 // both formats, with the byte-id selector a template argument (0 for scale_vec::4X).
 template <class Backend>
-struct Fp4MmaOp {
+struct Nvfp4MmaOp {
   static constexpr bool kCompiledHere = Backend::kCompiledHere;
   static constexpr int kByteIds = 1;   // legal byte-id values
   template <int kTidA, int kTidB, int kByteId>
@@ -30,19 +30,20 @@ struct Fp4MmaOp {
 };
 
 template <class Backend>
-struct Mxf8MmaOp {
+struct Mxfp8MmaOp {
   static constexpr bool kCompiledHere = Backend::kCompiledHere;
   static constexpr int kByteIds = 4;
   template <int kTidA, int kTidB, int kByteId>
   static __device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2],
                                              uint32_t sfa, uint32_t sfb) {
-    Backend::template mma_mxf8<kTidA, kTidB, kByteId>(d, a, b, sfa, sfb);
+    Backend::template mma_mxfp8<kTidA, kTidB, kByteId>(d, a, b, sfa, sfb);
   }
 };
 
-struct QkNvfp4 {
+struct QkFormatNvfp4 {
   static constexpr const char* kName = "nvfp4";
   static constexpr int kFormatIndex = 0;   // position in QK_FORMATS (and common/launch.h tables)
+  static constexpr int kBits = 4;          // bits per element
   static constexpr int kChunkElems = 64;   // elements of D per MMA (32 bytes)
   template <int kHeadDim>
   static constexpr int kRowBytes = kHeadDim / 2;
@@ -52,12 +53,13 @@ struct QkNvfp4 {
   __host__ __device__ static constexpr int sf_word(int kc) { return kc; }
   __host__ __device__ static constexpr int byte_id(int) { return 0; }
   template <class Backend>
-  using Mma = Fp4MmaOp<Backend>;
+  using Mma = Nvfp4MmaOp<Backend>;
 };
 
-struct QkMxfp8 {
+struct QkFormatMxfp8 {
   static constexpr const char* kName = "mxfp8";
   static constexpr int kFormatIndex = 1;
+  static constexpr int kBits = 8;
   static constexpr int kChunkElems = 32;
   template <int kHeadDim>
   static constexpr int kRowBytes = kHeadDim;
@@ -66,7 +68,7 @@ struct QkMxfp8 {
   __host__ __device__ static constexpr int sf_word(int kc) { return kc / 4; }
   __host__ __device__ static constexpr int byte_id(int kc) { return kc % 4; }
   template <class Backend>
-  using Mma = Mxf8MmaOp<Backend>;
+  using Mma = Mxfp8MmaOp<Backend>;
 };
 
 // A row's scale word w: 4 bytes, or the 2 bytes of a D=64 MXFP8 row (which a 4-byte load could

@@ -8,7 +8,7 @@
 
 namespace nvfp4_dit {
 
-template <int kHeadDim_, class QkFmt_ = QkNvfp4>
+template <int kHeadDim_, class QkFmt_ = QkFormatNvfp4>
 struct AttentionTraits {
   using QkFmt = QkFmt_;
   static constexpr int kHeadDim = kHeadDim_;

@@ -1,6 +1,6 @@
 // What the CUDA core is built for: the head dims with a kernel instantiation and the GPU
 // architectures of each MMA kind. The one C++ statement of these facts; nvfp4_dit/format.py
-// (head dims) and nvfp4_dit/build.py (architectures) state them for Python, and
+// (head dims) and nvfp4_dit/cuda/build.py (architectures) state them for Python, and
 // tests/test_build.py compiles this header on the host and checks that both agree.
 // Torch-free, host and device.
 #pragma once

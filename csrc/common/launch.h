@@ -1,14 +1,14 @@
-// What the host launcher (nvfp4_dit/kernels.py) needs to start each kernel: the extern "C" entry
-// points' names, block sizes and dynamic shared memory. nvfp4_dit/kernel_abi.py mirrors these
+// What the host launcher (nvfp4_dit/cuda/launch.py) needs to start each kernel: the extern "C" entry
+// points' names, block sizes and dynamic shared memory. nvfp4_dit/cuda/abi.py mirrors these
 // constants and tests/test_kernel_abi.py checks the mirror against this header (compiled with the
 // host compiler); the kernel translation units static_assert that their traits agree with it.
 //
 // Entry points (extern "C", so that the launcher finds them by name in a cubin):
 //   attention/attention_fwd_{native,emulated}[_mxfp8]_d{64,128}.cu:
 //     nvfp4_dit_attention_fwd_{native,emulated}_{nvfp4,mxfp8}_d{64,128}[_lse](AttentionFwdParams)
-//   attention/mma_probe_{native,emulated}.cu:
-//     nvfp4_dit_mma_probe_fp4_{native,emulated}_{4 * thread-id-a + thread-id-b}(a, b, sfa, sfb, c, d)
-//     nvfp4_dit_mma_probe_mxf8_{native,emulated}_{16 * thread-id-a + 4 * thread-id-b + byte-id}(...)
+//   attention/mma_probe.cu:
+//     nvfp4_dit_mma_probe_nvfp4_{native,emulated}_{4 * thread-id-a + thread-id-b}(a, b, sfa, sfb, c, d)
+//     nvfp4_dit_mma_probe_mxfp8_{native,emulated}_{16 * thread-id-a + 4 * thread-id-b + byte-id}(...)
 //   quantize/quantize_tiles.cu, for each input {bf16,fp16,fp32}, padded head dim d{64,128} and
 //   load width {vec,scalar} (16-byte vector loads need D == Dp, unit stride and 16-byte rows):
 //     nvfp4_dit_balance_statistics_<dtype>_d<DP>_<load>(QuantizeQkvParams)      launch 0 (balance_qk)

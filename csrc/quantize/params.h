@@ -1,8 +1,8 @@
 // Launch parameters of the NVFP4 preprocessing of Q, K, V for the attention kernel (the tile
 // quantiser) and of the per-Q-block correction term qm . (k - km)^T computed in chunks.
 //
-// Plain data: no torch, no CUDA types. The host launcher (nvfp4_dit/kernels.py) fills a mirror of
-// these structs (nvfp4_dit/kernel_abi.py; tests/test_kernel_abi.py compiles this header with the
+// Plain data: no torch, no CUDA types. The host launcher (nvfp4_dit/cuda/launch.py) fills a mirror of
+// these structs (nvfp4_dit/cuda/abi.py; tests/test_kernel_abi.py compiles this header with the
 // host compiler and checks every field's offset); the kernels take them by value.
 //
 // The byte format is the one of nvfp4_dit/format.py (the contract: CONTRIBUTING.md): blocks of 16,
@@ -76,9 +76,9 @@ struct QuantizeQkvParams {
                             // [B * Hkv, kStatTensors, k_chunks, kStatVectors, Dp]; no initial value
   uint32_t* work_counters;  // [quantize_qkv_workspace_counters], zero on entry
 
-  // Q and K as NVFP4 (above) or MXFP8: e4m3 data q_data [B, H, Sqp, Dp], k_data [B, Hkv, Skp, Dp]
-  // and one ue8m0 byte per 32 elements, q_sf [B, H, Sqp, Dp/32], k_sf [B, Hkv, Skp, Dp/32].
-  bool qk_mxfp8;
+  // Q and K are NVFP4 (above) or, from the quantize_tiles_*_mxfp8 entry points, MXFP8: e4m3 data
+  // q_data [B, H, Sqp, Dp], k_data [B, Hkv, Skp, Dp] and one ue8m0 byte per 32 elements,
+  // q_sf [B, H, Sqp, Dp/32], k_sf [B, Hkv, Skp, Dp/32].
 };
 
 constexpr int kTileRows = 128;  // rows of a Q/K tile and tokens of a V^T tile, in every kernel

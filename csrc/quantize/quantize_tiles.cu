@@ -26,6 +26,7 @@
 
 #include <cuda_fp16.h>
 
+#include "attention/qk_format.cuh"
 #include "common/format.cuh"
 #include "common/launch.h"
 #include "quantize/params.h"
@@ -421,9 +422,11 @@ __device__ __forceinline__ void q_tile_deviation(const SharedStorage<DP>& sm, co
       }
 }
 
-// Bytes of one Q/K row's data and scales, and of one thread's 16 columns: NVFP4 or MXFP8 (kMx).
-template <int DP, bool kMx>
+// Bytes of one Q/K row's data and scales, and of one thread's 16 columns, in Q·Kᵀ format QkFmt
+// (attention/qk_format.cuh: NVFP4 or MXFP8).
+template <int DP, class QkFmt>
 struct QkRowBytes {
+  static constexpr bool kMx = QkFmt::kBits == 8;
   static constexpr int kData = kMx ? DP : DP / 2;
   static constexpr int kScales = kMx ? DP / 32 : DP / 16;
   static constexpr int kBlockData = kMx ? 16 : 8;
@@ -434,10 +437,10 @@ struct QkRowBytes {
 // Quantise this thread's 16 values v of a Q or K row (zeros for padding rows) and store them at
 // data / sf (the thread's place in its row): NVFP4 blocks of 16, or half an MXFP8 block of 32
 // (every lane takes part: the pair shares its amax). Returns whether a valid row met NaN/inf.
-template <int DP, bool kMx>
+template <int DP, class QkFmt>
 __device__ __forceinline__ bool quantize_qk_block(const float (&v)[16], bool valid, const ScaleTables& tables,
                                                   int cb, uint8_t* data, uint8_t* sf) {
-  if constexpr (kMx) {
+  if constexpr (QkFmt::kBits == 8) {
     uint32_t w[4], sf_bits;
     const bool nonfinite = quantize_mx_half32(v, w, sf_bits);
     store_u128(data, w);
@@ -452,7 +455,7 @@ __device__ __forceinline__ bool quantize_qk_block(const float (&v)[16], bool val
   }
 }
 
-template <InputDtype DT, int DP, bool VEC, bool kMx>
+template <InputDtype DT, int DP, bool VEC, class QkFmt>
 __device__ __forceinline__ void q_tile(const QuantizeQkvParams& p, SharedStorage<DP>& sm, int64_t tile) {
   using Map = RowTileMap<DP>;
   const RowTile<DP> t = RowTile<DP>::queries(p, tile);  // tile = bh * n_blocks + blk
@@ -481,7 +484,7 @@ __device__ __forceinline__ void q_tile(const QuantizeQkvParams& p, SharedStorage
   __syncthreads();
 
   // This thread's outputs of pass 0; pass ps writes kRowsPerPass * ps rows further.
-  using Row = QkRowBytes<DP, kMx>;
+  using Row = QkRowBytes<DP, QkFmt>;
   uint8_t* data = p.q_data + (tile * kTileRows + r0) * Row::kData + cb * Row::kBlockData;
   uint8_t* sf = p.q_sf + (tile * kTileRows + r0) * Row::kScales + Row::scale_col(cb);
   bool nonfinite = false;
@@ -502,7 +505,7 @@ __device__ __forceinline__ void q_tile(const QuantizeQkvParams& p, SharedStorage
         dot = fmaf(xe, km[e], dot);
       }
     }
-    nonfinite |= quantize_qk_block<DP, kMx>(v, r < valid_rows, sm.tables, cb,
+    nonfinite |= quantize_qk_block<DP, QkFmt>(v, r < valid_rows, sm.tables, cb,
                                             data + ps * Map::kRowsPerPass * Row::kData,
                                             sf + ps * Map::kRowsPerPass * Row::kScales);
     // q . km: the kColBlocks threads of a row are consecutive lanes.
@@ -527,7 +530,7 @@ __device__ __forceinline__ void key_tile_columns(const QuantizeQkvParams& p, Sha
   }
 }
 
-template <InputDtype DT, int DP, bool VEC, bool kMx>
+template <InputDtype DT, int DP, bool VEC, class QkFmt>
 __device__ __forceinline__ void k_tile(const QuantizeQkvParams& p, SharedStorage<DP>& sm, int64_t tile) {
   using Map = RowTileMap<DP>;
   const RowTile<DP> t = RowTile<DP>::keys(p, tile);  // tile = bh * n_blocks + blk
@@ -543,7 +546,7 @@ __device__ __forceinline__ void k_tile(const QuantizeQkvParams& p, SharedStorage
   // This thread's outputs of pass 0, rows permuted; pass ps writes kRowsPerPass * ps rows further
   // (the permutation stays inside 32-row groups).
   static_assert(Map::kRowsPerPass % 32 == 0, "passes move whole 32-key groups");
-  using Row = QkRowBytes<DP, kMx>;
+  using Row = QkRowBytes<DP, QkFmt>;
   uint8_t* data = p.k_data + (tile * kTileRows + k_row_perm(r0)) * Row::kData + cb * Row::kBlockData;
   uint8_t* sf = p.k_sf + (tile * kTileRows + k_row_perm(r0)) * Row::kScales + Row::scale_col(cb);
   bool nonfinite = false;
@@ -558,7 +561,7 @@ __device__ __forceinline__ void k_tile(const QuantizeQkvParams& p, SharedStorage
 #pragma unroll
       for (int e = 0; e < 16; ++e) v[e] = fmaf(x[ps].get(e), f[e], -off[e]);
     }
-    nonfinite |= quantize_qk_block<DP, kMx>(v, r < valid_rows, sm.tables, cb,
+    nonfinite |= quantize_qk_block<DP, QkFmt>(v, r < valid_rows, sm.tables, cb,
                                             data + ps * Map::kRowsPerPass * Row::kData,
                                             sf + ps * Map::kRowsPerPass * Row::kScales);
   }
@@ -677,7 +680,7 @@ __device__ __forceinline__ void key_stats_kernel(const QuantizeQkvParams& p) {
 // Launch 2: blocks [0, kv_tiles) quantize K tiles, then the Q tiles, then the V^T tiles. Each
 // CTA first prefetches (L2) the input tile of the block `prefetch_distance` ahead, about one wave
 // of resident CTAs (launch::kPrefetchWaves): that CTA starts about when this one ends.
-template <InputDtype DT, int DP, bool VEC, bool kMx>
+template <InputDtype DT, int DP, bool VEC, class QkFmt>
 __device__ __forceinline__ void tiles_kernel(const QuantizeQkvParams& p, int64_t prefetch_distance) {
   using Raw = typename InputTraits<DT>::Raw;
   __shared__ __align__(16) SharedStorage<DP> sm;
@@ -694,9 +697,9 @@ __device__ __forceinline__ void tiles_kernel(const QuantizeQkvParams& p, int64_t
       prefetch_tile_l2<Raw, DP>(p, p.v, p.heads_kv, n_kblocks, ahead - kv_tiles - q_tiles, true);
   }
   if (item < kv_tiles) {
-    k_tile<DT, DP, VEC, kMx>(p, sm, item);
+    k_tile<DT, DP, VEC, QkFmt>(p, sm, item);
   } else if (item < kv_tiles + q_tiles) {
-    q_tile<DT, DP, VEC, kMx>(p, sm, item - kv_tiles);
+    q_tile<DT, DP, VEC, QkFmt>(p, sm, item - kv_tiles);
   } else {
     fill_scale_tables(sm.tables);  // v_tile synchronises before its first block
     v_tile<DT, DP, VEC>(p, sm, item - kv_tiles - q_tiles);
@@ -741,12 +744,12 @@ __device__ __forceinline__ void balance_statistics_kernel(const QuantizeQkvParam
   extern "C" __global__ void __launch_bounds__(nvfp4_dit::kThreads, nvfp4_dit::kMinCtasPerSm)                   \
       nvfp4_dit_quantize_tiles_##NAME##_d##DP##_##LOAD##_nvfp4(const __grid_constant__ nvfp4_dit::QuantizeQkvParams p,            \
                                                                int64_t prefetch_distance) {                      \
-    nvfp4_dit::tiles_kernel<nvfp4_dit::InputDtype::DT, DP, VEC, false>(p, prefetch_distance);                   \
+    nvfp4_dit::tiles_kernel<nvfp4_dit::InputDtype::DT, DP, VEC, nvfp4_dit::QkFormatNvfp4>(p, prefetch_distance);                   \
   }                                                                                                              \
   extern "C" __global__ void __launch_bounds__(nvfp4_dit::kThreads, nvfp4_dit::kMxfp8MinCtasPerSm)             \
       nvfp4_dit_quantize_tiles_##NAME##_d##DP##_##LOAD##_mxfp8(const __grid_constant__ nvfp4_dit::QuantizeQkvParams p,            \
                                                                int64_t prefetch_distance) {                      \
-    nvfp4_dit::tiles_kernel<nvfp4_dit::InputDtype::DT, DP, VEC, true>(p, prefetch_distance);                    \
+    nvfp4_dit::tiles_kernel<nvfp4_dit::InputDtype::DT, DP, VEC, nvfp4_dit::QkFormatMxfp8>(p, prefetch_distance);                    \
   }
 #define NVFP4_DIT_TILES_LOADS(NAME, DT, DP)          \
   NVFP4_DIT_TILES_ENTRIES(NAME, DT, DP, vec, true) \

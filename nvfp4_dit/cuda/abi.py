@@ -79,7 +79,6 @@ class QuantizeQkvParams(ctypes.Structure):
         ("balance_qk", c_bool), ("q_channel_amax", c_void_p),
         ("nonfinite_kv", c_void_p), ("nonfinite_q_blocks", c_void_p),
         ("k_partial_sums", c_void_p), ("work_counters", c_void_p),
-        ("qk_mxfp8", c_bool),
     ]
 
 
@@ -147,7 +146,7 @@ def launcher_entries(kind: str) -> set[str]:
     """Every entry point the launcher (nvfp4_dit/cuda/launch.py) may ask for on a target of MMA ``kind``."""
     formats, head_dims = ("nvfp4", "mxfp8"), (64, 128)
     names = {attention_entry(kind, f, d, lse) for f in formats for d in head_dims for lse in (False, True)}
-    names |= {probe_entry(p, k, i) for p, n in (("fp4", 8), ("mxf8", 32)) for k in ("native", "emulated")
+    names |= {probe_entry(p, k, i) for p, n in (("nvfp4", 8), ("mxfp8", 32)) for k in ("native", "emulated")
               for i in range(n)}
     for dt in INPUT_DTYPES:
         for d in head_dims:

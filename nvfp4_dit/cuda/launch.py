@@ -80,7 +80,7 @@ def _round_up_128(n: int) -> int:
 # ---------------------------------------------------------------------------------------------
 
 def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_lens: Optional[torch.Tensor],
-                 balance_qk: bool, qk_mxfp8: bool) -> list[torch.Tensor]:
+                 balance_qk: bool, qk_format: str) -> list[torch.Tensor]:
     """Quantise logical [B, H, S, D] views (any strides; NHD callers pass a transposed view) in the
     kernel's layouts. Returns q_data, q_sf, k_data, k_sf, vt_data, vt_sf, q_mean, k_mean, v_mean,
     q_scale, k_scale, v_scale, balance, q_dot_km, nonfinite_q [B, H, Sqp/128], nonfinite_kv [B, Hkv]."""
@@ -99,7 +99,7 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_lens: Opt
         _check(kv_lens.device == q.device and tuple(kv_lens.shape) == (b,) and kv_lens.dtype in (torch.int32, torch.int64),
                "kv_lens must be int32 or int64 [B] on the inputs' device")
         kv_lens = kv_lens.contiguous()
-    per_byte, per_scale = (1, 32) if qk_mxfp8 else (2, 16)
+    per_byte, per_scale = (1, 32) if qk_format == "mxfp8" else (2, 16)
     sqp, skp = _round_up_128(sq), _round_up_128(sk)
     dev = q.device
     u8 = dict(dtype=torch.uint8, device=dev)
@@ -137,7 +137,7 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_lens: Opt
         balance=balance.data_ptr(), q_dot_km=q_dot_km.data_ptr(), balance_qk=bool(balance_qk),
         q_channel_amax=counters[n_counters + n_flags:].data_ptr() if balance_qk else None,
         nonfinite_kv=nonfinite_kv.data_ptr(), nonfinite_q_blocks=nonfinite_q.data_ptr(),
-        k_partial_sums=partial.data_ptr(), work_counters=counters.data_ptr(), qk_mxfp8=bool(qk_mxfp8))
+        k_partial_sums=partial.data_ptr(), work_counters=counters.data_ptr())
 
     vector = all(_vector_loads(t, dp) for t in (q, k, v))
     stream = _stream(dev)
@@ -152,7 +152,7 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_lens: Opt
         second = 2 * kv_tiles + q_tiles
         _check(first <= _MAX_GRID_X and second <= _MAX_GRID_X, "too many tiles for one launch")
         _kernel(dev, abi.key_stats_entry(dtype, dp, vector)).launch((first,), abi.QUANTIZE_THREADS, [p], stream)
-        tiles = _kernel(dev, abi.quantize_tiles_entry(dtype, dp, vector, "mxfp8" if qk_mxfp8 else "nvfp4"))
+        tiles = _kernel(dev, abi.quantize_tiles_entry(dtype, dp, vector, qk_format))
         resident = _sms(dev) * tiles.blocks_per_sm(abi.QUANTIZE_THREADS)
         tiles.launch((second,), abi.QUANTIZE_THREADS, [p, ctypes.c_int64(abi.PREFETCH_WAVES * resident)], stream)
     return [q_data, q_sf, k_data, k_sf, vt_data, vt_sf, q_mean, k_mean, v_mean, q_scale, k_scale, v_scale, balance,
@@ -325,17 +325,17 @@ def _mma_probe(probe: str, combination: int, a, b, sfa, sfb, c, native: bool) ->
     return d
 
 
-def mma_fp4_probe(a, b, sfa, sfb, c, tid_a: int, tid_b: int, native: bool) -> torch.Tensor:
+def mma_nvfp4_probe(a, b, sfa, sfb, c, tid_a: int, tid_b: int, native: bool) -> torch.Tensor:
     """One warp runs one m16n8k64 block-scaled FP4 MMA (scale_vec::4X) with these per-lane registers:
     a [32, 4], b [32, 2], sfa, sfb [32] int32, c [32, 4] fp32; returns d [32, 4]."""
     _check(tid_a in (0, 1), "thread-id-a must be 0 or 1, got {}", tid_a)
     _check(tid_b in (0, 1, 2, 3), "thread-id-b must be in 0..3, got {}", tid_b)
-    return _mma_probe("fp4", 4 * tid_a + tid_b, a, b, sfa, sfb, c, native)
+    return _mma_probe("nvfp4", 4 * tid_a + tid_b, a, b, sfa, sfb, c, native)
 
 
-def mma_mxf8_probe(a, b, sfa, sfb, c, tid_a: int, tid_b: int, byte_id: int, native: bool) -> torch.Tensor:
+def mma_mxfp8_probe(a, b, sfa, sfb, c, tid_a: int, tid_b: int, byte_id: int, native: bool) -> torch.Tensor:
     """The same for one m16n8k32 8-bit MMA (kind::mxf8f6f4, e4m3, ue8m0 scale_vec::1X) with byte-id."""
     _check(tid_a in (0, 1), "thread-id-a must be 0 or 1, got {}", tid_a)
     _check(tid_b in (0, 1, 2, 3), "thread-id-b must be in 0..3, got {}", tid_b)
     _check(byte_id in (0, 1, 2, 3), "byte-id must be in 0..3, got {}", byte_id)
-    return _mma_probe("mxf8", 16 * tid_a + 4 * tid_b + byte_id, a, b, sfa, sfb, c, native)
+    return _mma_probe("mxfp8", 16 * tid_a + 4 * tid_b + byte_id, a, b, sfa, sfb, c, native)

@@ -81,8 +81,7 @@ def launch_quantize_qkv(q, k, v, *, layout: str, kv_lens: Optional[torch.Tensor]
     them once): CUDA tensors, kv_lens on their device."""
     qh, kh, vh = (fmt.to_hnd(t, layout) for t in (q, k, v))
     (q_data, q_sf, k_data, k_sf, vt_data, vt_sf, q_mean, k_mean, v_mean, q_scale, k_scale, v_scale, balance,
-     q_dot_km, nonfinite_q, nonfinite_kv) = kernels.quantize_qkv(qh, kh, vh, kv_lens, balance_qk,
-                                                                     qk_format == "mxfp8")
+     q_dot_km, nonfinite_q, nonfinite_kv) = kernels.quantize_qkv(qh, kh, vh, kv_lens, balance_qk, qk_format)
     d = qh.shape[3]
     return KernelQuantizedQKV(
         q_data=q_data, q_sf=q_sf, k_data=k_data, k_sf=k_sf, vt_data=vt_data, vt_sf=vt_sf,
