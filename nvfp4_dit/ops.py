@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from . import format as fmt
+from . import preprocess
 from .checks import BACKENDS, LAYOUTS, validate_attention_args
 from .fallback import FallbackWarning, reset_fallback_warnings, warn_once
 from .masks import NotPerKeyMask, reduce_key_mask
@@ -104,7 +105,7 @@ def _poison_non_finite(out, lse, layout, q_blocks_bad, kv_bad):
     attention gives NaN/inf there, so the FP4 paths must not return a finite value.  Poisoned:
     every row of a 128-row Q block flagged in ``q_blocks_bad [B, H, nblk]`` and every row of the
     query heads of a (batch, kv-head) flagged in ``kv_bad [B, Hkv]`` (see
-    :func:`nvfp4_dit.format.nonfinite_blocks`; the CUDA quantiser returns the same flags).
+    :func:`nvfp4_dit.preprocess.nonfinite_blocks`; the CUDA quantiser returns the same flags).
     """
     h, sq = fmt.to_hnd(out, layout).shape[1:3]
     bad = q_blocks_bad.repeat_interleave(fmt.SEQ_TILE, 2)[:, :, :sq]
@@ -164,7 +165,7 @@ def _run(q, k, v, layout, causal, scale, attn_mask, kv_lens, return_lse, backend
             raise BackendUnavailableError(f"backend='reference' cannot run this call: {reason}")
         out, lse = _attention_fp4_reference(q, k, v, layout, causal, scale, key_bias, fp4_lens, return_lse,
                                             balance_qk, qk_format)
-        nonfinite = fmt.nonfinite_blocks(q, k, v, fp4_lens, layout)
+        nonfinite = preprocess.nonfinite_blocks(q, k, v, fp4_lens, layout)
     else:  # cuda / auto
         if reason is None and key_bias is not None:
             reason = "attn_mask is not a prefix key-padding mask (the kernel takes key lengths)"

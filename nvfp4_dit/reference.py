@@ -4,7 +4,7 @@ Step for step (the format: :mod:`nvfp4_dit.format`; the contract: CONTRIBUTING.m
 
 1. Q and K are optionally balanced per channel; K is smoothed by its per-head mean, Q by
    per-128-row-block means, V by its per-head mean; each is divided by its power-of-two tensor
-   scale and FP4-quantised (:func:`nvfp4_dit.format.quantize_qkv`), V along tokens.
+   scale and FP4-quantised (:func:`nvfp4_dit.preprocess.quantize_qkv`), V along tokens.
 2. Scores in the kernel's units ``s = FP4(q') . FP4(k')^T + delta`` with ``delta = qm . (k - km)^T
    / f`` (fp32) and ``f = q_scale * k_scale`` per (batch, head, Q block); q . k = s * f.
 3. Online softmax over 128-key tiles in ascending key order: the running max ``m_t`` after tile
@@ -28,6 +28,7 @@ from typing import Optional
 import torch
 
 from . import format as fmt
+from . import preprocess
 
 LOG2E = math.log2(math.e)
 _DEFAULT_CHUNK_ELEMS = 1 << 25
@@ -66,7 +67,7 @@ def attention_reference(
         query_blocks: optional ``(first, last)`` range of 128-row Q blocks to compute; the
             output then holds only those rows (for sampled checks on long sequences).
         quantized: a precomputed :class:`~nvfp4_dit.format.QuantizedQKV` (from
-            :func:`nvfp4_dit.format.quantize_qkv`, e.g. with the CUDA quantiser's means) to run
+            :func:`nvfp4_dit.preprocess.quantize_qkv`, e.g. with the CUDA quantiser's means) to run
             the rest of the algorithm on; it must carry ``k_smoothed``.
 
     Returns:
@@ -76,11 +77,11 @@ def attention_reference(
     b, h, sq, d = qh.shape
     hkv, sk = fmt.to_hnd(k, layout).shape[1:3]
     scale = fmt.default_scale(d) if scale is None else float(scale)
-    qq = quantized if quantized is not None else fmt.quantize_qkv(
+    qq = quantized if quantized is not None else preprocess.quantize_qkv(
         q, k, v, layout=layout, kv_lens=kv_lens, balance_qk=balance_qk, per_block_mean=per_block_mean,
         qk_format=qk_format,
     )
-    q_hat, k_hat, v_hat = fmt.dequantize_qkv(qq)
+    q_hat, k_hat, v_hat = preprocess.dequantize_qkv(qq)
     dp, skp = qq.head_dim_padded, k_hat.shape[2]
     group = h // hkv
     dev = q_hat.device
@@ -112,7 +113,7 @@ def attention_reference(
         rows = r1 - r0
         qc = q_hat[:, :, r0:r1].reshape(b, hkv, group * rows, dp)
         s = torch.matmul(qc, k_hat.transpose(-1, -2)).view(b, h, b1 - b0, fmt.SEQ_TILE, skp)
-        s = s + fmt.correction(qq, b0, b1)[:, :, :, None, :] + mask
+        s = s + preprocess.correction(qq, b0, b1)[:, :, :, None, :] + mask
         f = f_all[:, :, b0:b1, None, None]
         if key_bias_units is not None:
             s = s + key_bias_units / f

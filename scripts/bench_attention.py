@@ -28,6 +28,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from nvfp4_dit.cuda import attention as attention_cuda, build, quantize  # noqa: E402
 from nvfp4_dit import format as fmt  # noqa: E402
+from nvfp4_dit import preprocess  # noqa: E402
 
 
 PREPROCESSING = ("nvfp4 quantize+correction",)
@@ -146,8 +147,8 @@ def main() -> int:
     for s in (int(x) for x in args.seqs.split(",")):
         g = torch.Generator(device="cuda").manual_seed(s)
         q, k, v = (torch.randn(b, h, s, d, generator=g, device=dev).to(torch.bfloat16) for _ in range(3))
-        qq = fmt.quantize_qkv(q, k, v, layout="HND")
-        delta = fmt.correction(qq)
+        qq = preprocess.quantize_qkv(q, k, v, layout="HND")
+        delta = preprocess.correction(qq)
         for causal in (False, True):
             f = flops(b, h, s, d, causal)
             big = f > 2e13
@@ -159,12 +160,12 @@ def main() -> int:
                 attention_cuda.run_kernel(qq, [(0, qq.num_q_blocks, delta)], out, None, scale=scale, causal=causal,
                                           kv_lens=None, native=native)
 
-            def preprocess():
+            def preparation():
                 for _ in quantize.iter_corrections(quantize.quantize_qkv(q, k, v, layout="HND")):
                     pass
 
             results = {"nvfp4 kernel": time_ms(kernel_only, reps),
-                       "nvfp4 quantize+correction": time_ms(preprocess, reps)}
+                       "nvfp4 quantize+correction": time_ms(preparation, reps)}
             results["nvfp4 e2e"] = time_ms(lambda: attention_cuda.attention(
                 q, k, v, layout="HND", causal=causal, scale=None, kv_lens=None, return_lse=False), reps)
             results["mxfp8 Q·Kᵀ e2e"] = time_ms(lambda: attention_cuda.attention(

@@ -5,7 +5,7 @@ For B=1, H=40, D=128, bf16 NHD inputs at S = 8k, 32k, 77k and 118.8k tokens:
 * default: ``nvfp4_dit.cuda.quantize.quantize_qkv`` with the default per-channel Q/K balance;
 * no balance: the default kernel with ``balance_qk=False`` (no statistics pass over Q);
 * copy: a device-to-device copy moving the same number of bytes (the bandwidth ceiling);
-* torch-ops: ``nvfp4_dit.format.quantize_qkv`` on the GPU (the plain-PyTorch preprocessing);
+* torch-ops: ``nvfp4_dit.preprocess.quantize_qkv`` on the GPU (the plain-PyTorch preprocessing);
 * correction: every chunk of ``qm . (k - km)^T`` under the default 1 GiB budget;
 * preparation = default quantisation + correction, as a fraction of the time of exact attention
   (cuDNN SDPA where torch has it, else the default SDPA back-end; the column says which) and as a
@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from nvfp4_dit.cuda import quantize as cq  # noqa: E402
 from nvfp4_dit import format as fmt  # noqa: E402
+from nvfp4_dit import preprocess  # noqa: E402
 
 GiB = float(1 << 30)
 
@@ -118,7 +119,7 @@ def bench_one(seq: int, heads: int, dim: int, iters: int, rounds: int) -> dict:
     del src, dst
 
     def torch_ops():
-        return fmt.quantize_qkv(q, k, v, layout="NHD")
+        return preprocess.quantize_qkv(q, k, v, layout="NHD")
 
     t_torch = cuda_time(torch_ops, max(2, iters // 5), warmup=1)
     mem_torch = peak_bytes(torch_ops)

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from nvfp4_dit import attention as nvfp4_dit_attention
 from nvfp4_dit.cuda import attention as attention_cuda, build, quantize
 from nvfp4_dit import format as fmt
+from nvfp4_dit import preprocess
 from nvfp4_dit.reference import attention_exact, attention_reference
 
 
@@ -223,8 +224,8 @@ def test_correction_chunks_do_not_change_the_result(kernel):
     # The pipeline launches the kernel once per chunk of Q blocks with that chunk's delta rows;
     # slices of one full delta (strided views, no copy) must give the single launch's bits.
     q, k, v = _qkv(1, 1000, 2, 128, seed=5)
-    qq = fmt.quantize_qkv(q, k, v)
-    full = fmt.correction(qq)
+    qq = preprocess.quantize_qkv(q, k, v)
+    full = preprocess.correction(qq)
     nblk = qq.num_q_blocks
     outs = []
     for chunks in ([(0, nblk)], [(b0, min(nblk, b0 + 3)) for b0 in range(0, nblk, 3)]):
@@ -282,7 +283,7 @@ def test_uniform_score_probe(kernel):
 @pytest.mark.parametrize("h,s", [(56, 77000), (40, 75600), (24, 118800 + 256)])
 def test_long_sequences_sampled_rows(kernel, h, s):
     q, k, v = _qkv(1, s, h, 128, seed=s)
-    qq = fmt.quantize_qkv(q, k, v)
+    qq = preprocess.quantize_qkv(q, k, v)
     out = torch.empty(1, s, h, 128, dtype=torch.bfloat16, device="cuda")
     lse = torch.empty(1, h, s, dtype=torch.float32, device="cuda")
     attention_cuda.run_kernel(qq, quantize.iter_corrections(qq), out.transpose(1, 2), lse,
@@ -352,7 +353,7 @@ def test_short_keys_match_the_reference(kernel, sk, quantizer):
 def test_short_keys_quantizer_bytes_equal_format(kernel, sk):
     q, k, v = _short_keys(sk, 100 + sk)
     qq = quantize.quantize_qkv(q, k, v, layout="NHD")
-    want = fmt.quantize_qkv(q, k, v, layout="NHD", q_mean=qq.q_mean, k_mean_override=qq.k_mean)
+    want = preprocess.quantize_qkv(q, k, v, layout="NHD", q_mean=qq.q_mean, k_mean_override=qq.k_mean)
     for name in ("q_data", "q_sf", "k_data", "k_sf", "vt_data", "vt_sf"):
         got, exp = getattr(qq, name), getattr(want, name)
         assert got.shape == exp.shape, name

@@ -1,8 +1,8 @@
 """The CUDA quantize kernels (nvfp4_dit.cuda.quantize) against nvfp4_dit.format, and the chunked correction.
 
-Bytes and scales must equal format.quantize_qkv exactly. The means are reductions whose
+Bytes and scales must equal preprocess.quantize_qkv exactly. The means are reductions whose
 summation order differs, so they are compared with a tolerance, and the exact comparison feeds the
-kernel's own means into format.quantize_qkv (its q_mean / k_mean_override arguments).
+kernel's own means into preprocess.quantize_qkv (its q_mean / k_mean_override arguments).
 
 CPU tests: the kernel's fast per-element arithmetic (csrc/quantize/quantize_math.cuh) equals the reference
 formulation exhaustively on the host; the correction chunking obeys its budget.
@@ -15,6 +15,7 @@ import torch
 
 from nvfp4_dit.cuda import quantize as cq
 from nvfp4_dit import format as fmt
+from nvfp4_dit import preprocess
 
 try:
     from host_program import compile_host_program
@@ -180,10 +181,10 @@ def _make(shape_hnd, layout, dtype, gen, block_structure=True):
 
 
 def _assert_matches_format(qq, q, k, v, layout, kv_lens):
-    """qq's bytes equal format.quantize_qkv's given qq's means and balance; its means, scales and
+    """qq's bytes equal preprocess.quantize_qkv's given qq's means and balance; its means, scales and
     balance equal format.py's (means up to summation order, the rest exactly given the means)."""
     balance_qk = qq.balance is not None
-    ref = fmt.quantize_qkv(q, k, v, layout=layout, kv_lens=kv_lens, balance_qk=balance_qk, q_mean=qq.q_mean,
+    ref = preprocess.quantize_qkv(q, k, v, layout=layout, kv_lens=kv_lens, balance_qk=balance_qk, q_mean=qq.q_mean,
                            k_mean_override=qq.k_mean, v_mean_override=qq.v_mean, balance_override=qq.balance,
                            qk_format=qq.qk_format)
     for name in BYTE_FIELDS:
@@ -198,11 +199,11 @@ def _assert_matches_format(qq, q, k, v, layout, kv_lens):
     if balance_qk:
         # The kernel's balance is format.py's on the kernel's means (exactly: a tie on a power of two
         # would need an ulp of difference in a statistic, and the statistics here come from the same means).
-        unbalanced = fmt.quantize_qkv(q, k, v, layout=layout, kv_lens=kv_lens, balance_qk=True, q_mean=qq.q_mean,
+        unbalanced = preprocess.quantize_qkv(q, k, v, layout=layout, kv_lens=kv_lens, balance_qk=True, q_mean=qq.q_mean,
                                       k_mean_override=qq.k_mean, v_mean_override=qq.v_mean)
         assert torch.equal(qq.balance, unbalanced.balance)
-    qm_ref = fmt.q_block_means(qh)
-    km_ref, vm_ref = fmt.k_mean(kh, kv_lens), fmt.k_mean(vh, kv_lens)
+    qm_ref = preprocess.q_block_means(qh)
+    km_ref, vm_ref = preprocess.k_mean(kh, kv_lens), preprocess.k_mean(vh, kv_lens)
     for got in (qq.q_mean, qq.k_mean, qq.v_mean):
         assert torch.all(got[..., d:] == 0)
     torch.testing.assert_close(qq.q_mean[..., :d], qm_ref, rtol=1e-5, atol=1e-5)
@@ -269,8 +270,8 @@ def test_mxfp8_bytes_equal_format(b, h, hkv, sq, sk, d, layout, dtype, kv_lens, 
 def test_bytes_equal_format_ragged(b, h, hkv, sq, sk, d, layout, dtype, kv_lens, balance_qk):
     qq, ref, (q, k, v, lens) = _run_case(b, h, hkv, sq, sk, d, layout, dtype, kv_lens=kv_lens, seed=1,
                                          balance_qk=balance_qk)
-    # The correction kernel's integer arithmetic is format.correction's: bit for bit (same means).
-    want = fmt.correction(ref)
+    # The correction kernel's integer arithmetic is preprocess.correction's: bit for bit (same means).
+    want = preprocess.correction(ref)
     got = cq.correction(qq)
     assert got.shape == want.shape
     assert torch.equal(got, want), (got - want).abs().max()
@@ -313,7 +314,7 @@ def test_non_unit_strides_and_specials():
     v[0, 64, 1, :] = 1e4  # saturates the 448 scale: codes clamp to 6
     k[1, 100, 0, 20] = 3e38
     qq = cq.quantize_qkv(q, k, v, layout="NHD")
-    ref = fmt.quantize_qkv(q, k, v, layout="NHD", q_mean=qq.q_mean, k_mean_override=qq.k_mean,
+    ref = preprocess.quantize_qkv(q, k, v, layout="NHD", q_mean=qq.q_mean, k_mean_override=qq.k_mean,
                            v_mean_override=qq.v_mean, balance_override=qq.balance)
     for name in BYTE_FIELDS:
         diff = (getattr(qq, name) != getattr(ref, name)).sum().item()
@@ -322,7 +323,7 @@ def test_non_unit_strides_and_specials():
     # last bit (another summation order): bytes equal format.py's with its own means.
     qc, kc, vc = q.contiguous(), k.contiguous(), v.contiguous()
     qq2 = cq.quantize_qkv(qc, kc, vc, layout="NHD")
-    ref2 = fmt.quantize_qkv(qc, kc, vc, layout="NHD", q_mean=qq2.q_mean, k_mean_override=qq2.k_mean,
+    ref2 = preprocess.quantize_qkv(qc, kc, vc, layout="NHD", q_mean=qq2.q_mean, k_mean_override=qq2.k_mean,
                             v_mean_override=qq2.v_mean, balance_override=qq2.balance)
     for name in BYTE_FIELDS:
         assert torch.equal(getattr(qq2, name), getattr(ref2, name)), name
@@ -351,7 +352,7 @@ def test_bytes_equal_format_at_scale(b, h, hkv, sq, sk, d, layout, dtype, kv_len
     ("HND", torch.bfloat16, 72, [0, 250]),    # a batch without keys
 ])
 def test_nonfinite_flags_equal_torch(layout, dtype, d, kv_lens):
-    """The quantiser's NaN/inf flags (per Q block, per kv head) equal format.nonfinite_blocks:
+    """The quantiser's NaN/inf flags (per Q block, per kv head) equal preprocess.nonfinite_blocks:
     values past kv_lens are ignored, huge finite values are not flagged."""
     gen = torch.Generator(device="cuda").manual_seed(11)
     b, h, hkv, sq, sk = 2, 4, 2, 700, 300
@@ -368,7 +369,7 @@ def test_nonfinite_flags_equal_torch(layout, dtype, d, kv_lens):
             t[pick(b), pick(heads), pick(seq), pick(d)] = value
     vh[1, 1, sk - 1, 0] = float("nan")  # past kv_lens[1] where lengths are given
     qq = cq.quantize_qkv(q, k, v, layout=layout, kv_lens=lens)
-    want_q, want_kv = fmt.nonfinite_blocks(qh, kh, vh, lens)
+    want_q, want_kv = preprocess.nonfinite_blocks(qh, kh, vh, lens)
     got_q, got_kv = qq.nonfinite
     assert got_q.shape == want_q.shape and got_kv.shape == want_kv.shape
     assert torch.equal(got_q, want_q), (got_q.nonzero().tolist(), want_q.nonzero().tolist())
@@ -410,7 +411,7 @@ def test_beyond_int32_correction_and_bytes():
     valid = (jj < s)[:, None]
     ks = torch.where(valid, kh[0, hh, jj.clamp_max(s - 1)].double() - qq.k_mean[0, hh].double(), 0.0)
     want = (qm * ks).sum(-1)
-    # format.correction's bound (22-bit operands, below Dp 2^-20 amax amax), plus fp32 k - km.
+    # preprocess.correction's bound (22-bit operands, below Dp 2^-20 amax amax), plus fp32 k - km.
     bound = (qm.shape[-1] * 2.0 ** -20 * qm.abs().amax(-1) * ks.abs().amax(-1) + want.abs() * 2.0 ** -23 +
              (qm.abs() * ks.abs()).sum(-1) * 2.0 ** -22 + 1e-6)
     got = full[0, hh, mm, jj].double() * qq.score_scale()[0, hh, mm].double()  # kernel units -> q.k units

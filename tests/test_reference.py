@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from nvfp4_dit import format as fmt
+from nvfp4_dit import preprocess
 from nvfp4_dit.reference import attention_exact, attention_reference
 
 
@@ -79,8 +80,8 @@ def test_causal_matches_sdpa_semantics(gen):
                                            is_causal=True).transpose(1, 2)
     assert _cos(out, exact) >= 0.98
     # Row 0 sees only key 0: its output is v[0] through FP4 (P quantises exactly for a single key).
-    qq = fmt.quantize_qkv(q, k, v)
-    vq = fmt.dequantize_qkv(qq)[2][0, :, 0] * qq.v_scale[0, :, None] + qq.v_mean[0]
+    qq = preprocess.quantize_qkv(q, k, v)
+    vq = preprocess.dequantize_qkv(qq)[2][0, :, 0] * qq.v_scale[0, :, None] + qq.v_mean[0]
     assert torch.allclose(out[0, 0], vq, atol=1e-6)
 
 
@@ -248,10 +249,10 @@ def test_balance_leaves_balanced_heads_alone():
     factor common to every channel is only a tensor scale: the bytes do not change."""
     g = torch.Generator().manual_seed(7)
     q, k, v = (torch.randn(1, 512, 2, 128, generator=g) for _ in range(3))
-    qq = fmt.quantize_qkv(q, k, v, balance_qk=True)
+    qq = preprocess.quantize_qkv(q, k, v, balance_qk=True)
     assert torch.all(qq.balance == 1)
-    plain = fmt.quantize_qkv(q * 3.7, k / 3.7, v, balance_qk=False)
-    balanced = fmt.quantize_qkv(q * 3.7, k / 3.7, v, balance_qk=True)
+    plain = preprocess.quantize_qkv(q * 3.7, k / 3.7, v, balance_qk=False)
+    balanced = preprocess.quantize_qkv(q * 3.7, k / 3.7, v, balance_qk=True)
     assert torch.equal(plain.q_data, balanced.q_data) and torch.equal(plain.k_data, balanced.k_data)
 
 

@@ -18,7 +18,8 @@ import torch
 
 import nvfp4_dit
 from nvfp4_dit import format as fmt
-from nvfp4_dit import selftest
+from nvfp4_dit import preprocess
+from nvfp4_dit import diagnostics, selftest
 
 try:
     from test_mma_model import mma, ptx_model
@@ -44,12 +45,12 @@ E2M1_TIES = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 def test_known_answer_inputs_have_exact_means_ties_and_subnormal_scales(d):
     q, k, v = selftest.known_answer_inputs(d, "cpu")
     assert q.shape == (1, selftest.KNOWN_ANSWER_TOKENS, 2, d) and k.shape == v.shape == (1, q.shape[1], 1, d)
-    qq = fmt.quantize_qkv(q, k, v, layout="NHD", balance_qk=True)
+    qq = preprocess.quantize_qkv(q, k, v, layout="NHD", balance_qk=True)
     for name in ("q_mean", "k_mean", "v_mean"):
         assert torch.count_nonzero(getattr(qq, name)) == 0, name
     # Reduction order cannot matter: the means of any token order are exactly zero as well.
     perm = torch.randperm(k.shape[1], generator=torch.Generator().manual_seed(0))
-    assert torch.count_nonzero(fmt.k_mean(fmt.to_hnd(k[:, perm], "NHD").double(), None)) == 0
+    assert torch.count_nonzero(preprocess.k_mean(fmt.to_hnd(k[:, perm], "NHD").double(), None)) == 0
     for name in ("q_sf", "k_sf", "vt_sf"):
         sf = getattr(qq, name)
         subnormal = int(((sf > 0) & (sf < 8)).sum())
@@ -202,7 +203,7 @@ def test_a_check_that_raises_fails_instead_of_crashing(monkeypatch):
 
 def test_command_exits_with_a_clear_message_without_a_gpu(monkeypatch, capsys, tmp_path):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert selftest.main(["--out", str(tmp_path)]) == 2
+    assert diagnostics.main(["--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "no CUDA GPU" in err and "backend='reference'" in err
     assert not list(tmp_path.iterdir())
@@ -210,7 +211,7 @@ def test_command_exits_with_a_clear_message_without_a_gpu(monkeypatch, capsys, t
 
 def test_command_rejects_bad_arguments(capsys):
     with pytest.raises(SystemExit):
-        selftest.main(["--speed-seqs", "8k"])
+        diagnostics.main(["--speed-seqs", "8k"])
     assert "--speed-seqs" in capsys.readouterr().err
 
 
@@ -224,7 +225,7 @@ def test_markdown_report_shows_every_section():
               "speed": [{"seq": 8192, "heads": 24, "head_dim": 128, "impl": "nvfp4_dit", "ms": 1.0, "tflops": 100.0,
                          "vs_best_sdpa": 2.0},
                         {"seq": 8192, "heads": 24, "head_dim": 128, "impl": "FlashInfer", "error": "ImportError"}]}
-    md = selftest._markdown(report)
+    md = diagnostics._markdown(report)
     for text in ("| 64 | nvfp4 | quantiser | FAILED | k_sf differs", "| 77000 | 2 | 128 | mxfp8 | 768 | 0.99995 | 0.0004 | 0.96 | True | ok |", "| nvfp4_dit | 1.0 | 100.0 | 2.0 |",
                  "ImportError", "Result: **FAIL**", "emulated"):
         assert text in md, text
@@ -331,13 +332,13 @@ def test_cuda_graph_capture_before_and_after_the_first_eager_call(cuda_device):
 def test_command_passes_and_reports_every_section_on_this_gpu(cuda_device, tmp_path, capsys):
     # A short run of the whole command: known answers for each format, the long-sequence check
     # (first, middle, last Q blocks against the reference), one speed row per peer.
-    assert selftest.main(["--out", str(tmp_path), "--long-seq", "9000", "--speed-seqs", "1024", "--reps", "1"]) == 0
+    assert diagnostics.main(["--out", str(tmp_path), "--long-seq", "9000", "--speed-seqs", "1024", "--reps", "1"]) == 0
     print(capsys.readouterr().out)
     report = json.loads((tmp_path / "nvfp4_dit_selftest.json").read_text())
     assert report["passed"] and report["environment"]["cuda_driver_api"] != "unknown"
     assert [r["qk_format"] for r in report["long_sequence"]] == list(fmt.QK_FORMATS)
     for r in report["long_sequence"]:
         # the last block holds the 9000 - 70 * 128 = 40 rows past the final full block
-        assert r["ok"] and r["rows"] == (2 * 128 + 40) * r["heads"] and r["cos_vs_reference"] >= selftest.LONG_MIN_COS
+        assert r["ok"] and r["rows"] == (2 * 128 + 40) * r["heads"] and r["cos_vs_reference"] >= diagnostics.LONG_MIN_COS
     md = (tmp_path / "nvfp4_dit_selftest.md").read_text()
     assert "| 9000 | 2 | 128 | mxfp8 |" in md and "## Speed" in md and "Result: **PASS**" in md

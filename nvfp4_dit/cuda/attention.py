@@ -20,6 +20,7 @@ import torch
 
 from . import build
 from .. import format as fmt
+from .. import preprocess
 from . import launch as kernels
 from . import quantize
 
@@ -74,11 +75,11 @@ def attention(q, k, v, *, layout, causal, scale, kv_lens, return_lse, balance_qk
     """NVFP4 attention on the GPU; the caller has validated the arguments (:func:`nvfp4_dit.attention`).
 
     ``quantizer``: "cuda" (:func:`nvfp4_dit.cuda.quantize.quantize_qkv`) or "torch"
-    (:func:`nvfp4_dit.format.quantize_qkv` on the GPU: the reference's own bytes, for tests).
+    (:func:`nvfp4_dit.preprocess.quantize_qkv` on the GPU: the reference's own bytes, for tests).
 
     Returns ``(out [q's layout and dtype], lse [B, H, Sq] or None, nonfinite)``: ``nonfinite`` is
     the ``(q_blocks [B, H, nblk], kv [B, Hkv])`` NaN/inf flags of
-    :func:`nvfp4_dit.format.nonfinite_blocks`. The output is not poisoned here;
+    :func:`nvfp4_dit.preprocess.nonfinite_blocks`. The output is not poisoned here;
     :mod:`nvfp4_dit.ops` does that for every FP4 back-end alike.
     """
     reason = build.unavailable_reason(q.device)
@@ -95,8 +96,8 @@ def attention(q, k, v, *, layout, causal, scale, kv_lens, return_lse, balance_qk
                                           qk_format=qk_format)
         nonfinite = qq.nonfinite
     else:
-        qq = fmt.quantize_qkv(q, k, v, layout=layout, kv_lens=kv_lens, balance_qk=balance_qk, qk_format=qk_format)
-        nonfinite = fmt.nonfinite_blocks(q, k, v, kv_lens, layout)
+        qq = preprocess.quantize_qkv(q, k, v, layout=layout, kv_lens=kv_lens, balance_qk=balance_qk, qk_format=qk_format)
+        nonfinite = preprocess.nonfinite_blocks(q, k, v, kv_lens, layout)
     out_dtype = q.dtype if q.dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
     if layout == "NHD":
         out = torch.empty(b, sq, h, d, dtype=out_dtype, device=q.device)

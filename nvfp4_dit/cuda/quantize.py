@@ -1,6 +1,6 @@
 """NVFP4 preprocessing on the GPU: quantize Q, K, V, and the correction term in bounded chunks.
 
-:func:`quantize_qkv` is the CUDA twin of :func:`nvfp4_dit.format.quantize_qkv`: the same bytes
+:func:`quantize_qkv` is the CUDA twin of :func:`nvfp4_dit.preprocess.quantize_qkv`: the same bytes
 and scales (tests compare them exactly), the means equal up to reduction order, read straight
 from the strides of NHD or HND inputs, for any input dtype, strides and head dim
 (``csrc/quantize/quantize_tiles.cu``): one launch reduces the K and V statistics in chunks, a
@@ -25,6 +25,7 @@ import torch
 
 from . import launch as kernels
 from .. import format as fmt
+from .. import preprocess
 from ..checks import validate_attention_args
 
 BUDGET_ENV = "NVFP4_DIT_CORRECTION_BUDGET"
@@ -41,7 +42,7 @@ class KernelQuantizedQKV(fmt.QuantizedQKV):
 
     k_input: Optional[torch.Tensor] = None
     kv_lens: Optional[torch.Tensor] = None
-    # (q_blocks [B, H, nblk], kv [B, Hkv]) bool: NaN/inf met while quantising (format.nonfinite_blocks)
+    # (q_blocks [B, H, nblk], kv [B, Hkv]) bool: NaN/inf met while quantising (preprocess.nonfinite_blocks)
     nonfinite: Optional[tuple[torch.Tensor, torch.Tensor]] = None
 
 
@@ -55,7 +56,7 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: s
     q, k, v : [B, S, H, D] (``layout="NHD"``) or [B, H, S, D] (``"HND"``), bf16/fp16/fp32 CUDA
         tensors with any strides (nothing is copied). K and V may have fewer heads (GQA).
     kv_lens : optional int [B]; keys at or past ``kv_lens[b]`` are excluded from the K and V
-        statistics and quantised as zero padding, as in :func:`nvfp4_dit.format.quantize_qkv`.
+        statistics and quantised as zero padding, as in :func:`nvfp4_dit.preprocess.quantize_qkv`.
     balance_qk : balance Q and K per channel (one more read of Q, by a statistics kernel).
     qk_format : "nvfp4" or "mxfp8" (Q and K as e4m3 with ue8m0 scales per 32).
 
@@ -156,7 +157,7 @@ def correction(qq: KernelQuantizedQKV, block_start: int = 0, block_end: Optional
     Q blocks (the attention kernel's score units), on the GPU.
 
     Keys in natural order; keys past ``kv_lens`` and the padding give 0. Equals
-    :func:`nvfp4_dit.format.correction` bit for bit (int8 tensor cores on fixed-point limbs,
+    :func:`nvfp4_dit.preprocess.correction` bit for bit (int8 tensor cores on fixed-point limbs,
     an order-independent integer sum). ``out`` (last dim
     contiguous) is written in place and returned, so one buffer can serve every chunk.
     """
@@ -184,8 +185,8 @@ def iter_corrections(qq: fmt.QuantizedQKV, budget: Union[int, str, None] = None,
     of at most ``budget`` bytes at a time (consume each delta before asking for the next).
 
     ``qq`` from :func:`quantize_qkv` gets the CUDA correction, written into one reused buffer; a
-    :class:`~nvfp4_dit.format.QuantizedQKV` from :func:`nvfp4_dit.format.quantize_qkv` (it
-    carries ``k_smoothed``) gets :func:`nvfp4_dit.format.correction`.
+    :class:`~nvfp4_dit.format.QuantizedQKV` from :func:`nvfp4_dit.preprocess.quantize_qkv` (it
+    carries ``k_smoothed``) gets :func:`nvfp4_dit.preprocess.correction`.
     """
     first, last = (0, qq.num_q_blocks) if block_range is None else block_range
     b, h = qq.q_mean.shape[:2]
@@ -195,7 +196,7 @@ def iter_corrections(qq: fmt.QuantizedQKV, budget: Union[int, str, None] = None,
         return
     if not isinstance(qq, KernelQuantizedQKV):
         for b0, b1 in chunks:
-            yield b0, b1, fmt.correction(qq, b0, b1)
+            yield b0, b1, preprocess.correction(qq, b0, b1)
         return
     rows = max(b1 - b0 for b0, b1 in chunks)
     buf = torch.empty((b, h, rows, skp), dtype=torch.float32, device=qq.q_mean.device)

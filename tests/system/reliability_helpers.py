@@ -4,7 +4,7 @@ The CUDA quantiser reduces the K and Q-block means in another order than torch, 
 can differ by an ulp, and an element sitting on an e2m1 rounding boundary then takes the other
 code.  That moves a whole row's scores by one FP4 step (LSE by ~0.05): real, allowed, and not
 what a kernel test should measure.  Comparing against the reference *given the kernel's means*
-(``format.quantize_qkv(q_mean=..., k_mean_override=...)``) leaves only fp32 summation order and
+(``preprocess.quantize_qkv(q_mean=..., k_mean_override=...)``) leaves only fp32 summation order and
 the output rounding, so the tolerances can be tight.
 """
 
@@ -15,12 +15,13 @@ from typing import Optional
 import torch
 
 from nvfp4_dit import format as fmt
+from nvfp4_dit import preprocess
 from nvfp4_dit.reference import attention_reference
 
 
 def kernel_means(q, k, v, *, layout, kv_lens=None, balance_qk=True) -> Optional[dict]:
-    """The means and the balance the cuda back-end computes, as ``format.quantize_qkv`` overrides,
-    or None for CPU tensors (there every back-end quantises with ``format.quantize_qkv``)."""
+    """The means and the balance the cuda back-end computes, as ``preprocess.quantize_qkv`` overrides,
+    or None for CPU tensors (there every back-end quantises with ``preprocess.quantize_qkv``)."""
     if q.device.type != "cuda":
         return None
     from nvfp4_dit.cuda import quantize
@@ -34,6 +35,6 @@ def matched_reference(q, k, v, *, layout, causal=False, scale=None, kv_lens=None
     """``attention_reference`` (out, lse) on the kernel's means (see the module docstring)."""
     if means is None:
         means = kernel_means(q, k, v, layout=layout, kv_lens=kv_lens, balance_qk=balance_qk)
-    qq = fmt.quantize_qkv(q, k, v, layout=layout, kv_lens=kv_lens, balance_qk=balance_qk, **(means or {}))
+    qq = preprocess.quantize_qkv(q, k, v, layout=layout, kv_lens=kv_lens, balance_qk=balance_qk, **(means or {}))
     return attention_reference(q, k, v, layout=layout, causal=causal, scale=scale, kv_lens=kv_lens,
                                return_lse=True, query_blocks=query_blocks, quantized=qq)

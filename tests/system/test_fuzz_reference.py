@@ -27,6 +27,7 @@ import torch
 
 import nvfp4_dit
 from nvfp4_dit import format as fmt
+from nvfp4_dit import preprocess
 from nvfp4_dit.reference import attention_reference
 
 N_ATTENTION_CASES = 240
@@ -437,7 +438,7 @@ def check_case(case: Case):
     okw = dict(causal=case.causal, scale=case.scale, kv_lens=lens, key_bias=bias, layout=case.layout)
     # The reference's fp32 means (what the op uses: suffix masks become kv_lens).
     qh, kh = (fmt.to_hnd(t, case.layout) for t in (q, k))
-    ref_means = (fmt.q_block_means(qh), fmt.k_mean(kh, lens), fmt.k_mean(fmt.to_hnd(v, case.layout), lens))
+    ref_means = (preprocess.q_block_means(qh), preprocess.k_mean(kh, lens), preprocess.k_mean(fmt.to_hnd(v, case.layout), lens))
     want, want_lse, own_means = oracle_fp4_attention(q, k, v, means=ref_means, balance_qk=case.balance_qk, **okw)
     for mine, theirs in zip(own_means, ref_means):
         assert torch.allclose(theirs, mine, rtol=1e-5, atol=1e-5 * max(1.0, mine.abs().max().item()))

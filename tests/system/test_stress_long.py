@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 import nvfp4_dit
 from nvfp4_dit import format as fmt
+from nvfp4_dit import preprocess
 from nvfp4_dit.reference import attention_reference
 
 try:
@@ -92,7 +93,7 @@ def check_sampled(q, k, v, out, lse, *, layout, causal=False, kv_lens=None, bloc
     overrides = {name: value[:, q_heads if name == "q_mean" else kv_heads].contiguous()
                  for name, value in means.items() if value is not None}
     del means
-    qq = fmt.quantize_qkv(qs, ks, vs, layout=layout, kv_lens=kv_lens, balance_qk=True, qk_format=qk_format,
+    qq = preprocess.quantize_qkv(qs, ks, vs, layout=layout, kv_lens=kv_lens, balance_qk=True, qk_format=qk_format,
                           **overrides)
     sq = fmt.to_hnd(q, layout).shape[2]
     out_h, lse_sel = fmt.to_hnd(sel(out, q_heads), layout), lse[:, q_heads]

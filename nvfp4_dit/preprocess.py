@@ -1,0 +1,248 @@
+"""The reference preprocessing of Q, K and V in plain PyTorch: what ``csrc/quantize/`` computes on the
+GPU, step for step (the layouts and codecs: :mod:`nvfp4_dit.format`; the contract: CONTRIBUTING.md).
+
+* statistics: the per-head K and V means over the valid keys, the per-128-row-block Q means, the
+  channel-balance statistics, the NaN/inf flags (:func:`k_mean`, :func:`q_block_means`,
+  :func:`balance_statistics`, :func:`nonfinite_blocks`);
+* :func:`quantize_qkv`: balance, smooth, scale and quantise into the kernel's layouts (the CUDA
+  quantiser, :func:`nvfp4_dit.cuda.quantize.quantize_qkv`, writes the same bytes);
+* :func:`correction`: the per-Q-block correction ``qm . (k - km)^T`` in the kernel's score units,
+  bit for bit what ``csrc/quantize/correction.cu`` computes;
+* :func:`dequantize_qkv`: the quantised operands back to fp32, for the reference attention.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .format import (BALANCE_QK_DEFAULT, QK_FORMAT_DEFAULT, QK_FORMATS, SEQ_TILE, SUPPORTED_HEAD_DIMS,
+                     QuantizedQKV, _power_of_two, channel_balance, dequantize_blocks, dequantize_qk_rows,
+                     pad_dim, padded_head_dim, permute_k_rows, quantize_blocks, quantize_qk_rows, round_up,
+                     tensor_scale, to_hnd, valid_key_mask)
+
+
+def nonfinite_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_lens: Optional[torch.Tensor],
+                     layout: str = "HND") -> tuple[torch.Tensor, torch.Tensor]:
+    """Where a NaN/inf input sits, in the units that quantisation spreads it over.
+
+    Returns ``(q_blocks [B, H, Sqp/128], kv [B, Hkv])`` bool: a 128-row Q block holds a non-finite
+    element (its block mean carries it to every row of the block), or a valid key (j < kv_lens[b])
+    of K or V does (the K mean carries it to the whole head). Keys past kv_lens are zeroed before
+    quantisation and may hold anything. The CUDA quantiser returns the same flags for free
+    (from its block maxima); this is the torch twin, one min/max reduction per row and no
+    full-size temporary (``torch.isfinite`` would allocate several input-sized tensors).
+    """
+    def row_finite(t):
+        lo, hi = torch.aminmax(t, dim=-1)  # NaN propagates; +-inf shows in one of the two
+        return torch.isfinite(lo) & torch.isfinite(hi)
+
+    q_hnd, k_hnd, v_hnd = (to_hnd(t, layout) for t in (q, k, v))
+    b, h, sq, _ = q_hnd.shape
+    nblk = round_up(max(sq, 1), SEQ_TILE) // SEQ_TILE
+    q_bad = pad_dim(~row_finite(q_hnd), 2, nblk * SEQ_TILE).view(b, h, nblk, SEQ_TILE).any(-1)
+    valid = valid_key_mask(kv_lens, b, k_hnd.shape[2], k_hnd.device)[:, None, :]
+    kv_bad = ((~row_finite(k_hnd) | ~row_finite(v_hnd)) & valid).any(-1)
+    return q_bad, kv_bad
+
+
+def k_mean(k_hnd: torch.Tensor, kv_lens: Optional[torch.Tensor]) -> torch.Tensor:
+    """km [B, Hkv, D] fp32: mean over the valid keys (zero when a batch has none); also V's vm."""
+    b, _, s, _ = k_hnd.shape
+    valid = valid_key_mask(kv_lens, b, s, k_hnd.device)[:, None, :, None]
+    count = valid.sum(2).clamp_min(1).float()
+    # Contiguous first: torch's summation order follows the strides, and the mean must not
+    # depend on the caller's memory layout (a channels-last V gives the same bytes).
+    return torch.where(valid, k_hnd.float(), 0.0).contiguous().sum(2) / count
+
+
+def q_block_means(q_hnd: torch.Tensor, per_block_mean: bool = True) -> torch.Tensor:
+    """qm [B, H, Sqp/128, D] fp32: mean of each 128-row block over its valid rows.
+
+    With ``per_block_mean=False`` every block gets the single per-(b, h) mean instead (less
+    accurate on block-structured Q, see the reference tests).
+    """
+    b, h, s, d = q_hnd.shape
+    nblk = round_up(max(s, 1), SEQ_TILE) // SEQ_TILE
+    qf = q_hnd.float()
+    if not per_block_mean:
+        mean = qf.mean(2, keepdim=True) if s else qf.new_zeros(b, h, 1, d)
+        return mean.expand(b, h, nblk, d).contiguous()
+    padded = pad_dim(qf, 2, nblk * SEQ_TILE).unflatten(2, (nblk, SEQ_TILE))
+    rows = torch.arange(nblk * SEQ_TILE, device=q_hnd.device).view(nblk, SEQ_TILE)
+    count = (rows < s).sum(1).clamp_min(1).float()
+    return padded.sum(3) / count[:, None]
+
+
+def balance_statistics(q_smoothed: torch.Tensor, k_smoothed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(amax|Q_c - qm_c|, amax|K_c - km_c|) [B, Hkv, D] fp32: the statistics of
+    :func:`channel_balance`, taken on what is quantised. Q's are over every row of the query heads
+    that share a kv head; ``k_smoothed`` holds zeros past kv_lens, which cannot raise a maximum."""
+    b, h, sq, d = q_smoothed.shape
+    hkv = k_smoothed.shape[1]
+    amax_q = q_smoothed.abs().reshape(b, hkv, (h // hkv) * sq, d).amax(2) if sq else q_smoothed.new_zeros(b, hkv, d)
+    amax_k = k_smoothed.abs().amax(2) if k_smoothed.shape[2] else k_smoothed.new_zeros(b, hkv, d)
+    return amax_q.float(), amax_k.float()
+
+
+def quantize_qkv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    layout: str = "NHD",
+    kv_lens: Optional[torch.Tensor] = None,
+    balance_qk: bool = BALANCE_QK_DEFAULT,
+    per_block_mean: bool = True,
+    q_mean: Optional[torch.Tensor] = None,
+    k_mean_override: Optional[torch.Tensor] = None,
+    v_mean_override: Optional[torch.Tensor] = None,
+    balance_override: Optional[torch.Tensor] = None,
+    qk_format: str = QK_FORMAT_DEFAULT,
+) -> QuantizedQKV:
+    """Balance, smooth, scale and quantise Q, K, V into the kernel's layouts (pure torch, the
+    reference path; the module docstring has the steps and the layouts).
+
+    ``q_mean`` [B, H, Sqp/128, D], ``k_mean_override`` and ``v_mean_override`` [B, Hkv, D] replace
+    the computed means, ``balance_override`` [B, Hkv, D] the balance (implies ``balance_qk``); tests
+    use them to compare a kernel's bytes exactly given the kernel's own (reduction-order dependent)
+    means, from which the balance can differ where a channel's ratio sits on a power of two.
+    Everything else follows from the means and the balance exactly.
+    """
+    qh, kh, vh = (to_hnd(t, layout) for t in (q, k, v))
+    b, h, sq, d = qh.shape
+    hkv, sk = kh.shape[1], kh.shape[2]
+    dp = padded_head_dim(d)
+    if dp is None:
+        raise ValueError(f"head dim {d} is above the largest supported ({SUPPORTED_HEAD_DIMS[-1]})")
+    sqp, skp = round_up(max(sq, 1), SEQ_TILE), round_up(max(sk, 1), SEQ_TILE)
+    nblk = sqp // SEQ_TILE
+    group = h // hkv
+
+    # Overrides may come with the padded head dim (as a kernel writes them); slice to D.
+    km = k_mean(kh, kv_lens) if k_mean_override is None else k_mean_override.float()[..., :d]
+    vm = k_mean(vh, kv_lens) if v_mean_override is None else v_mean_override.float()[..., :d]
+    qm = q_block_means(qh, per_block_mean) if q_mean is None else q_mean.float()[..., :d]
+    # Smooth before padding so padded rows stay exactly zero. Keys past kv_lens are padding
+    # too: zeroing them keeps their values out of the 16-token V scales of valid keys.
+    valid = valid_key_mask(kv_lens, b, sk, kh.device)[:, None, :, None]
+    k_s = torch.where(valid, kh.float() - km[:, :, None, :], 0.0)
+    v_s = torch.where(valid, vh.float() - vm[:, :, None, :], 0.0)
+    q_s = qh.float() - qm.repeat_interleave(SEQ_TILE, dim=2)[:, :, :sq]
+    if balance_override is not None:
+        balance = balance_override.float()[..., :d]
+    else:
+        balance = channel_balance(*balance_statistics(q_s, k_s)) if balance_qk else None
+    k_b, q_b = k_s, q_s
+    if balance is not None:  # powers of two: exact
+        k_b = k_s / balance[:, :, None, :]
+        q_b = q_s * balance.repeat_interleave(group, dim=1)[:, :, None, :]
+
+    def absmax(x, dims):
+        return x.abs().amax(dims) if x.numel() else x.new_zeros([n for i, n in enumerate(x.shape) if i not in dims])
+
+    k_scale = tensor_scale(absmax(k_b, (2, 3)))
+    v_scale = tensor_scale(absmax(v_s, (2, 3)))
+    q_rows = pad_dim(pad_dim(q_b, 3, dp), 2, sqp)
+    q_scale = tensor_scale(absmax(q_rows.unflatten(2, (nblk, SEQ_TILE)), (3, 4)))
+
+    if qk_format not in QK_FORMATS:
+        raise ValueError(f"qk_format must be one of {QK_FORMATS}, got {qk_format!r}")
+    q_data, q_sf = quantize_qk_rows(q_rows / q_scale.repeat_interleave(SEQ_TILE, dim=2)[..., None], qk_format)
+    k_rows = pad_dim(pad_dim(k_b / k_scale[:, :, None, None], 3, dp), 2, skp)
+    k_data, k_sf = quantize_qk_rows(permute_k_rows(k_rows, dim=2), qk_format)
+    vt = pad_dim(pad_dim(v_s / v_scale[:, :, None, None], 3, dp), 2, skp).transpose(2, 3)
+    vt_data, vt_sf = quantize_blocks(vt)
+    km_q = km.repeat_interleave(group, dim=1)
+    q_dot_km = (qh.float() * km_q[:, :, None, :]).sum(-1)
+    return QuantizedQKV(
+        q_data=q_data, q_sf=q_sf, k_data=k_data, k_sf=k_sf, vt_data=vt_data, vt_sf=vt_sf,
+        q_mean=pad_dim(qm, 3, dp), k_mean=pad_dim(km, 2, dp), v_mean=pad_dim(vm, 2, dp),
+        q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
+        balance=None if balance is None else pad_dim(balance, 2, dp, 1.0),
+        q_dot_km=q_dot_km, k_smoothed=pad_dim(pad_dim(k_s, 3, dp), 2, skp), seq_q=sq, seq_k=sk, head_dim=d,
+        head_dim_padded=dp, qk_format=qk_format,
+    )
+
+
+CORRECTION_FIXED_BITS = 22
+"""The correction's operands are integers of at most this many bits (plus sign) per row."""
+_CORRECTION_EXPONENT_LIMIT = 100  # fixed-point row exponents are clamped to [-100, 100]
+
+
+def correction_fixed_point(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows (last dim) of fp32 ``x`` in fixed point: ``(X int32 [..., D], e int32 [...])`` with
+    ``x ~ X 2^(e - 22)``, ``|X| <= 2^22``. ``e`` is the row's power-of-two exponent (its largest
+    |x| is below 2^e; clamped to [-100, 100]); non-finite values count as 0."""
+    x = torch.where(torch.isfinite(x), x, torch.zeros_like(x))
+    amax = x.abs().amax(-1) if x.shape[-1] else x.new_zeros(x.shape[:-1])
+    e = (((amax.view(torch.int32) >> 23) & 0xFF) - 126).clamp(-_CORRECTION_EXPONENT_LIMIT, _CORRECTION_EXPONENT_LIMIT)
+    top = float(1 << CORRECTION_FIXED_BITS)
+    fixed = torch.round(x * _power_of_two(CORRECTION_FIXED_BITS - e)[..., None]).clamp(-top, top)
+    return fixed.to(torch.int32), e.to(torch.int32)
+
+
+def correction_limbs(fixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """int32 fixed point -> its signed 8-bit limbs ``(l0, l1, l2)``: fixed = l0 2^16 + l1 2^8 + l2,
+    l1 and l2 in [-128, 127] and |l0| <= 64 (the int8 MMA operands of the CUDA correction)."""
+    l2 = ((fixed + 128) & 255) - 128
+    x1 = (fixed - l2) >> 8
+    l1 = ((x1 + 128) & 255) - 128
+    return (x1 - l1) >> 8, l1, l2
+
+
+def correction(qq: QuantizedQKV, block_start: int = 0, block_end: Optional[int] = None, *,
+               key_chunk: Optional[int] = None) -> torch.Tensor:
+    """delta [B, H, nblk, Skp] fp32 for Q blocks [block_start, block_end), in the kernel's score
+    units: qm . k_smoothed^T / (q_scale * k_scale).
+
+    Keys are in natural order. Added to the FP4 scores, it restores q . (k - km) up to the FP4
+    error of (q - qm) and (k - km): q.(k-km) = (q-qm).(k-km) + qm.(k-km). The channel balance
+    cancels in it exactly (qm s . ks / s), so it is computed without it.
+
+    The arithmetic is that of the CUDA kernel (csrc/quantize/correction.cu), so the two agree bit
+    for bit: each row of qm and of ks in 22-bit fixed point (:func:`correction_fixed_point`), split
+    into three 8-bit limbs (:func:`correction_limbs`); every limb product but the lowest one,
+    T = Xq . Xk - lq2 . lk2, summed exactly (integers below 2^53, so fp64 products are exact in any
+    order); then one rounding to fp32 and exact power-of-two factors:
+    delta = (fp32(T) 2^(ek - 22)) (2^(eq - 22) / (q_scale k_scale)).
+
+    Error against the exact product, per entry: at most Dp 2^(eq + ek - 22) / (q_scale k_scale)
+    plus 2^-24 of the result (the 22-bit operands, the left-out limb pair, the final rounding).
+    As 2^e < 2 amax, that is below Dp 2^-20 amax|qm| amax|ks|, while the classical bound of an fp32
+    dot product, Dp 2^-24 sum|qm||ks|, reaches Dp^2 2^-24 amax amax.
+    ``key_chunk`` (keys per fp64 matmul; by default about 2 GB of temporaries) does not change the result.
+    """
+    if qq.k_smoothed is None:
+        raise ValueError("this QuantizedQKV carries no fp32 k_smoothed (it comes from the CUDA quantiser: "
+                         "use nvfp4_dit.cuda.quantize.correction)")
+    block_end = qq.num_q_blocks if block_end is None else block_end
+    qm = qq.q_mean[:, :, block_start:block_end]
+    b, h, n, dp = qm.shape
+    hkv, skp = qq.k_smoothed.shape[1], qq.k_smoothed.shape[2]
+    group = h // hkv
+    q_fixed, eq = correction_fixed_point(qm)
+    lhs = torch.cat([q_fixed, correction_limbs(q_fixed)[2]], -1).double().reshape(b, hkv, group * n, 2 * dp)
+    k_fixed, ek = correction_fixed_point(qq.k_smoothed)
+    bits = CORRECTION_FIXED_BITS
+    key_factor = _power_of_two(ek - bits).repeat_interleave(group, dim=1)[:, :, None, :]  # [B, H, 1, Skp]
+    row_factor = _power_of_two(eq - bits) * (1.0 / qq.score_scale()[:, :, block_start:block_end])  # [B, H, n]
+    delta = torch.empty(b, h, n, skp, dtype=torch.float32, device=qm.device)
+    key_chunk = key_chunk or max(SEQ_TILE, (1 << 28) // max(1, b * h * n) // SEQ_TILE * SEQ_TILE)
+    for k0 in range(0, skp, key_chunk):
+        kf = k_fixed[:, :, k0:k0 + key_chunk]
+        rhs = torch.cat([kf, -correction_limbs(kf)[2]], -1).double()  # Xq . Xk - lq2 . lk2
+        t = torch.matmul(lhs, rhs.transpose(-1, -2)).view(b, h, n, -1)
+        delta[..., k0:k0 + key_chunk] = (t.float() * key_factor[..., k0:k0 + key_chunk]) * row_factor[..., None]
+    return delta
+
+
+def dequantize_qkv(qq: QuantizedQKV) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp32 (q_hat [B,H,Sqp,Dp], k_hat [B,Hkv,Skp,Dp] natural order, v_hat [B,Hkv,Skp,Dp])."""
+    q_hat = dequantize_qk_rows(qq.q_data, qq.q_sf, qq.qk_format)
+    k_hat = permute_k_rows(dequantize_qk_rows(qq.k_data, qq.k_sf, qq.qk_format), dim=2)
+    v_hat = dequantize_blocks(qq.vt_data, qq.vt_sf).transpose(2, 3)
+    return q_hat, k_hat, v_hat
+
+
