@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import inspect
 import logging
+import weakref
 from typing import Any, Callable, Optional
 
 import torch
 
-from nvfp4_dit import format as fmt
+from nvfp4_dit import planner
 from nvfp4_dit.fallback import warn_once
-from nvfp4_dit.masks import NotPerKeyMask, reduce_key_mask
-from nvfp4_dit.policy import AttentionPolicy
+from nvfp4_dit.policy import AttentionPolicy, Precision
 
 logger = logging.getLogger("nvfp4_dit.comfyui")
 
@@ -51,6 +51,12 @@ def _warn_once(message: str) -> None:
     warn_once(f"nvfp4_dit: {message}; using the model's own attention for such calls", logger=logger)
 
 
+# The step of the model forward in progress: every attention call of one forward carries the same
+# sigma tensors, so the sigma is read to the host once per forward (a GPU sigma costs a sync), not
+# once per call. Held by weak references: a later forward brings new tensors.
+_step_of_forward: tuple = (None, None, None)
+
+
 def sampling_step(transformer_options: dict) -> Optional[tuple[int, int]]:
     """(step index, number of steps) of the current call, or None outside a sampler.
 
@@ -58,10 +64,22 @@ def sampling_step(transformer_options: dict) -> Optional[tuple[int, int]]:
     of the current model call in ``sigmas``. Step i covers sigmas in (s[i+1], s[i]], so samplers that
     evaluate the model between two schedule points (Heun, DPM-2) count those calls to step i.
     """
+    global _step_of_forward
     schedule = transformer_options.get("sample_sigmas")
     current = transformer_options.get("sigmas")
     if schedule is None or current is None:
         return None
+    cached_current, cached_schedule, step = _step_of_forward
+    if (isinstance(current, torch.Tensor) and cached_current is not None and cached_current() is current
+            and cached_schedule() is schedule):
+        return step
+    step = _step_of(schedule, current)
+    if isinstance(current, torch.Tensor) and isinstance(schedule, torch.Tensor):
+        _step_of_forward = (weakref.ref(current), weakref.ref(schedule), step)
+    return step
+
+
+def _step_of(schedule, current) -> Optional[tuple[int, int]]:
     schedule = torch.as_tensor(schedule).detach().flatten().to("cpu", torch.float64)
     current = torch.as_tensor(current).detach().flatten().to("cpu", torch.float64)
     steps = schedule.numel() - 1
@@ -96,15 +114,11 @@ def diffusion_model_class(model) -> str:
     return type(inner).__name__ if inner is not None else type(model).__name__
 
 
-def key_padding_mask(mask: Optional[torch.Tensor], batch: int, heads: int, queries: int,
-                     keys: int) -> tuple[Optional[torch.Tensor], Optional[str]]:
-    """Turn a ComfyUI attention mask into a bool key-padding mask ``[batch, keys]`` (True = attend).
+def sdpa_mask(mask) -> tuple[Optional[torch.Tensor], Optional[str]]:
+    """A ComfyUI attention mask as SDPA reads it: 4-D, broadcastable to ``[B, H, Lq, Lk]``.
 
-    ComfyUI masks are bool or additive float, broadcast against ``[B, H, Lq, Lk]`` after adding a
-    batch dimension to 2-D masks and a head dimension to 3-D ones; their per-key form comes from
-    :func:`nvfp4_dit.masks.reduce_key_mask`. Genuine biases and rows without a key stay with
-    ComfyUI's own attention. Returns (mask or None for "attend everywhere", None) or (None, the
-    reason it cannot be expressed).
+    ComfyUI masks are bool or additive float; a 2-D mask gains a batch dimension and a 3-D one a
+    head dimension. Returns (the mask or None, None) or (None, the reason it cannot be used).
     """
     if mask is None:
         return None, None
@@ -117,20 +131,7 @@ def key_padding_mask(mask: Optional[torch.Tensor], batch: int, heads: int, queri
         m = m.unsqueeze(1)
     if m.ndim != 4:
         return None, f"attention mask with {mask.ndim} dimensions"
-    try:
-        key_mask = reduce_key_mask(m, batch, heads, queries, keys)
-    except NotPerKeyMask as error:
-        return None, f"attention mask of shape {tuple(mask.shape)}: {error}"
-    if key_mask.bias is not None:
-        return None, "additive attention mask with bias values (not only kept and masked keys)"
-    if key_mask.empty_rows:
-        # A row with no key left is NaN or uniform in ComfyUI's back-ends and zero in ours.
-        return None, "attention mask that masks out every key of a row"
-    if key_mask.kv_lens is None and key_mask.keep is None:
-        return None, None
-    keep = key_mask.keep if key_mask.keep is not None else (
-        torch.arange(keys, device=mask.device)[None, :] < key_mask.kv_lens[:, None])
-    return keep, None
+    return m, None
 
 
 class NVFP4AttentionOverride:
@@ -145,8 +146,6 @@ class NVFP4AttentionOverride:
             raise TypeError(f"previous must be callable or None, got {type(previous).__name__}")
         self.policy = policy
         self.previous = previous
-        # A calibrated policy: the uniform policy of each NVFP4 precision a layer may run in.
-        self._precision_policies = policy.precision_policies() if policy.per_layer else {}
 
     def __repr__(self) -> str:
         return f"NVFP4AttentionOverride({self.policy}, previous={self.previous!r})"
@@ -176,7 +175,8 @@ class NVFP4AttentionOverride:
         return func(*args, **kwargs)
 
     def plan(self, arguments: dict) -> Optional[dict]:
-        """The arguments for ``nvfp4_dit.attention`` if this call runs in NVFP4, else None."""
+        """The call in NVFP4's terms (4-D tensors, layout, the call planner's plan) if it runs in NVFP4,
+        else None: ComfyUI's layouts here, every decision in :func:`nvfp4_dit.planner.plan_call`."""
         policy = self.policy
         extra = arguments.get("kwargs", {})
         if extra.get("low_precision_attention", True) is False:
@@ -191,12 +191,6 @@ class NVFP4AttentionOverride:
             return None
         if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1:
             return None
-        if q.dtype not in (torch.float16, torch.bfloat16, torch.float32) or not (q.dtype == k.dtype == v.dtype):
-            _warn_once(f"attention in {q.dtype}")
-            return None
-        if q.device != k.device or q.device != v.device:
-            return None
-
         if q.ndim < 3 or k.ndim != q.ndim or v.ndim != q.ndim or not (q.shape[0] == k.shape[0] == v.shape[0]):
             return None
         skip_reshape = bool(arguments.get("skip_reshape", False))
@@ -227,50 +221,38 @@ class NVFP4AttentionOverride:
             layout = "NHD"
         if kv_heads != heads and not (enable_gqa and heads % kv_heads == 0):
             return None  # ComfyUI's own back-ends reject this too; let them raise their error.
-        if fmt.padded_head_dim(head_dim) is None:
-            _warn_once(f"head_dim {head_dim} > {fmt.SUPPORTED_HEAD_DIMS[-1]}")
-            return None
 
-        # Cross-attention (to text or image tokens) is the call whose query and key lengths differ.
-        options = extra.get("transformer_options") or {}
-        step = sampling_step(options) if (any(policy.dense_steps) or policy.per_layer) else None
-        if policy.dense_reason(cross=queries != keys, step=step, seq_q=queries, seq_k=keys) is not None:
-            return None
-        precision = policy.precision_for(layer_name(options, queries != keys), step)
-        if precision is not None and precision.exact:
-            return None
-        if precision is not None:
-            policy = self._precision_policies[precision]
-
-        padding, reason = key_padding_mask(arguments.get("mask"), batch, heads, queries, keys)
+        mask, reason = sdpa_mask(arguments.get("mask"))
         if reason is not None:
             _warn_once(reason)
             return None
-        if padding is not None:
-            padding = padding.to(q.device)
-
-        backend = policy.backend
-        if backend == "auto":
-            # Where the native FP4 MMA exists "auto" is the kernel; elsewhere the model keeps the
-            # attention ComfyUI picked for it (sage, flash, ...) rather than the op's own SDPA fallback.
-            if not _has_native_fp4(q):
-                _warn_once(f"no native FP4 MMA on {_device_name(q)} (back-end 'auto')")
-                return None
-            backend = "cuda"
-
+        # Cross-attention (to text or image tokens) is the call whose query and key lengths differ.
+        options = extra.get("transformer_options") or {}
+        cross = queries != keys
+        step = sampling_step(options) if (any(policy.dense_steps) or policy.per_layer) else None
         scale = extra.get("scale")
+        call = planner.plan_call(q4, k4, v4, layout=layout, policy=policy, attn_mask=mask, enable_gqa=True,
+                                 scale=scale, cross=cross, step=step, layer=layer_name(options, cross))
+        if not call.run_op:
+            if call.warn:
+                _warn_once(call.reason)
+            return None
         return dict(
             q=q4, k=k4, v=v4, layout=layout, batch=batch, heads=heads, queries=queries, keys=keys, head_dim=head_dim,
-            scale=float(head_dim ** -0.5) if scale is None else float(scale), attn_mask=padding,
-            backend=backend, balance_qk=policy.balance_qk, qk_format=policy.qk_format,
+            scale=float(head_dim ** -0.5) if scale is None else float(scale), plan=call,
             skip_output_reshape=bool(arguments.get("skip_output_reshape", False)),
         )
 
     @staticmethod
-    def run(plan: dict) -> torch.Tensor:
-        out = _nvfp4_attention(plan["q"], plan["k"], plan["v"], layout=plan["layout"], scale=plan["scale"],
-                               attn_mask=plan["attn_mask"], backend=plan["backend"], balance_qk=plan["balance_qk"],
-                               qk_format=plan["qk_format"])
+    def run(plan: dict, precision: Optional[Precision] = None) -> torch.Tensor:
+        """Run a plan of :meth:`plan` (in ``precision`` instead of the planned one, for calibration)."""
+        from nvfp4_dit import ops
+
+        call = plan["plan"]
+        out = ops.run_fp4(plan["q"], plan["k"], plan["v"], layout=plan["layout"], causal=False, scale=plan["scale"],
+                          key_mask=call.key_mask, kv_lens=None, return_lse=False, backend=call.backend,
+                          balance_qk=call.balance_qk if precision is None else precision.balance_qk,
+                          qk_format=call.qk_format if precision is None else precision.qk_format)
         batch, heads, queries, head_dim = plan["batch"], plan["heads"], plan["queries"], plan["head_dim"]
         if plan["layout"] == "NHD":  # out [B, Lq, H, D]
             if plan["skip_output_reshape"]:
@@ -280,26 +262,6 @@ class NVFP4AttentionOverride:
         if plan["skip_output_reshape"]:
             return out
         return out.transpose(1, 2).reshape(batch, queries, heads * head_dim)
-
-
-def _has_native_fp4(q: torch.Tensor) -> bool:
-    from nvfp4_dit.cuda import build
-
-    return q.is_cuda and build.is_native(torch.cuda.get_device_capability(q.device))
-
-
-def _device_name(q: torch.Tensor) -> str:
-    if q.is_cuda:
-        major, minor = torch.cuda.get_device_capability(q.device)
-        return f"{q.device} (sm_{major}{minor})"
-    return str(q.device)
-
-
-def _nvfp4_attention(q, k, v, **options):
-    # Looked up at call time, so that importing this module does not import the op's machinery.
-    import nvfp4_dit
-
-    return nvfp4_dit.attention(q, k, v, **options)
 
 
 class CalibratingOverride(NVFP4AttentionOverride):
@@ -322,7 +284,6 @@ class CalibratingOverride(NVFP4AttentionOverride):
         super().__init__(measure, previous)
         self.base, self.path, self.budget, self.model_class = base, path, budget, model_class
         self.table = CalibrationTable()
-        self._measure = measure.precision_policies()
         self._saved_step = None
 
     def __call__(self, func: Callable, *args: Any, **kwargs: Any):
@@ -338,13 +299,9 @@ class CalibratingOverride(NVFP4AttentionOverride):
             return exact
         import nvfp4_dit
 
-        def run_in(precision):
-            pol = self._measure[precision]
-            return self.run(dict(plan, balance_qk=pol.balance_qk, qk_format=pol.qk_format))
-
         step = sampling_step(options)
         try:
-            self.table.measure(layer, step, exact, run_in)
+            self.table.measure(layer, step, exact, lambda precision: self.run(plan, precision))
         except (nvfp4_dit.BackendUnavailableError, ValueError, TypeError) as error:
             _warn_once(f"calibration could not run nvfp4_dit.attention ({error})")
             return exact

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from . import format
 from .fallback import FallbackWarning, reset_fallback_warnings
-from .ops import BACKENDS, BackendUnavailableError, attention, available_backends
+from .ops import BACKENDS, BackendUnavailableError, attention, available_backends, run_fp4
 from .policy import AttentionPolicy
 from .reference import attention_exact, attention_reference
 

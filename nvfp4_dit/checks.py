@@ -74,8 +74,8 @@ def validate_attention_args(q, k, v, layout, causal, scale, attn_mask, kv_lens, 
             raise TypeError(f"kv_lens must be int32 or int64, got {kv_lens.dtype}")
         if kv_lens.shape != (b,):
             raise ValueError(f"kv_lens must have shape ({b},), got {tuple(kv_lens.shape)}")
-        if kv_lens.device != q.device:
-            raise ValueError(f"kv_lens is on {kv_lens.device} but q is on {q.device}")
+        if kv_lens.device != q.device and kv_lens.device.type != "cpu":
+            raise ValueError(f"kv_lens is on {kv_lens.device} but q is on {q.device} (give it there or on the CPU)")
     if attn_mask is not None:
         check_tensor("attn_mask", attn_mask)
         if attn_mask.dtype != torch.bool and attn_mask.dtype not in FLOAT_DTYPES:
@@ -99,3 +99,7 @@ def validate_attention_args(q, k, v, layout, causal, scale, attn_mask, kv_lens, 
                 raise ValueError(
                     f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to "
                     f"[B, H, Sq, Sk] = {(b, h, sq, sk)}") from None
+        if attn_mask.device.type == "cpu" and attn_mask.is_floating_point() and attn_mask.numel() \
+                and bool((torch.isnan(attn_mask) | torch.isposinf(attn_mask)).any()):
+            # Checked where it costs no GPU sync; on a GPU such a mask gives NaN rows, as in SDPA.
+            raise ValueError("attn_mask holds NaN or +inf (an additive mask masks with -inf, never +inf/NaN)")

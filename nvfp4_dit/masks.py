@@ -1,23 +1,29 @@
-"""Attention masks reduced to the per-key form the FP4 paths take.
+"""Attention masks reduced to the per-key form the FP4 paths take, on the device, with no host sync.
 
-One reduction for every entry point: the op (:func:`nvfp4_dit.attention`), the diffusers router
-and the ComfyUI override. A mask follows SDPA's semantics (bool: True attends; float: added to
-the scaled scores) and broadcasts to ``[B, H, Sq, Sk]``. It has a per-key form when it is the same
-for every head and query of a batch row; then each row is, in this order of preference:
+One reduction for every entry point: the op (:func:`nvfp4_dit.attention`) and, through the call
+planner (:mod:`nvfp4_dit.planner`), the diffusers router and the ComfyUI override. A mask follows
+SDPA's semantics (bool: True attends; float: added to the scaled scores) and broadcasts to
+``[B, H, Sq, Sk]``. It has a per-key form when it is the same for every query: its query dim is 1
+(or there is one query). That is decided from the shape alone; the values never choose the path,
+so a masked call never waits for the GPU.
 
-* kept keys that form a prefix -> ``kv_lens`` (what the CUDA kernel takes);
-* kept keys anywhere -> ``keep`` (the reference back-end takes it as a bias);
-* genuine per-key biases -> ``bias`` (the reference back-end only).
+The per-key form (:class:`KeyMask`) is
 
-In an additive row a key counts as masked when it lies at least ``MASKED_GAP`` below the row's
-largest value: its softmax weight relative to the largest is exp(-1000), which is 0 in fp32, so
-dropping it is exact. (1000 rather than diffusers' 10000 because -10000 in bfloat16 is -9984.)
-The largest value itself is a constant added to every kept key (``shift``): softmax ignores it,
-the LSE does not.
+* ``bias``: fp32 ``[B, H or 1, Sk]`` added to the scaled scores (0 keeps a key, -inf masks it, other
+  values are biases). The FP4 paths add it to the correction term, so any per-key mask runs in FP4;
+* ``kv_lens``: int32 ``[B]``, one past the last key that some head keeps: keys at or past it are
+  zero padding for the quantiser (kept out of every mean and scale) and masked by the kernel. In an
+  additive row a key counts as kept unless it lies ``MASKED_GAP`` or more below the row's largest
+  value: its softmax weight relative to the largest is then exp(-1000), which is 0 in fp32;
+* ``nonfinite``: bool ``[B]``, a NaN or +inf in that batch's mask. Exact attention gives NaN rows
+  there, so the FP4 paths poison that batch's output (as they do for NaN inputs).
+
+A batch row that keeps no key gives output 0 and LSE -inf (SDPA gives NaN there).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -30,71 +36,60 @@ class NotPerKeyMask(ValueError):
     """The mask is valid but has no per-key form (the message says why)."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class KeyMask:
-    """A mask in per-key form; at most one of ``kv_lens``, ``keep``, ``bias`` is set.
+    """A mask in per-key form (see the module docstring): ``bias`` fp32 [B, H or 1, Sk] (a view that
+    may have zero strides), ``kv_lens`` int32 [B], ``nonfinite`` bool [B] or None."""
 
-    kv_lens: int32 [B] when the kept keys of every batch row are a prefix (None: all keys, or see keep/bias).
-    keep: bool [B, Sk] when they are not a prefix.
-    bias: fp32 [B, Sk] genuine per-key biases (not only kept / masked).
-    shift: fp32 [B] constant added to every kept key, or None.
-    empty_rows: some batch row keeps no key at all (SDPA gives NaN there; the op gives 0 and LSE -inf).
-    """
+    bias: torch.Tensor
+    kv_lens: torch.Tensor
+    nonfinite: Optional[torch.Tensor] = None
 
-    kv_lens: Optional[torch.Tensor] = None
-    keep: Optional[torch.Tensor] = None
-    bias: Optional[torch.Tensor] = None
-    shift: Optional[torch.Tensor] = None
-    empty_rows: bool = False
 
-    def as_key_bias(self) -> Optional[torch.Tensor]:
-        """The mask as an additive fp32 bias [B, Sk] (0 / -inf where kept / masked; shift
-        excluded), or None when it masks nothing beyond ``kv_lens``."""
-        if self.bias is not None:
-            return self.bias
-        if self.keep is not None:
-            return torch.where(self.keep, 0.0, -torch.inf)
-        return None
+def check_per_key_shape(shape: torch.Size, b: int, h: int, sq: int, sk: int) -> Optional[str]:
+    """Why a mask of ``shape`` (SDPA broadcasting against [B, H, Sq, Sk]) has no per-key form, or None."""
+    if len(shape) > 4:
+        return f"attn_mask with {len(shape)} dims"
+    try:
+        torch.broadcast_shapes(shape, (b, h, sq, sk))
+    except RuntimeError:
+        return f"attn_mask of shape {tuple(shape)} does not broadcast to {(b, h, sq, sk)}"
+    if sq > 1 and len(shape) >= 2 and shape[-2] != 1:
+        return f"attn_mask of shape {tuple(shape)} differs between queries (not a key mask)"
+    return None
 
 
 def reduce_key_mask(mask: torch.Tensor, b: int, h: int, sq: int, sk: int) -> KeyMask:
-    """The per-key form of ``mask`` (broadcastable to [B, H, Sq, Sk]); raises NotPerKeyMask.
+    """The per-key form of ``mask`` (SDPA semantics, broadcastable to [B, H, Sq, Sk]); raises
+    :class:`NotPerKeyMask` for a mask that varies over queries, decided from its shape.
 
-    Host syncs: a few scalar reductions, once per call.
-    """
-    if mask.dim() > 4:
-        raise NotPerKeyMask(f"attn_mask with {mask.dim()} dims")
-    try:
-        torch.broadcast_shapes(mask.shape, (b, h, sq, sk))
-    except RuntimeError:
-        raise NotPerKeyMask(f"attn_mask of shape {tuple(mask.shape)} does not broadcast to {(b, h, sq, sk)}") from None
+    A handful of elementwise device ops on a [B, H or 1, Sk] row, none synchronising."""
+    reason = check_per_key_shape(mask.shape, b, h, sq, sk)
+    if reason is not None:
+        raise NotPerKeyMask(reason)
     if mask.dtype != torch.bool and not mask.is_floating_point():
         raise NotPerKeyMask(f"attn_mask of dtype {mask.dtype}")
-    m = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
-    first = m[:, :1, :1, :]
-    if (m.shape[1] > 1 or m.shape[2] > 1) and not bool((m == first).all()):
-        raise NotPerKeyMask("attn_mask differs between heads or queries (not a key-padding mask)")
-    row = first[:, 0, 0, :].expand(b, sk)
-    shift = None
-    if row.dtype == torch.bool:
-        keep = row
+    m = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))[:, :, 0, :]   # [B|1, H|1, Sk|1]
+    m = m.expand(b, m.shape[1], sk)
+    nonfinite = None
+    if m.dtype == torch.bool:
+        keep = m
+        bias = torch.where(m, 0.0, -math.inf)
     else:
-        row = row.float()
-        top = row.amax(dim=1, keepdim=True)
-        if bool((torch.isnan(top) | torch.isposinf(top)).any()):
-            raise NotPerKeyMask("an additive attn_mask row holds NaN or +inf")
-        empty = torch.isneginf(top)
-        keep = (row == top) & ~empty
-        if not bool((keep | (row <= top - MASKED_GAP) | empty).all()):
-            return KeyMask(bias=row, empty_rows=bool(empty.any()))
-        shift = torch.where(empty, 0.0, top)[:, 0]
-        if not bool((shift != 0).any()):
-            shift = None
-    counts = keep.sum(dim=1)
-    empty_rows = not bool((counts > 0).all())
-    if bool((counts == sk).all()):
-        return KeyMask(shift=shift)
-    prefix = torch.arange(sk, device=keep.device)[None, :] < counts[:, None]
-    if bool((prefix == keep).all()):
-        return KeyMask(kv_lens=counts.to(torch.int32), shift=shift, empty_rows=empty_rows)
-    return KeyMask(keep=keep.contiguous(), shift=shift, empty_rows=empty_rows)
+        bias = m.float()
+        top = bias.amax(-1, keepdim=True)
+        keep = bias > top - MASKED_GAP
+        nonfinite = (torch.isnan(bias) | torch.isposinf(bias)).flatten(1).any(1)
+    keys = torch.arange(1, sk + 1, dtype=torch.int32, device=mask.device)
+    kv_lens = (keep.any(1) * keys).amax(1).to(torch.int32) if sk else torch.zeros(b, dtype=torch.int32,
+                                                                                      device=mask.device)
+    return KeyMask(bias=bias, kv_lens=kv_lens, nonfinite=nonfinite)
+
+
+def combine_kv_lens(key_mask: Optional[KeyMask], kv_lens: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The key lengths of a call given both a mask and ``kv_lens`` (the smaller of the two)."""
+    if key_mask is None:
+        return kv_lens
+    if kv_lens is None:
+        return key_mask.kv_lens
+    return torch.minimum(key_mask.kv_lens, kv_lens.to(torch.int32))

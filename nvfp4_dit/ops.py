@@ -1,9 +1,11 @@
 """The public attention op: validation, back-end choice, fallback, and the torch custom op.
 
-``attention()`` validates its arguments with plain shape logic (traceable by torch.compile) and
-calls the custom op ``torch.ops.nvfp4_dit.attention``.  The op's eager body picks the back-end
-(data-dependent checks such as mask patterns live there, outside the traced graph), warns once
-per fallback reason and runs it.
+:func:`attention` validates its arguments (shape logic only, traceable by torch.compile), reduces
+a mask to its per-key form on the device (:mod:`nvfp4_dit.masks`), resolves the back-end
+(:func:`nvfp4_dit.planner.resolve_backend`) and runs it: exact SDPA, or :func:`run_fp4`, which the
+integrations call directly with the mask their planner already reduced. Eager calls run the FP4
+back-ends straight away; under torch.compile (or with fake or autograd-tracked tensors) they go
+through the custom op ``torch.ops.nvfp4_dit.attention``. No FP4 path synchronises with the host.
 """
 
 from __future__ import annotations
@@ -18,11 +20,12 @@ from . import format as fmt
 from . import preprocess
 from .checks import BACKENDS, LAYOUTS, validate_attention_args
 from .fallback import FallbackWarning, reset_fallback_warnings, warn_once
-from .masks import NotPerKeyMask, reduce_key_mask
+from .masks import KeyMask, NotPerKeyMask, combine_kv_lens, reduce_key_mask
+from .planner import resolve_backend
 from .reference import attention_reference
 
 __all__ = ["BACKENDS", "LAYOUTS", "BackendUnavailableError", "FallbackWarning", "attention", "available_backends",
-           "reset_fallback_warnings"]
+           "reset_fallback_warnings", "run_fp4"]
 
 
 class BackendUnavailableError(RuntimeError):
@@ -91,21 +94,16 @@ def _exact_lse(qh, kh, scale, mask, chunk_rows: int = 1024):
     return torch.cat(lses, 2) if lses else qh.new_zeros(*qh.shape[:3], dtype=torch.float32)
 
 
-def _attention_fp4_reference(q, k, v, layout, causal, scale, key_bias, kv_lens, return_lse, balance_qk, qk_format):
-    res = attention_reference(q, k, v, layout=layout, causal=causal, scale=scale, key_bias=key_bias,
-                              kv_lens=kv_lens, return_lse=return_lse, balance_qk=balance_qk, qk_format=qk_format)
-    return res if return_lse else (res, None)
-
-
 def _poison_non_finite(out, lse, layout, q_blocks_bad, kv_bad):
-    """NaN where a non-finite input reached an FP4 result (in place; no host sync).
+    """NaN where a non-finite input reached an FP4 result of the reference back-end (in place; the
+    CUDA kernel does the same itself).
 
     FP4 quantisation hides non-finite inputs: scales saturate (+-inf -> 448, so an inf in V
     comes out finite) and a NaN row sum reads as "no visible key" (output 0, LSE -inf).  Exact
     attention gives NaN/inf there, so the FP4 paths must not return a finite value.  Poisoned:
     every row of a 128-row Q block flagged in ``q_blocks_bad [B, H, nblk]`` and every row of the
     query heads of a (batch, kv-head) flagged in ``kv_bad [B, Hkv]`` (see
-    :func:`nvfp4_dit.preprocess.nonfinite_blocks`; the CUDA quantiser returns the same flags).
+    :func:`nvfp4_dit.preprocess.nonfinite_blocks`).
     """
     h, sq = fmt.to_hnd(out, layout).shape[1:3]
     bad = q_blocks_bad.repeat_interleave(fmt.SEQ_TILE, 2)[:, :, :sq]
@@ -116,94 +114,37 @@ def _poison_non_finite(out, lse, layout, q_blocks_bad, kv_bad):
     return out, lse
 
 
-# ---------------------------------------------------------------------------------------------
-# Back-end choice (eager; may inspect data)
-# ---------------------------------------------------------------------------------------------
-
-def _cuda_unsupported_reason(q, k, v, layout, require_native) -> Optional[str]:
-    if q.device.type != "cuda":
-        return f"no GPU: tensors are on {q.device.type}"
-    from .cuda import attention as attention_cuda  # imported lazily: it pulls in the build machinery
-
-    return attention_cuda.unsupported_reason(q, k, v, layout=layout, require_native=require_native)
-
-
-def _run(q, k, v, layout, causal, scale, attn_mask, kv_lens, return_lse, backend, balance_qk, qk_format):
+def _fp4(q, k, v, key_bias, kv_lens, mask_nonfinite, layout, causal, scale, return_lse, backend, balance_qk,
+         qk_format):
+    """The back-ends on checked arguments with a reduced mask: ``(out, lse or None)``."""
     qh = fmt.to_hnd(q, layout)
-    b, h, sq, d = qh.shape
-    sk = fmt.to_hnd(k, layout).shape[2]
-    if kv_lens is not None and b > 0:
-        lo, hi = int(kv_lens.min()), int(kv_lens.max())
-        if lo < 0 or hi > sk:
-            raise ValueError(f"kv_lens values must lie in [0, {sk}], got min {lo} max {hi}")
-    if attn_mask is not None and attn_mask.dtype != torch.bool and b > 0:
-        if bool((torch.isnan(attn_mask) | torch.isposinf(attn_mask)).any()):
-            raise ValueError("attn_mask holds NaN or +inf (an additive mask masks with -inf, never +inf/NaN)")
+    if q.numel() == 0 or fmt.to_hnd(k, layout).shape[2] == 0:
+        # Empty query, or no keys at all: nothing to attend (0 output, -inf LSE).
+        b, h, sq, _ = qh.shape
+        out = q.new_zeros(_out_shape(q, v, layout))
+        return out, (q.new_full((b, h, sq), -math.inf, dtype=torch.float32) if return_lse else None)
     if backend == "sdpa":
-        return _attention_sdpa(q, k, v, layout, causal, scale, attn_mask, kv_lens, return_lse)
+        mask = None if key_bias is None else key_bias[:, :, None, :]
+        return _attention_sdpa(q, k, v, layout, causal, scale, mask, kv_lens, return_lse)
+    if backend == "cuda":
+        from .cuda import attention as cuda_attention
 
-    # The mask in per-key form (nvfp4_dit.masks): prefix padding becomes kv_lens (what the kernel
-    # takes; it also keeps padded V out of the scales of valid keys), other per-key masks a bias.
-    key_bias, shift, reason = None, None, None
-    fp4_lens = kv_lens
-    if attn_mask is not None:
-        mask = attn_mask[:, None, None, :] if attn_mask.dim() == 2 else attn_mask  # [B, Sk] is key padding
-        try:
-            key_mask = reduce_key_mask(mask, b, h, sq, sk)
-        except NotPerKeyMask as e:
-            reason = f"attn_mask of shape {tuple(attn_mask.shape)} is not a per-key padding mask ({e})"
-        else:
-            key_bias, shift = key_mask.as_key_bias(), key_mask.shift
-            if key_mask.kv_lens is not None:
-                fp4_lens = key_mask.kv_lens if kv_lens is None else torch.minimum(key_mask.kv_lens,
-                                                                                  kv_lens.to(torch.int32))
-    if reason is None and fmt.padded_head_dim(d) is None:
-        reason = f"head dim {d} > {fmt.SUPPORTED_HEAD_DIMS[-1]}"
-
-    if backend == "reference":
-        if reason is not None:
-            raise BackendUnavailableError(f"backend='reference' cannot run this call: {reason}")
-        out, lse = _attention_fp4_reference(q, k, v, layout, causal, scale, key_bias, fp4_lens, return_lse,
-                                            balance_qk, qk_format)
-        nonfinite = preprocess.nonfinite_blocks(q, k, v, fp4_lens, layout)
-    else:  # cuda / auto
-        if reason is None and key_bias is not None:
-            reason = "attn_mask is not a prefix key-padding mask (the kernel takes key lengths)"
-        if reason is None:
-            reason = _cuda_unsupported_reason(q, k, v, layout, require_native=(backend == "auto"))
-        if reason is not None:
-            if backend == "cuda":
-                raise BackendUnavailableError(f"backend='cuda' cannot run this call: {reason}")
-            _warn_fallback(reason)
-            return _attention_sdpa(q, k, v, layout, causal, scale, attn_mask, kv_lens, return_lse)
-        from . import selftest
-        from .cuda import attention as attention_cuda
-
-        # A kernel that failed its first-use self-test (or whose test cannot run yet, during graph
-        # capture) never answers, whichever back-end was asked for.
-        untrusted = selftest.fallback_reason(q.device, d, qk_format)
-        if untrusted is not None:
-            _warn_fallback(untrusted)
-            return _attention_sdpa(q, k, v, layout, causal, scale, attn_mask, kv_lens, return_lse)
-
-        out, lse, nonfinite = attention_cuda.attention(q, k, v, layout=layout, causal=causal, scale=scale,
-                                                       kv_lens=fp4_lens, return_lse=return_lse,
-                                                       balance_qk=balance_qk, qk_format=qk_format)
-    if lse is not None and shift is not None:
-        lse = lse + shift.to(lse.device)[:, None, None]
-    return _poison_non_finite(out, lse, layout, *nonfinite)
+        return cuda_attention.attention(q, k, v, layout=layout, causal=causal, scale=scale, kv_lens=kv_lens,
+                                        return_lse=return_lse, balance_qk=balance_qk, qk_format=qk_format,
+                                        key_bias=key_bias, mask_nonfinite=mask_nonfinite)
+    res = attention_reference(q, k, v, layout=layout, causal=causal, scale=scale, key_bias=key_bias, kv_lens=kv_lens,
+                              return_lse=return_lse, balance_qk=balance_qk, qk_format=qk_format)
+    out, lse = res if return_lse else (res, None)
+    q_bad, kv_bad = preprocess.nonfinite_blocks(q, k, v, kv_lens, layout)
+    if mask_nonfinite is not None:
+        kv_bad = kv_bad | mask_nonfinite.to(kv_bad.device)[:, None]
+    return _poison_non_finite(out, lse, layout, q_bad, kv_bad)
 
 
-# ---------------------------------------------------------------------------------------------
-# The custom op
-# ---------------------------------------------------------------------------------------------
-
-def _out_shapes(q, v, layout):
-    qh = fmt.to_hnd(q, layout)
-    b, h, sq, _ = qh.shape
+def _out_shape(q, v, layout):
+    b, h, sq, _ = fmt.to_hnd(q, layout).shape
     dv = v.shape[-1]
-    out_shape = (b, sq, h, dv) if layout == "NHD" else (b, h, sq, dv)
-    return out_shape, (b, h, sq)
+    return (b, sq, h, dv) if layout == "NHD" else (b, h, sq, dv)
 
 
 @torch.library.custom_op("nvfp4_dit::attention", mutates_args=())
@@ -211,8 +152,9 @@ def _attention_op(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    attn_mask: Optional[torch.Tensor],
+    key_bias: Optional[torch.Tensor],
     kv_lens: Optional[torch.Tensor],
+    mask_nonfinite: Optional[torch.Tensor],
     layout: str,
     causal: bool,
     scale: Optional[float],
@@ -221,24 +163,55 @@ def _attention_op(
     balance_qk: bool,
     qk_format: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    out_shape, lse_shape = _out_shapes(q, v, layout)
-    if q.numel() == 0 or fmt.to_hnd(k, layout).shape[2] == 0:
-        # Empty query, or no keys at all: nothing to attend (0 output, -inf LSE).
-        out = q.new_zeros(out_shape)
-        lse = q.new_full(lse_shape, -math.inf, dtype=torch.float32)
-        return out, (lse if return_lse else q.new_empty(0, dtype=torch.float32))
-    out, lse = _run(q, k, v, layout, causal, scale, attn_mask, kv_lens, return_lse, backend, balance_qk, qk_format)
-    if not return_lse:
-        return out, q.new_empty(0, dtype=torch.float32)
-    return out, lse.float().contiguous()
+    out, lse = _fp4(q, k, v, key_bias, kv_lens, mask_nonfinite, layout, causal, scale, return_lse, backend,
+                    balance_qk, qk_format)
+    return out, (lse.float().contiguous() if return_lse else q.new_empty(0, dtype=torch.float32))
 
 
 @_attention_op.register_fake
-def _attention_fake(q, k, v, attn_mask, kv_lens, layout, causal, scale, return_lse, backend, balance_qk, qk_format):
-    out_shape, lse_shape = _out_shapes(q, v, layout)
-    out = q.new_empty(out_shape)
-    lse = q.new_empty(lse_shape if return_lse else (0,), dtype=torch.float32)
+def _attention_fake(q, k, v, key_bias, kv_lens, mask_nonfinite, layout, causal, scale, return_lse, backend, balance_qk,
+                    qk_format):
+    b, h, sq, _ = fmt.to_hnd(q, layout).shape
+    out = q.new_empty(_out_shape(q, v, layout))
+    lse = q.new_empty((b, h, sq) if return_lse else (0,), dtype=torch.float32)
     return out, lse
+
+
+def _through_custom_op(q, k, v) -> bool:
+    """Whether a call goes through the custom op: under torch.compile, with tensor subclasses
+    (fake, functional) or with tensors that track gradients (the op has no backward)."""
+    return (torch.compiler.is_compiling() or type(q) is not torch.Tensor or type(k) is not torch.Tensor
+            or type(v) is not torch.Tensor or q.requires_grad or k.requires_grad or v.requires_grad)
+
+
+def run_fp4(q, k, v, *, layout: str, causal: bool, scale: Optional[float], key_mask: Optional[KeyMask],
+            kv_lens: Optional[torch.Tensor], return_lse: bool, backend: str, balance_qk: bool, qk_format: str):
+    """The op on arguments already checked (:func:`attention`, or a planner's
+    :class:`~nvfp4_dit.planner.CallPlan`): ``backend`` "cuda" or "reference" (FP4) or "sdpa"
+    (exact), ``key_mask`` reduced on the device, ``kv_lens`` on the device. Returns ``out``, or
+    ``(out, lse)``."""
+    lens = combine_kv_lens(key_mask, kv_lens)
+    key_bias = None if key_mask is None else key_mask.bias
+    nonfinite = None if key_mask is None else key_mask.nonfinite
+    if _through_custom_op(q, k, v):
+        out, lse = torch.ops.nvfp4_dit.attention(q, k, v, key_bias, lens, nonfinite, layout, causal, scale,
+                                                  return_lse, backend, balance_qk, qk_format)
+    else:
+        out, lse = _fp4(q, k, v, key_bias, lens, nonfinite, layout, causal, scale, return_lse, backend, balance_qk,
+                        qk_format)
+    return (out, lse) if return_lse else out
+
+
+def _key_lengths_on(kv_lens: Optional[torch.Tensor], device: torch.device, sk: int) -> Optional[torch.Tensor]:
+    """``kv_lens`` on the inputs' device. Lengths given on the host are checked there ([0, Sk]) and
+    copied without waiting; lengths on the device are clamped by the kernels (no host sync)."""
+    if kv_lens is None or kv_lens.device.type != "cpu":
+        return kv_lens
+    if kv_lens.numel():
+        lo, hi = int(kv_lens.min()), int(kv_lens.max())
+        if lo < 0 or hi > sk:
+            raise ValueError(f"kv_lens values must lie in [0, {sk}], got min {lo} max {hi}")
+    return kv_lens if kv_lens.device == device else kv_lens.to(device, non_blocking=True)
 
 
 def attention(
@@ -264,10 +237,14 @@ def attention(
         k, v: ``[B, Sk, Hkv, D]`` (or HND), same dtype and device; ``H % Hkv == 0`` (GQA).
         causal: query i attends keys j <= i (SDPA's ``is_causal``).
         scale: softmax scale, default ``1/sqrt(D)``.
-        attn_mask: optional bool (True = attend) or additive float mask broadcastable to
-            ``[B, H, Sq, Sk]``. The FP4 back-ends take per-key padding masks (``[B, Sk]``,
-            ``[B, 1, 1, Sk]``); other masks run on exact SDPA (``auto``) or raise.
-        kv_lens: optional int32/int64 ``[B]``: only the first ``kv_lens[b]`` keys are attended.
+        attn_mask: optional bool (True = attend) or additive float mask: ``[B, Sk]`` (key padding)
+            or broadcastable to ``[B, H, Sq, Sk]``. The FP4 back-ends take every mask that is the
+            same for all queries (its query dim is 1), per batch and head; others run on exact
+            SDPA (``auto``) or raise. A batch row that keeps no key gives 0 (SDPA: NaN); NaN or
+            +inf in a mask gives NaN rows, as in SDPA (on the host: a ValueError).
+        kv_lens: optional int32/int64 ``[B]``: only the first ``kv_lens[b]`` keys are attended. On
+            the inputs' device it is clamped to [0, Sk] without a host sync; on the CPU, values
+            outside that range raise.
         return_lse: also return the log-sum-exp ``[B, H, Sq]`` (fp32, natural log) of the
             scaled scores, e.g. to merge partial attentions (ring attention).
         backend: ``"auto"`` (the CUDA kernel where the native FP4 MMA exists, sm_120/sm_121;
@@ -295,8 +272,35 @@ def attention(
     validate_attention_args(q, k, v, layout, causal, scale, attn_mask, kv_lens, return_lse, backend, balance_qk,
                             qk_format)
     scale = None if scale is None else float(scale)
-    out, lse = torch.ops.nvfp4_dit.attention(q, k, v, attn_mask, kv_lens, layout, causal, scale,
-                                              return_lse, backend, balance_qk, qk_format)
+    b, h, sq, d = fmt.to_hnd(q, layout).shape
+    sk = fmt.to_hnd(k, layout).shape[2]
+    kv_lens = _key_lengths_on(kv_lens, q.device, sk)
+    if backend == "sdpa":
+        return _exact(q, k, v, layout, causal, scale, attn_mask, kv_lens, return_lse)
+
+    reason, key_mask = None, None
+    if attn_mask is not None:
+        mask = attn_mask[:, None, None, :] if attn_mask.dim() == 2 else attn_mask  # [B, Sk] is key padding
+        try:
+            key_mask = reduce_key_mask(mask, b, h, sq, sk)
+        except NotPerKeyMask as e:
+            reason = f"attn_mask of shape {tuple(attn_mask.shape)} has no per-key form ({e})"
+    if reason is None and fmt.padded_head_dim(d) is None:
+        reason = f"head dim {d} > {fmt.SUPPORTED_HEAD_DIMS[-1]}"
+    resolved, hard = None, True
+    if reason is None:
+        resolved, reason, hard = resolve_backend(backend, q.device, d, qk_format)
+    if resolved is None:
+        if backend != "auto" and hard:
+            raise BackendUnavailableError(f"backend={backend!r} cannot run this call: {reason}")
+        _warn_fallback(reason)
+        return _exact(q, k, v, layout, causal, scale, attn_mask, kv_lens, return_lse)
+    return run_fp4(q, k, v, layout=layout, causal=causal, scale=scale, key_mask=key_mask, kv_lens=kv_lens,
+                   return_lse=return_lse, backend=resolved, balance_qk=balance_qk, qk_format=qk_format)
+
+
+def _exact(q, k, v, layout, causal, scale, attn_mask, kv_lens, return_lse):
+    out, lse = _attention_sdpa(q, k, v, layout, causal, scale, attn_mask, kv_lens, return_lse)
     return (out, lse) if return_lse else out
 
 
@@ -307,7 +311,8 @@ def available_backends(device: Optional[torch.device] = None) -> list[str]:
         device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     device = torch.device(device)
     if device.type == "cuda":
-        probe = torch.empty(1, 128, 1, 64, dtype=torch.bfloat16, device=device)
-        if _cuda_unsupported_reason(probe, probe, probe, "NHD", require_native=False) is None:
+        from .cuda import attention as cuda_attention
+
+        if cuda_attention.device_unsupported_reason(device, require_native=False) is None:
             names.append("cuda")
     return names

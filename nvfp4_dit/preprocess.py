@@ -193,7 +193,8 @@ def correction_limbs(fixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
 
 
 def correction(qq: QuantizedQKV, block_start: int = 0, block_end: Optional[int] = None, *,
-               key_chunk: Optional[int] = None) -> torch.Tensor:
+               key_chunk: Optional[int] = None, key_bias: Optional[torch.Tensor] = None,
+               scale: Optional[float] = None) -> torch.Tensor:
     """delta [B, H, nblk, Skp] fp32 for Q blocks [block_start, block_end), in the kernel's score
     units: qm . k_smoothed^T / (q_scale * k_scale).
 
@@ -213,6 +214,10 @@ def correction(qq: QuantizedQKV, block_start: int = 0, block_end: Optional[int] 
     As 2^e < 2 amax, that is below Dp 2^-20 amax|qm| amax|ks|, while the classical bound of an fp32
     dot product, Dp 2^-24 sum|qm||ks|, reaches Dp^2 2^-24 amax amax.
     ``key_chunk`` (keys per fp64 matmul; by default about 2 GB of temporaries) does not change the result.
+
+    ``key_bias`` ([B, H or 1, Sk], in units of the scaled scores: a per-key mask, :mod:`nvfp4_dit.masks`)
+    adds ``key_bias / (scale * q_scale * k_scale)`` to every row (-inf masks the key), rounded as the
+    CUDA correction rounds it.
     """
     if qq.k_smoothed is None:
         raise ValueError("this QuantizedQKV carries no fp32 k_smoothed (it comes from the CUDA quantiser: "
@@ -235,6 +240,12 @@ def correction(qq: QuantizedQKV, block_start: int = 0, block_end: Optional[int] 
         rhs = torch.cat([kf, -correction_limbs(kf)[2]], -1).double()  # Xq . Xk - lq2 . lk2
         t = torch.matmul(lhs, rhs.transpose(-1, -2)).view(b, h, n, -1)
         delta[..., k0:k0 + key_chunk] = (t.float() * key_factor[..., k0:k0 + key_chunk]) * row_factor[..., None]
+    if key_bias is not None:
+        if scale is None:
+            raise ValueError("scale is needed with key_bias (the bias is in units of the scaled scores)")
+        bias = pad_dim(key_bias.to(delta.device, torch.float32), 2, skp)[:, :, None, :]
+        divisor = torch.tensor(scale, dtype=torch.float32) * qq.score_scale()[:, :, block_start:block_end]
+        delta += bias / divisor[..., None]
     return delta
 
 

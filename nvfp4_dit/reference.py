@@ -60,8 +60,8 @@ def attention_reference(
             (:func:`nvfp4_dit.attention` does that).
         causal: SDPA's ``is_causal`` convention: query i sees keys j <= i.
         scale: softmax scale, default ``1/sqrt(D)``.
-        key_bias: optional additive float bias per key ``[B, Sk]`` (in units of the *scaled*
-            score; ``-inf`` masks a key).
+        key_bias: optional additive float bias per key ``[B, Sk]`` or ``[B, H or 1, Sk]`` (in units
+            of the *scaled* score; ``-inf`` masks a key), added through the correction term.
         kv_lens: optional int ``[B]``: keys j >= kv_lens[b] are masked.
         balance_qk: balance Q and K per channel before quantising (exact in the logits).
         query_blocks: optional ``(first, last)`` range of 128-row Q blocks to compute; the
@@ -87,11 +87,12 @@ def attention_reference(
     dev = q_hat.device
 
     # Key masks: -inf for keys past kv_lens and the padding; a key bias (in units of the scaled
-    # score) becomes kernel score units per Q block below (divided by scale * f).
+    # score) enters the correction, in kernel score units (preprocess.correction).
     valid = fmt.valid_key_mask(kv_lens, b, sk, dev)
     mask = fmt.pad_dim(torch.where(valid, 0.0, -math.inf), 1, skp, -math.inf)[:, None, None, None, :]
-    key_bias_units = None if key_bias is None else \
-        fmt.pad_dim(key_bias.to(dev, torch.float32), 1, skp)[:, None, None, None, :] / scale
+    if key_bias is not None:
+        key_bias = key_bias.to(dev, torch.float32)
+        key_bias = key_bias[:, None, :] if key_bias.dim() == 2 else key_bias
     f_all = qq.score_scale().to(dev)  # [B, H, nblk]: kernel score units -> q.k units
     v_scale = qq.v_scale.to(dev).repeat_interleave(group, 1)[:, :, None, None]
     v_mean = qq.v_mean.to(dev).repeat_interleave(group, 1)[:, :, None, :]
@@ -113,10 +114,8 @@ def attention_reference(
         rows = r1 - r0
         qc = q_hat[:, :, r0:r1].reshape(b, hkv, group * rows, dp)
         s = torch.matmul(qc, k_hat.transpose(-1, -2)).view(b, h, b1 - b0, fmt.SEQ_TILE, skp)
-        s = s + preprocess.correction(qq, b0, b1)[:, :, :, None, :] + mask
+        s = s + preprocess.correction(qq, b0, b1, key_bias=key_bias, scale=scale)[:, :, :, None, :] + mask
         f = f_all[:, :, b0:b1, None, None]
-        if key_bias_units is not None:
-            s = s + key_bias_units / f
         s = s.view(b, h, rows, skp)
         f_rows = f.view(b, h, b1 - b0, 1, 1).expand(b, h, b1 - b0, fmt.SEQ_TILE, 1).reshape(b, h, rows, 1)
         cf = c * f_rows  # the softmax scale in kernel units, log2 based
@@ -178,10 +177,10 @@ def attention_exact(
     group = h // hkv
     scale = fmt.default_scale(d) if scale is None else float(scale)
     valid = fmt.valid_key_mask(kv_lens, b, sk, qh.device)
-    bias = torch.where(valid, 0.0, -math.inf).to(dtype)
+    bias = torch.where(valid, 0.0, -math.inf).to(dtype)[:, None, None, :]
     if key_bias is not None:
-        bias = bias + key_bias.to(qh.device, dtype)
-    bias = bias[:, None, None, :]
+        kb = key_bias.to(qh.device, dtype)
+        bias = bias + (kb[:, None, None, :] if kb.dim() == 2 else kb[:, :, None, :])
     kh = kh.repeat_interleave(group, 1)
     vh = vh.repeat_interleave(group, 1)
     outs, lses = [], []

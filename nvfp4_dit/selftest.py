@@ -96,8 +96,11 @@ _lock = threading.Lock()
 def reset() -> None:
     """Forget every verdict: the next FP4 call checks again (tests, long-lived servers after a
     driver update)."""
+    from .planner import forget_resolved
+
     with _lock:
         _verdicts.clear()
+    forget_resolved()
 
 
 def verdicts() -> dict[KernelKey, Verdict]:
@@ -398,7 +401,7 @@ def check_quantiser(q, k, v, qk_format: str = "nvfp4") -> tuple[bool, str]:
     """The CUDA quantiser's bytes against preprocess.quantize_qkv, exactly."""
     from .cuda import quantize
 
-    got = quantize.launch_quantize_qkv(q, k, v, layout="NHD", kv_lens=None, balance_qk=True, qk_format=qk_format)
+    got = quantize.quantize_qkv(q, k, v, layout="NHD", balance_qk=True, qk_format=qk_format)
     want = preprocess.quantize_qkv(q, k, v, layout="NHD", balance_qk=True, qk_format=qk_format)
     differ = []
     for name in QUANTISED_FIELDS:
@@ -417,7 +420,7 @@ def check_attention(q, k, v, qk_format: str = "nvfp4") -> tuple[bool, str]:
     from .cuda import attention as attention_cuda
     from .reference import attention_reference
 
-    out, lse, _ = attention_cuda.attention(q, k, v, layout="NHD", causal=False, scale=None, kv_lens=None,
+    out, lse = attention_cuda.attention(q, k, v, layout="NHD", causal=False, scale=None, kv_lens=None,
                                            return_lse=True, balance_qk=True, qk_format=qk_format)
     ref, ref_lse = attention_reference(q, k, v, layout="NHD", return_lse=True, qk_format=qk_format)
     a, b = out.double().flatten(), ref.double().flatten()

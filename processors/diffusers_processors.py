@@ -33,6 +33,7 @@ from typing import Optional
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from nvfp4_dit import planner
 from nvfp4_dit.policy import AttentionPolicy
 
 from . import backend as _backend
@@ -145,7 +146,7 @@ class NVFP4AttnProcessorBase:
         self.steps = steps
         self.observe_only = observe_only
         self.name = name
-        self.enabled = policy.layer_allowed(name)  # no name + an allow-list: stays dense
+        self.enabled = policy.layer_allowed(name)  # no name + an allow-list: stays exact
         # A calibrated policy: the uniform policy of each NVFP4 precision this layer may run in.
         self._precision_policies = policy.precision_policies() if policy.per_layer else {}
         if cls.route == ROUTE_DISPATCH:
@@ -189,16 +190,17 @@ class NVFP4AttnProcessorBase:
 
     def _forward(self, attn, args, kwargs):
         step = self.steps.current_step if self.steps is not None else None
-        precision = self.policy.precision_for(self.name, step)
-        policy = self.policy if precision is None or precision.exact else self._precision_policies[precision]
-        dense = (not self.enabled or (precision is not None and precision.exact)
-                 or self.policy.dense_reason(cross=self._is_cross(args, kwargs), step=step) is not None)
-        if dense:
+        # The tensor-free rules of the call planner (role, step, layer, calibrated precision); the
+        # router applies the rest (lengths, eligibility, back-end, mask) to the tensors.
+        reason, precision = planner.policy_reason(self.policy, cross=self._is_cross(args, kwargs), step=step,
+                                                  layer=self.name)
+        if reason is not None:
             if not routing._OBSERVERS:
                 return self.original(attn, *args, **kwargs)
-            observe = routing.DENSE_BY_POLICY  # observed, still exact
+            observe = reason  # observed, still exact
         else:
             observe = routing.OBSERVE_ONLY if self.observe_only else None
+        policy = self.policy if precision is None else self._precision_policies[precision]
         prev = routing.push_route(policy, observe, self.name, step)
         try:
             if self.route == ROUTE_DISPATCH:

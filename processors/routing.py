@@ -18,15 +18,13 @@ from typing import Callable, Optional
 import torch
 
 import nvfp4_dit
-from nvfp4_dit import format as fmt
+from nvfp4_dit import ops, planner
 from nvfp4_dit.fallback import FallbackWarning, reset_fallback_warnings, warn_once
-from nvfp4_dit.masks import KeyMask, NotPerKeyMask, reduce_key_mask
 from nvfp4_dit.policy import AttentionPolicy
 
 # Compute every call exactly as the unmodified model does, still passing it through the router so
 # observers see it (baselines, capture of a dense run); the reason observers are given.
 OBSERVE_ONLY = "observe only"
-DENSE_BY_POLICY = "dense by policy"
 
 
 class _RouteState:
@@ -37,7 +35,7 @@ class _RouteState:
     """
 
     policy: Optional[AttentionPolicy] = None
-    observe: Optional[str] = None  # compute exactly, report this reason (OBSERVE_ONLY, DENSE_BY_POLICY)
+    observe: Optional[str] = None  # compute exactly, report this reason (OBSERVE_ONLY or a policy rule)
     default: AttentionPolicy = AttentionPolicy()
     # Who is calling (for observers): the module path and the (step, total) of the forward.
     layer: Optional[str] = None
@@ -93,9 +91,10 @@ def pop_route(prev: tuple) -> None:
 class CallInfo:
     """What an observer learns about one routed attention call.
 
-    ``path`` is "fp4" (nvfp4_dit.attention ran with ``backend``) or "exact" (the model's own
-    computation ran, ``backend`` "sdpa"; ``reason`` says why: a policy such as "short sequence" /
-    "observe only", or what NVFP4 cannot express).  ``attn_mask`` is the mask with SDPA semantics.
+    ``path`` is "fp4" (the FP4 op ran on ``backend``, "cuda" or "reference": what ran, ``auto``
+    resolved) or "exact" (the model's own computation ran, ``backend`` "sdpa"; ``reason`` says why:
+    a policy rule such as "cross-attention", "dense step", "short sequence", "observe only", or
+    what NVFP4 cannot express).  ``attn_mask`` is the mask with SDPA semantics.
     """
 
     layer: Optional[str]
@@ -119,8 +118,8 @@ def add_observer(fn: Callable) -> None:
     output, or ``(out, lse)`` when the caller asked for the LSE).  Observers add a device sync
     per call (for the timing); nothing is kept unless the observer keeps it.
 
-    While an observer is registered, NVFP4 processors also route their dense-by-policy calls
-    (reason "dense by policy"), computed exactly; for dispatch-based models that exact path is
+    While an observer is registered, NVFP4 processors also route the calls their policy keeps
+    exact (the reason names the rule), computed exactly; for dispatch-based models that exact path is
     diffusers' native SDPA backend, i.e. what they run by default.
     """
     _OBSERVERS.append(fn)
@@ -143,60 +142,9 @@ def _warn_once(reason: str) -> None:
     warn_once(f"nvfp4_dit.processors: exact attention instead of NVFP4: {reason}", NVFP4FallbackWarning)
 
 
-class _NotExpressible(Exception):
-    """The call is valid attention but the FP4 path cannot express it (carries the reason)."""
-
-
-def key_mask_from_sdpa_mask(mask: torch.Tensor, b: int, h: int, sq: int, sk: int) -> KeyMask:
-    """The per-key form of an SDPA ``attn_mask`` (:func:`nvfp4_dit.masks.reduce_key_mask`), or
-    ``_NotExpressible`` for masks without one and for rows that keep no key (SDPA gives NaN there,
-    which only the model's own computation reproduces)."""
-    try:
-        km = reduce_key_mask(mask, b, h, sq, sk)
-    except NotPerKeyMask as e:
-        raise _NotExpressible(str(e)) from None
-    if km.empty_rows:
-        raise _NotExpressible("a batch row with every key masked (SDPA gives NaN there)")
-    return km
-
-
 # ---------------------------------------------------------------------------------------------
 # The routed call
 # ---------------------------------------------------------------------------------------------
-
-def _dims(t: torch.Tensor, layout: str) -> tuple[int, int, int, int]:
-    """(B, H, S, D) of a 4-D tensor in ``layout``."""
-    if layout == "NHD":
-        b, s, h, d = t.shape
-    else:
-        b, h, s, d = t.shape
-    return b, h, s, d
-
-
-def _expressible_reason(query, key, value, layout, attn_mask, dropout_p, is_causal, enable_gqa,
-                        policy: AttentionPolicy) -> tuple[Optional[str], bool]:
-    """(reason the FP4 path cannot take this call or None, whether to warn about it)."""
-    if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (query, key, value)):
-        return "q/k/v not 4-D tensors", True
-    if not (query.dtype == key.dtype == value.dtype) or query.dtype not in (
-            torch.float16, torch.bfloat16, torch.float32):
-        return f"dtypes {query.dtype}/{key.dtype}/{value.dtype}", True
-    if not (query.device == key.device == value.device):
-        return "q/k/v on different devices", True
-    if dropout_p:
-        return "dropout_p > 0", True
-    if attn_mask is not None and is_causal:
-        return "attn_mask together with is_causal", True
-    b, h, sq, d = _dims(query, layout)
-    bk, hkv, sk, dk = _dims(key, layout)
-    if tuple(key.shape) != tuple(value.shape) or bk != b or dk != d:
-        return "q/k/v shapes that SDPA would broadcast or reject", True
-    if h != hkv and (not enable_gqa or hkv == 0 or h % hkv):
-        return f"{h} query heads with {hkv} key/value heads without enable_gqa", True
-    if fmt.padded_head_dim(d) is None:
-        return f"head dim {d} > {fmt.SUPPORTED_HEAD_DIMS[-1]}", True
-    return policy.dense_reason(seq_q=sq, seq_k=sk), False
-
 
 def routed_attention(
     query: torch.Tensor,
@@ -231,12 +179,12 @@ def routed_attention(
     if sync:
         torch.cuda.synchronize(query.device)
     t0 = time.perf_counter()
-    res, path, reason = _route(*args)
+    res, path, reason, backend = _route(*args)
     if sync:
         torch.cuda.synchronize(query.device)
     info = CallInfo(layer=_STATE.layer, step=_STATE.step, layout=layout, is_causal=bool(is_causal), scale=scale,
                     enable_gqa=bool(enable_gqa), attn_mask=attn_mask, path=path, reason=reason,
-                    backend=policy.backend if path == "fp4" else "sdpa", seconds=time.perf_counter() - t0)
+                    backend=backend, seconds=time.perf_counter() - t0)
     for fn in list(_OBSERVERS):
         fn(info, query, key, value, res)
     return res
@@ -248,65 +196,36 @@ def rerun(info: CallInfo, query, key, value, policy: AttentionPolicy, exact: Cal
 
     For calibration: the same tensors and call arguments, computed the way ``policy`` would.
     """
-    res, path, _ = _route(query, key, value, info.layout, info.attn_mask, 0.0, info.is_causal, info.scale,
-                          info.enable_gqa, return_lse, policy, None, exact)
+    res, path, _, _ = _route(query, key, value, info.layout, info.attn_mask, 0.0, info.is_causal, info.scale,
+                             info.enable_gqa, return_lse, policy, None, exact)
     return res, path
 
 
 def _route(query, key, value, layout, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
            policy, observe, exact):
-    """(result, path, reason) -- see :func:`routed_attention`."""
+    """(result, path, reason, back-end that ran) -- see :func:`routed_attention`. The decision is the call planner's
+    (:func:`nvfp4_dit.planner.plan_call`); the processor around the call has already applied the
+    role, step and layer rules, so only the tensors' rules are checked here."""
     if observe is not None:
-        reason, warn = observe, False
+        plan = planner.exact(observe)
     else:
-        reason, warn = _expressible_reason(query, key, value, layout, attn_mask, dropout_p, is_causal,
-                                           enable_gqa, policy)
-    km = KeyMask()
-    if reason is None and attn_mask is not None:
-        b, h, sq, _ = _dims(query, layout)
-        sk = _dims(key, layout)[2]
-        try:
-            km = key_mask_from_sdpa_mask(attn_mask, b, h, sq, sk)
-        except _NotExpressible as e:
-            reason, warn = str(e), True
-    if reason is not None:
-        if warn:
-            _warn_once(reason)
+        plan = planner.plan_call(query, key, value, layout=layout, policy=policy, attn_mask=attn_mask,
+                                 is_causal=is_causal, dropout_p=dropout_p, enable_gqa=enable_gqa, scale=scale,
+                                 check_layer=False)
+    if not plan.run_op:
+        if plan.warn:
+            _warn_once(plan.reason)
         res = _exact_with_lse(query, key, value, layout, attn_mask, is_causal, scale) if return_lse else exact()
-        return res, "exact", reason
-
-    op_backend = policy.backend
-    try:
-        res = nvfp4_dit.attention(query, key, value, layout=layout, causal=bool(is_causal), scale=scale,
-                                  attn_mask=km.as_key_bias(), kv_lens=km.kv_lens, return_lse=return_lse,
-                                  backend=op_backend, balance_qk=policy.balance_qk, qk_format=policy.qk_format)
-    except nvfp4_dit.BackendUnavailableError as e:
-        # An explicitly requested back-end (cuda / reference) cannot run this call: never break
-        # the pipeline, run it exactly.
-        reason = f"backend={op_backend!r} unavailable: {e}"
-        _warn_once(reason)
-        res = _exact_with_lse(query, key, value, layout, attn_mask, is_causal, scale) if return_lse else exact()
-        return res, "exact", reason
-    if return_lse and km.shift is not None:
-        out, lse = res
-        res = (out, lse + km.shift[:, None, None])
-    return res, "fp4", None
+        return res, "exact", plan.reason, "sdpa"
+    res = ops.run_fp4(query, key, value, layout=layout, causal=bool(is_causal), scale=scale,
+                            key_mask=plan.key_mask, kv_lens=None, return_lse=return_lse, backend=plan.backend,
+                            balance_qk=plan.balance_qk, qk_format=plan.qk_format)
+    return res, ("fp4" if plan.fp4 else "exact"), None, plan.backend
 
 
 def _exact_with_lse(query, key, value, layout, attn_mask, is_causal, scale):
     """Exact attention and its LSE [B, H, Sq] (fp32) for calls that must return an LSE."""
-    b, h, sq, _ = _dims(query, layout)
-    sk = _dims(key, layout)[2]
-    kwargs = {}
-    if attn_mask is not None:
-        try:
-            km = key_mask_from_sdpa_mask(attn_mask, b, h, sq, sk)
-        except _NotExpressible as e:
-            raise ValueError(f"return_lse with attn_mask of shape {tuple(attn_mask.shape)}: {e}") from None
-        kwargs = {"attn_mask": km.as_key_bias(), "kv_lens": km.kv_lens}
-    out, lse = nvfp4_dit.attention(query, key, value, layout=layout, causal=bool(is_causal), scale=scale,
-                                   return_lse=True, backend="sdpa", **kwargs)
-    if attn_mask is not None and km.shift is not None:
-        lse = lse + km.shift[:, None, None]
-    return out, lse
-
+    if attn_mask is not None and attn_mask.dim() == 2:
+        attn_mask = attn_mask[None, None]   # SDPA reads a 2-D mask as [Sq, Sk]; the op as [B, Sk]
+    return nvfp4_dit.attention(query, key, value, layout=layout, causal=bool(is_causal), scale=scale,
+                               attn_mask=attn_mask, return_lse=True, backend="sdpa")

@@ -158,7 +158,7 @@ def main() -> int:
 
             def kernel_only():
                 attention_cuda.run_kernel(qq, [(0, qq.num_q_blocks, delta)], out, None, scale=scale, causal=causal,
-                                          kv_lens=None, native=native)
+                                          kv_lens=None)
 
             def preparation():
                 for _ in quantize.iter_corrections(quantize.quantize_qkv(q, k, v, layout="HND")):

@@ -21,9 +21,12 @@ def gen():
 
 @pytest.fixture(autouse=True)
 def _fresh_fallback_warnings():
+    """Each test sees its own fallback warnings and back-end resolution (tests swap build states)."""
     import nvfp4_dit
+    from nvfp4_dit import planner
 
     nvfp4_dit.reset_fallback_warnings()
+    planner.forget_resolved()
     yield
 
 

@@ -64,8 +64,7 @@ def _run(q, k, v, **kw):
     kw.setdefault("kv_lens", None)
     kw.setdefault("return_lse", True)
     kw.setdefault("quantizer", "torch")   # the reference's own quantisation: the same bytes
-    out, lse, _ = attention_cuda.attention(q, k, v, **kw)
-    return out, lse
+    return attention_cuda.attention(q, k, v, **kw)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -232,13 +231,13 @@ def test_correction_chunks_do_not_change_the_result(kernel):
         out = torch.empty(1, 2, 1000, 128, dtype=torch.bfloat16, device="cuda")
         lse = torch.empty(1, 2, 1000, dtype=torch.float32, device="cuda")
         attention_cuda.run_kernel(qq, [(b0, b1, full[:, :, b0:b1]) for b0, b1 in chunks], out, lse,
-                                scale=128**-0.5, causal=True, kv_lens=None, native=_native())
+                                scale=128**-0.5, causal=True, kv_lens=None)
         outs.append((out, lse))
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
     # The budgeted chunking of the pipeline itself: the correction does not depend on the chunks.
     out = torch.empty_like(outs[0][0])
     attention_cuda.run_kernel(qq, quantize.iter_corrections(qq, budget=2 * 1024 * 4 * 3), out, None,
-                            scale=128**-0.5, causal=True, kv_lens=None, native=_native())
+                            scale=128**-0.5, causal=True, kv_lens=None)
     assert torch.equal(out, outs[0][0])
 
 
@@ -287,7 +286,7 @@ def test_long_sequences_sampled_rows(kernel, h, s):
     out = torch.empty(1, s, h, 128, dtype=torch.bfloat16, device="cuda")
     lse = torch.empty(1, h, s, dtype=torch.float32, device="cuda")
     attention_cuda.run_kernel(qq, quantize.iter_corrections(qq), out.transpose(1, 2), lse,
-                            scale=128**-0.5, causal=False, kv_lens=None, native=_native())
+                            scale=128**-0.5, causal=False, kv_lens=None)
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
     nblk = qq.num_q_blocks
     for blk in (0, nblk // 2, nblk - 1):

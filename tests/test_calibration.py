@@ -125,6 +125,7 @@ def test_version1_policy_files_keep_loading(tmp_path):
 
 diffusers = pytest.importorskip("diffusers")
 
+from nvfp4_dit import ops  # noqa: E402
 from nvfp4_dit.processors import routing  # noqa: E402
 from nvfp4_dit.processors.tiny_models.diffusers_families import FAMILIES, build  # noqa: E402
 from nvfp4_dit.processors.tiny_models.pipeline import build_tiny_pipeline  # noqa: E402
@@ -232,13 +233,13 @@ def test_apply_follows_the_calibrated_policy(forced, tmp_path, monkeypatch):
     path = tmp_path / "policy.json"
     policy.save(path)
     calls = []
-    orig = nvfp4_dit.attention
+    orig = ops.run_fp4
 
     def spy(q, k, v, **kw):
         calls.append((routing._STATE.layer, kw.get("balance_qk"), kw.get("qk_format")))
         return orig(q, k, v, **kw)
 
-    monkeypatch.setattr(routing.nvfp4_dit, "attention", spy)
+    monkeypatch.setattr(ops, "run_fp4", spy)
     with nvfp4_dit.apply(pipe, policy=str(path)) as handle:
         assert handle.policy == policy
         _generate(pipe)

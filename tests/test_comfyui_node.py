@@ -158,8 +158,11 @@ def _padding_masks():
     interior = torch.ones(2, 1, 1, 40, dtype=torch.bool)
     interior[:, ..., 5:9] = False  # not a suffix: fine for the reference and sdpa back-ends
     constant = torch.full((2, 1, 1, 40), -0.5)  # the same bias on every key: softmax ignores it
+    per_head = torch.ones(2, 2, 1, 40, dtype=torch.bool)
+    per_head[:, 1, :, 30:] = False  # each head its own keys
+    bias = torch.linspace(-0.5, 0.0, 40).expand(2, 1, 1, 40)  # a genuine per-key bias
     return {"bool": bool_mask, "additive_3d": additive, "shared_2d": shared, "interior": interior,
-            "constant": constant}
+            "constant": constant, "per_head": per_head, "bias": bias}
 
 
 @pytest.mark.parametrize("name", list(_padding_masks()))
@@ -176,14 +179,20 @@ def test_key_padding_masks_run_in_the_op(gen, name):
 def _unexpressible_masks():
     per_query = torch.zeros(2, 1, 40, 40)
     per_query[:, :, :20, 30:] = -math.inf
-    per_head = torch.ones(2, 2, 1, 40, dtype=torch.bool)
-    per_head[:, 1, :, 30:] = False
-    bias = torch.linspace(-0.5, 0.0, 40).expand(2, 1, 1, 40)  # a genuine per-key bias
+    wrong_keys = torch.zeros(2, 1, 1, 12)
+    return {"per_query": per_query, "int_mask": torch.ones(2, 1, 1, 40, dtype=torch.int64), "wrong_keys": wrong_keys}
+
+
+def test_a_row_with_no_key_left_gives_zeros(gen):
+    # Whether a row keeps a key is in the mask's values, which the call never waits for: the op
+    # gives 0 there (SDPA gives NaN).
     nothing_left = torch.ones(2, 1, 1, 40, dtype=torch.bool)
     nothing_left[1] = False
-    wrong_keys = torch.zeros(2, 1, 1, 12)
-    return {"per_query": per_query, "per_head": per_head, "bias": bias, "nothing_left": nothing_left,
-            "int_mask": torch.ones(2, 1, 1, 40, dtype=torch.int64), "wrong_keys": wrong_keys}
+    q, k, v = qkv(gen, False)
+    func = RecordingFunc()
+    out = NVFP4AttentionOverride(AttentionPolicy(backend="sdpa", **OPEN))(func, q, k, v, 2, mask=nothing_left)
+    assert func.calls == [] and (out[1] == 0).all()
+    torch.testing.assert_close(out[:1], exact(q[:1], k[:1], v[:1], 2, False, False), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("name", list(_unexpressible_masks()))
@@ -495,15 +504,17 @@ class AttentionLog:
 
 @pytest.fixture
 def op_calls(monkeypatch):
-    """Every call the override makes into nvfp4_dit.attention (it looks the op up at call time)."""
+    """Every call the override makes into the op (ops.run_fp4, looked up at call time)."""
+    from nvfp4_dit import ops
+
     calls = []
-    real = nvfp4_dit.attention
+    real = ops.run_fp4
 
     def counting(q, k, v, **kwargs):
         calls.append(kwargs)
         return real(q, k, v, **kwargs)
 
-    monkeypatch.setattr(nvfp4_dit, "attention", counting)
+    monkeypatch.setattr(ops, "run_fp4", counting)
     return calls
 
 
@@ -576,7 +587,7 @@ def test_every_eligible_call_runs_in_the_op(comfyui, tiny_cases, unpatched, op_c
     out = comfyui_env.sample(comfyui, patched, case)
     assert len(op_calls) == len(reference_calls)
     if name == "ltxv":
-        assert any(c["attn_mask"] is not None for c in op_calls)
+        assert any(c["key_mask"] is not None for c in op_calls)
     torch.testing.assert_close(out, expected, atol=2e-4, rtol=2e-4)
 
 

@@ -106,13 +106,20 @@ def test_reference_rejects_general_masks(gen):
     assert torch.allclose(out.double(), want.transpose(1, 2), atol=1e-5)
 
 
-def test_a_full_size_mask_that_is_the_same_for_every_query_is_a_key_mask(gen):
+def test_a_mask_with_a_query_dim_is_not_a_key_mask_whatever_its_values(gen):
+    # Whether a mask has a per-key form is decided by its shape (no host sync): a full-size mask
+    # runs exact, even when it is the same for every query.
     q, k, v = _qkv(gen)
     mask = torch.ones(2, 4, 192, 160, dtype=torch.bool)
     mask[1, :, :, 120:] = False
-    out = nvfp4_dit.attention(q, k, v, attn_mask=mask, backend="reference")
-    lens = torch.tensor([160, 120])
-    assert torch.equal(out, nvfp4_dit.attention(q, k, v, kv_lens=lens, backend="reference"))
+    with pytest.raises(BackendUnavailableError, match="differs between queries"):
+        nvfp4_dit.attention(q, k, v, attn_mask=mask, backend="reference")
+    with pytest.warns(nvfp4_dit.FallbackWarning, match="differs between queries"):
+        out = nvfp4_dit.attention(q, k, v, attn_mask=mask)
+    assert torch.equal(out, nvfp4_dit.attention(q, k, v, attn_mask=mask, backend="sdpa"))
+    per_key = mask[:, :1, :1, :]
+    assert torch.equal(nvfp4_dit.attention(q, k, v, attn_mask=per_key, backend="reference"),
+                       nvfp4_dit.attention(q, k, v, kv_lens=torch.tensor([160, 120]), backend="reference"))
 
 
 def test_head_dim_above_128_falls_back(gen):
@@ -194,7 +201,12 @@ def test_opcheck(gen):
     for backend in ("sdpa", "reference"):
         for qk_format in ("nvfp4", "mxfp8"):
             torch.library.opcheck(torch.ops.nvfp4_dit.attention.default,
-                                  (q, k, v, None, lens, "NHD", False, None, True, backend, True, qk_format))
+                                  (q, k, v, None, lens, None, "NHD", False, None, True, backend, True, qk_format))
+    bias = torch.zeros(1, 4, 128)
+    bias[:, :, 90:] = -math.inf
+    torch.library.opcheck(torch.ops.nvfp4_dit.attention.default,
+                          (q, k, v, bias, lens, torch.tensor([False]), "NHD", False, None, True, "reference", True,
+                           "nvfp4"))
 
 
 def test_torch_compile_fullgraph(gen):

@@ -28,6 +28,7 @@ import torch
 pytest.importorskip("diffusers")
 
 import nvfp4_dit  # noqa: E402
+from nvfp4_dit import ops  # noqa: E402
 from nvfp4_dit.processors import apply, routing  # noqa: E402
 from nvfp4_dit.processors import diffusers_processors as dp  # noqa: E402
 from nvfp4_dit.processors.tiny_models.diffusers_families import FAMILIES, build  # noqa: E402
@@ -43,19 +44,23 @@ def _rel(a, b):
 
 
 class OpSpy:
-    """Records every nvfp4_dit.attention call the router makes (and its error vs exact)."""
+    """Records every FP4 call the router makes (``ops.run_fp4``) and its error vs exact."""
 
     def __init__(self, compare=False):
         self.calls = []
         self.errors = []
         self.compare = compare
-        self._orig = nvfp4_dit.attention
+        self._orig = ops.run_fp4
 
     def __call__(self, q, k, v, **kw):
         out = self._orig(q, k, v, **kw)
-        self.calls.append((tuple(q.shape), tuple(k.shape), kw.get("layout"), kw.get("kv_lens"), kw.get("attn_mask")))
+        key_mask = kw.get("key_mask")
+        lens = kw.get("kv_lens") if key_mask is None else key_mask.kv_lens
+        self.calls.append((tuple(q.shape), tuple(k.shape), kw.get("layout"), lens, key_mask))
         if self.compare:
-            exact = self._orig(q, k, v, **{**kw, "backend": "sdpa"})
+            mask = None if key_mask is None else key_mask.bias[:, :, None, :]
+            exact = nvfp4_dit.attention(q, k, v, layout=kw["layout"], causal=kw["causal"], scale=kw["scale"],
+                                        attn_mask=mask, return_lse=kw["return_lse"], backend="sdpa")
             self.errors.append(_rel(out if not kw.get("return_lse") else out[0],
                                     exact if not kw.get("return_lse") else exact[0]))
         return out
@@ -64,7 +69,7 @@ class OpSpy:
 @pytest.fixture
 def spy(monkeypatch):
     s = OpSpy()
-    monkeypatch.setattr(routing.nvfp4_dit, "attention", s)
+    monkeypatch.setattr(ops, "run_fp4", s)
     return s
 
 
@@ -87,14 +92,14 @@ def test_fp4_close_to_dense_and_restore_bit_identical(family, head_dim, dense_ou
     case, dense = _case_and_dense(family, head_dim, dense_outputs)
     originals = {n: m.processor for n, m in case.model.named_modules() if getattr(m, "processor", None) is not None}
     s = OpSpy(compare=True)
-    monkeypatch.setattr(routing.nvfp4_dit, "attention", s)
+    monkeypatch.setattr(ops, "run_fp4", s)
     handle = apply(case.model, backend="reference", cross_attention=True, min_seq_len=0)
     assert handle.processors, "no processor was wrapped"
     fp4 = case.run()
     handle.restore()
     after = case.run()
 
-    assert s.calls, "no call reached nvfp4_dit.attention"
+    assert s.calls, "no call reached the FP4 op"
     assert max(s.errors) < 0.25, s.errors
     for o, d in zip(fp4, dense):
         assert 0 < _rel(o, d) < 0.06
@@ -416,7 +421,7 @@ def test_no_tensors_held_after_a_step(monkeypatch):
     case = build("wan", head_dim=64)
     pipe = _tiny_pipeline(case)
     refs = []
-    orig = nvfp4_dit.attention
+    orig = ops.run_fp4
 
     def tracking(q, k, v, **kw):
         refs.extend(weakref.ref(t) for t in (q, k, v))
@@ -424,7 +429,7 @@ def test_no_tensors_held_after_a_step(monkeypatch):
         refs.append(weakref.ref(out))
         return out
 
-    monkeypatch.setattr(routing.nvfp4_dit, "attention", tracking)
+    monkeypatch.setattr(ops, "run_fp4", tracking)
     with apply(pipe, backend="reference", min_seq_len=0, cross_attention=True, dense_steps=(0, 0)) as h:
         latents = pipe(case.inputs, num_inference_steps=2)
         del latents
@@ -505,3 +510,52 @@ def test_cuda_memory_returns_to_baseline_after_steps():
         torch.cuda.synchronize()
         after = torch.cuda.memory_allocated()
     assert after == before, (before, after)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("mode", ["cuda_graph", "compile_reduce_overhead"])
+def test_a_denoising_step_is_captured_and_replays_bit_equal(mode, monkeypatch):
+    """One denoising step of the tiny Wan model under apply(pipe, backend="cuda") is captured in a
+    CUDA graph (by hand, and by torch.compile(mode="reduce-overhead")) and replays the eager bits:
+    no host sync and nothing host-side on the FP4 path. The self-test runs before the capture."""
+    from nvfp4_dit import selftest
+    from nvfp4_dit.processors.tiny_models.pipeline import build_tiny_pipeline
+
+    pipe = build_tiny_pipeline(dtype=torch.bfloat16).to("cuda")
+    model = pipe.transformer
+    selftest.verify(head_dims=(64,))
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(1, 4, 5, 16, 16, device="cuda", generator=gen).to(torch.bfloat16)
+    t = torch.full((1,), 500.0, device="cuda")
+    with torch.no_grad():
+        cond = pipe.text_encoder(["a red fox"]).to(torch.bfloat16)
+    fp4 = []
+    real = ops.run_fp4
+    monkeypatch.setattr(ops, "run_fp4", lambda *a, **kw: fp4.append(kw["backend"]) or real(*a, **kw))
+    with apply(pipe, backend="cuda", min_seq_len=256) as handle, torch.no_grad():
+        handle.set_step(2, 4)   # a middle step: FP4 by the policy
+
+        def step():
+            return model(hidden_states=x, timestep=t, encoder_hidden_states=cond, return_dict=False)[0]
+
+        eager = step()
+        assert fp4 == ["cuda", "cuda"]   # both self-attention layers; cross-attention stays exact
+        if mode == "cuda_graph":
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    step()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                static = step()
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(static, eager)
+        else:
+            compiled = torch.compile(step, mode="reduce-overhead")
+            for _ in range(4):
+                out = compiled()
+            torch.cuda.synchronize()
+            assert torch.equal(out, eager)

@@ -361,11 +361,13 @@ __device__ __forceinline__ void attention_fwd_body(const AttentionFwdParams& p) 
     // out = O / rowsum * v_scale + v_mean; a row with no visible key gives 0 (not v_mean, not NaN).
     const float v_scale = p.v_scale[bhk];
     const float* v_mean = p.v_mean + bhk * kHeadDim;
+    const bool poisoned = p.nonfinite_q_blocks[bh * nblk_all + m_blk] != 0u || p.nonfinite_kv[bhk] != 0u;
+    const float kNaN = __uint_as_float(0x7FC00000u);   // NVRTC has no NAN macro
     float l[2], out_scale[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       l[r] = quad_sum(l_part[r]);
-      out_scale[r] = l[r] > 0.0f ? (1.0f / l[r]) * v_scale : 0.0f;
+      out_scale[r] = poisoned ? kNaN : l[r] > 0.0f ? (1.0f / l[r]) * v_scale : 0.0f;
     }
     const bool bf16 = p.out_bf16 != 0;
 #pragma unroll
@@ -373,7 +375,7 @@ __device__ __forceinline__ void attention_fwd_body(const AttentionFwdParams& p) 
       const int row = r ? row_g8 : row_g;
       if (row >= p.seq_q) continue;
       const int64_t base = b * p.out_stride_b + h * p.out_stride_h + int64_t(row) * p.out_stride_s;
-      const bool has_keys = l[r] > 0.0f;
+      const bool has_keys = l[r] > 0.0f || poisoned;
 #pragma unroll
       for (int j = 0; j < T::kNTilesO; ++j) {
         const int col = F::out_col(j, t, 0);
@@ -388,8 +390,8 @@ __device__ __forceinline__ void attention_fwd_body(const AttentionFwdParams& p) 
       }
       if constexpr (kWithLse) {
         if (t == 0) {
-          float lse = -INFINITY;
-          if (l[r] > 0.0f) {
+          float lse = poisoned ? kNaN : -INFINITY;
+          if (l[r] > 0.0f && !poisoned) {
             const float qdk = p.q_dot_km[b * p.qdk_stride_b + h * p.qdk_stride_h + row];
             lse = m_run[r] * (p.scale * score_unit) + logf(l[r]) - kLnPRange + p.scale * qdk;
           }

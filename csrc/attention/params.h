@@ -50,6 +50,12 @@ struct AttentionFwdParams {
   float* lse;
   int64_t lse_stride_b, lse_stride_h;
 
+  // The quantiser's NaN/inf flags (nonzero: a non-finite input reached this unit; FP4 scales would
+  // hide it): [B, H, Sqp/128] per Q block, [B, Hkv] per kv head. Every row of a flagged Q block or
+  // kv head's query heads is written as NaN (output and LSE), as exact attention would give.
+  const uint32_t* nonfinite_q_blocks;
+  const uint32_t* nonfinite_kv;
+
   int batch, heads, kv_heads;
   int seq_q, seq_k;      // true lengths
   int seq_q_pad, seq_k_pad;

@@ -39,7 +39,7 @@ constexpr int kPrefetchWaves = 1;
 constexpr int kCorrectionThreads = 256;
 constexpr int kCorrectionTileM = 64;
 constexpr int kCorrectionTileN = 128;
-constexpr int kCorrectionSmemBytes[2] = {47104, 84224};
+constexpr int kCorrectionSmemBytes[2] = {47360, 84480};
 
 }  // namespace launch
 }  // namespace nvfp4_dit

@@ -41,6 +41,7 @@ struct CorrectionSmem {
   float km[DP];
   float key_factor[kTileN];  // 2^(ek - 22)
   float row_factor[kTileM];  // 2^(eq - 22) / (q_scale k_scale)
+  float bias_divisor[kTileM];  // scale * q_scale * k_scale: a key bias in the kernel's score units
 };
 static_assert(sizeof(CorrectionSmem<64>) == launch::kCorrectionSmemBytes[0], "launch.h: correction shared memory");
 static_assert(sizeof(CorrectionSmem<128>) == launch::kCorrectionSmemBytes[1], "launch.h: correction shared memory");
@@ -162,6 +163,7 @@ __device__ __forceinline__ void convert_q_means(CorrectionSmem<DP>& s, const Cor
   if ((threadIdx.x & 3) == 0) {
     // To the attention kernel's score units: 1 / (q_scale k_scale) is a power of two, so exact.
     s.row_factor[r] = valid ? power_of_two(e - kFixedBits) * __frcp_rn(p.q_scale[block] * k_scale) : 0.0f;
+    s.bias_divisor[r] = p.scale * (p.q_scale[block] * k_scale);
   }
   store_limbs(s.q, r, d0, v, kQuarter, power_of_two(kFixedBits - e));
 }
@@ -211,6 +213,8 @@ __device__ __forceinline__ void correction_kernel(const CorrectionParams& p) {
       __cvta_generic_to_shared(&s.k[0][wn * 64 + (j >> 1) * 8 + (lane & 7)][(j & 1) * 16]));
   constexpr uint32_t kQLimbBytes = kTileM * kRow, kKLimbBytes = kTileN * kRow;
   float* out = p.delta + b * p.delta_stride_b + h * p.delta_stride_h;
+  const float* key_bias = p.key_bias != nullptr ? p.key_bias + b * p.key_bias_stride_b + h * p.key_bias_stride_h
+                                                : nullptr;
 
 #pragma unroll 1
   for (int64_t m0 = int64_t(blockIdx.y) * kTileM; m0 < n_rows; m0 += int64_t(gridDim.y) * kTileM) {
@@ -278,6 +282,8 @@ __device__ __forceinline__ void correction_kernel(const CorrectionParams& p) {
             const int64_t total = (int64_t(acc[0][t][c]) << 32) + (int64_t(acc[1][t][c]) << 24) +
                                   (int64_t(acc[2][t][c]) << 16) + (int64_t(acc[3][t][c]) << 8);
             v[i] = (__ll2float_rn(total) * s.key_factor[n + i]) * rf;
+            if (key_bias != nullptr && key0 + n + i < p.seq_k)
+              v[i] += __fdiv_rn(key_bias[key0 + n + i], s.bias_divisor[r]);
           }
           if constexpr (VEC_STORE) {
             *reinterpret_cast<float2*>(row + n) = make_float2(v[0], v[1]);

@@ -122,6 +122,13 @@ struct CorrectionParams {
   int64_t delta_stride_b;
   int64_t delta_stride_h;
   int64_t delta_stride_blk;
+  // A per-key additive mask (nvfp4_dit/masks.py), in units of the scaled scores: fp32 [B, H or 1,
+  // Sk] through element strides (h stride 0 for one row per batch), or nullptr. It enters delta
+  // as key_bias / (scale * q_scale * k_scale), -inf masking the key.
+  const float* key_bias;
+  int64_t key_bias_stride_b;
+  int64_t key_bias_stride_h;
+  float scale;          // the softmax scale (read only with key_bias)
 
   int64_t batch;
   int64_t heads_q;

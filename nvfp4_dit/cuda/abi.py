@@ -22,7 +22,7 @@ PREFETCH_WAVES = 1
 CORRECTION_THREADS = 256
 CORRECTION_TILE_M = 64
 CORRECTION_TILE_N = 128
-CORRECTION_SMEM_BYTES = (47104, 84224)     # [head dim 64, 128]
+CORRECTION_SMEM_BYTES = (47360, 84480)     # [head dim 64, 128]
 
 # csrc/quantize/params.h
 TILE_ROWS = 128
@@ -52,6 +52,7 @@ class AttentionFwdParams(ctypes.Structure):
         ("kv_lens", c_void_p),
         ("out", c_void_p), ("out_stride_b", c_int64), ("out_stride_h", c_int64), ("out_stride_s", c_int64),
         ("lse", c_void_p), ("lse_stride_b", c_int64), ("lse_stride_h", c_int64),
+        ("nonfinite_q_blocks", c_void_p), ("nonfinite_kv", c_void_p),
         ("batch", c_int), ("heads", c_int), ("kv_heads", c_int),
         ("seq_q", c_int), ("seq_k", c_int), ("seq_q_pad", c_int), ("seq_k_pad", c_int),
         ("head_dim_out", c_int), ("q_block_begin", c_int), ("q_block_end", c_int),
@@ -87,6 +88,7 @@ class CorrectionParams(ctypes.Structure):
         ("q_mean", c_void_p), ("k", StridedInput), ("dtype", c_int32), ("kv_lens", c_void_p),
         ("kv_lens_int64", c_bool), ("k_mean", c_void_p), ("q_scale", c_void_p), ("k_scale", c_void_p),
         ("delta", c_void_p), ("delta_stride_b", c_int64), ("delta_stride_h", c_int64), ("delta_stride_blk", c_int64),
+        ("key_bias", c_void_p), ("key_bias_stride_b", c_int64), ("key_bias_stride_h", c_int64), ("scale", c_float),
         ("batch", c_int64), ("heads_q", c_int64), ("heads_kv", c_int64), ("seq_k", c_int64),
         ("seq_k_padded", c_int64), ("head_dim", c_int64), ("head_dim_padded", c_int64),
         ("num_q_blocks", c_int64), ("block_begin", c_int64), ("block_end", c_int64),

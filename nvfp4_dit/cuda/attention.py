@@ -2,14 +2,18 @@
 
 The kernel (``csrc/attention/``) is one template with two MMA kinds: the native block-scaled FP4
 ``mma.sync`` on sm_120/sm_121 and an emulated one on sm_80/sm_90 that reproduces it with fp16
-``mma.sync`` from the same registers (:func:`nvfp4_dit.cuda.build.mma_kind`). ``backend="auto"`` in
-:mod:`nvfp4_dit.ops` takes this back-end only where the MMA is native, since the emulation is
-slower than exact SDPA.
+``mma.sync`` from the same registers (:func:`nvfp4_dit.cuda.build.mma_kind`). ``backend="auto"``
+takes this back-end only where the MMA is native (:mod:`nvfp4_dit.planner`), since the emulation
+is slower than exact SDPA.
 
-The correction ``delta = qm . k_s^T`` is ``[B, H, Sq/128, Skp]`` fp32, 6.7 GiB per batch element
-at 75k tokens and 40 heads, so it comes in chunks of Q blocks within a memory budget
-(:func:`nvfp4_dit.cuda.quantize.iter_corrections`) and the kernel runs once per chunk, writing those
-rows of the output in place.
+One call: one workspace allocation (the quantised operands, their statistics, the correction chunk
+buffer; :class:`~nvfp4_dit.cuda.launch.Workspace`), one memset, the output (and LSE) allocations,
+and the launches: the quantiser (two or three), then per correction chunk the correction and the
+attention kernel. The correction ``delta = qm . k_s^T`` is ``[B, H, Sq/128, Skp]`` fp32, 6.7 GiB
+per batch element at 75k tokens and 40 heads, so it comes in chunks of Q blocks within a memory
+budget (:func:`nvfp4_dit.cuda.quantize.correction_chunks`) and the kernel runs once per chunk,
+writing those rows of the output in place. A NaN/inf input poisons its rows inside the kernel.
+Nothing synchronises with the host.
 """
 
 from __future__ import annotations
@@ -18,19 +22,17 @@ from typing import Optional
 
 import torch
 
-from . import build
 from .. import format as fmt
 from .. import preprocess
-from . import launch as kernels
-from . import quantize
+from . import build, launch, quantize
 
 
 def unsupported_reason(q, k, v, *, layout: str, require_native: bool) -> Optional[str]:
-    """Why the kernel cannot run this call (a sentence), or None if it can. Causal attention and
-    key lengths are supported in every combination."""
+    """Why the kernel cannot run this call (a sentence), or None if it can. Causal attention, key
+    lengths and per-key masks are supported in every combination."""
     if q.device.type != "cuda" or k.device != q.device or v.device != q.device:
         return "tensors are not all on one CUDA device"
-    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+    if q.dtype not in launch.DTYPE_NAMES:
         return f"dtype {q.dtype} is not supported"
     qh, kh, vh = (fmt.to_hnd(t, layout) for t in (q, k, v))
     d = qh.shape[-1]
@@ -42,72 +44,159 @@ def unsupported_reason(q, k, v, *, layout: str, require_native: bool) -> Optiona
         return f"{qh.shape[1]} query heads are not a multiple of {kh.shape[1]} kv heads"
     if max(qh.shape[2], kh.shape[2]) >= 2**31 - 256:
         return "sequence too long for 32-bit token indices"
-    cc = build.device_capability(q.device)
+    return device_unsupported_reason(q.device, require_native)
+
+
+def device_unsupported_reason(device: torch.device, require_native: bool) -> Optional[str]:
+    """Why the kernel cannot run on this CUDA device (no kernel for its architecture, not native
+    where ``require_native``, the kernels not loadable), or None."""
+    cc = build.device_capability(device)
     kind = build.mma_kind(cc)
     if kind is None:
         return f"no kernel for sm_{cc[0]}{cc[1]} (native MMA: sm_120/121, emulated: sm_80..sm_90)"
     if require_native and kind != "native":
         return (f"sm_{cc[0]}{cc[1]} has no native FP4 MMA (only sm_120/sm_121 do); the emulated kernel is "
                 f"slower than exact SDPA, use backend='cuda' to run it anyway")
-    return build.unavailable_reason(q.device)
+    return build.unavailable_reason(device)
 
 
-def run_kernel(qq: fmt.QuantizedQKV, corrections, out_hnd: torch.Tensor, lse: Optional[torch.Tensor], *,
-               scale: float, causal: bool, kv_lens: Optional[torch.Tensor], native: bool) -> None:
-    """Launch the kernel once per ``(begin, end, delta)`` chunk of Q blocks in ``corrections``.
-
-    ``out_hnd`` is a ``[B, H, Sq, D]`` view (any batch/head/row strides) written in place, as is
-    ``lse [B, H, Sq]``; each launch writes the rows of its Q blocks. ``native`` picks the MMA kind.
-    """
-    lens = None if kv_lens is None else kv_lens.to(device=out_hnd.device, dtype=torch.int32).contiguous()
-    scales = (qq.q_scale.contiguous(), qq.k_scale.contiguous(), qq.v_scale.contiguous(), qq.v_mean.contiguous())
-    for b0, b1, delta in corrections:
-        if delta.stride(-1) != 1 or delta.data_ptr() % 16 or any(s % 4 for s in delta.stride()[:3]):
-            delta = delta.contiguous()
-        kernels.attention_fwd(qq.q_data, qq.q_sf, qq.k_data, qq.k_sf, qq.vt_data, qq.vt_sf, delta, qq.q_dot_km, *scales,
-                              lens, out_hnd, lse, qq.seq_q, qq.seq_k, b0, b1, float(scale), bool(causal), bool(native),
-                              qq.qk_format)
-        del delta
+_PLANES = ("q_data", "q_sf", "k_data", "k_sf", "vt_data", "vt_sf", "q_dot_km", "q_scale", "k_scale", "v_scale",
+           "v_mean", "nonfinite_q", "nonfinite_kv")
 
 
-def attention(q, k, v, *, layout, causal, scale, kv_lens, return_lse, balance_qk: bool = fmt.BALANCE_QK_DEFAULT,
-              qk_format: str = fmt.QK_FORMAT_DEFAULT, quantizer: str = "cuda"):
-    """NVFP4 attention on the GPU; the caller has validated the arguments (:func:`nvfp4_dit.attention`).
+def _workspace_planes(ws: launch.Workspace) -> dict:
+    regions = ws.layout.regions
+    return {name: (ws.base + regions[name].offset, regions[name].shape) for name in _PLANES}
 
-    ``quantizer``: "cuda" (:func:`nvfp4_dit.cuda.quantize.quantize_qkv`) or "torch"
-    (:func:`nvfp4_dit.preprocess.quantize_qkv` on the GPU: the reference's own bytes, for tests).
 
-    Returns ``(out [q's layout and dtype], lse [B, H, Sq] or None, nonfinite)``: ``nonfinite`` is
-    the ``(q_blocks [B, H, nblk], kv [B, Hkv])`` NaN/inf flags of
-    :func:`nvfp4_dit.preprocess.nonfinite_blocks`. The output is not poisoned here;
-    :mod:`nvfp4_dit.ops` does that for every FP4 back-end alike.
-    """
-    reason = build.unavailable_reason(q.device)
-    if reason is not None:
-        raise RuntimeError(reason)
-    if quantizer not in ("cuda", "torch"):
-        raise ValueError(f"quantizer must be 'cuda' or 'torch', got {quantizer!r}")
-    qh = fmt.to_hnd(q, layout)
-    b, h, sq, d = qh.shape
-    scale = fmt.default_scale(d) if scale is None else float(scale)
-    native = build.is_native(build.device_capability(q.device))
-    if quantizer == "cuda":
-        qq = quantize.launch_quantize_qkv(q, k, v, layout=layout, kv_lens=kv_lens, balance_qk=balance_qk,
-                                          qk_format=qk_format)
-        nonfinite = qq.nonfinite
-    else:
-        qq = preprocess.quantize_qkv(q, k, v, layout=layout, kv_lens=kv_lens, balance_qk=balance_qk, qk_format=qk_format)
-        nonfinite = preprocess.nonfinite_blocks(q, k, v, kv_lens, layout)
+def _tensor_planes(qq: fmt.QuantizedQKV, nonfinite: tuple) -> tuple[dict, list]:
+    """The planes of a QuantizedQKV of tensors (dense, as the kernel reads them), and the tensors
+    that must outlive the launches."""
+    keep = []
+
+    def plane(t):
+        t = t.contiguous()
+        keep.append(t)
+        return t.data_ptr(), tuple(t.shape)
+
+    planes = {name: plane(getattr(qq, name)) for name in _PLANES[:11]}
+    planes["nonfinite_q"] = plane(nonfinite[0].to(torch.int32))
+    planes["nonfinite_kv"] = plane(nonfinite[1].to(torch.int32))
+    return planes, keep
+
+
+def _output(q: torch.Tensor, layout: str, b: int, h: int, sq: int, d: int):
     out_dtype = q.dtype if q.dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
     if layout == "NHD":
         out = torch.empty(b, sq, h, d, dtype=out_dtype, device=q.device)
-        out_hnd = out.transpose(1, 2)
+        return out, out.transpose(1, 2)
+    out = torch.empty(b, h, sq, d, dtype=out_dtype, device=q.device)
+    return out, out
+
+
+def attention(q, k, v, *, layout: str, causal: bool, scale: Optional[float], kv_lens: Optional[torch.Tensor],
+              return_lse: bool, balance_qk: bool = fmt.BALANCE_QK_DEFAULT, qk_format: str = fmt.QK_FORMAT_DEFAULT,
+              key_bias: Optional[torch.Tensor] = None, mask_nonfinite: Optional[torch.Tensor] = None,
+              quantizer: str = "cuda"):
+    """NVFP4 attention on the GPU; the caller has validated the arguments (:func:`nvfp4_dit.attention`)
+    and made the device's kernels loadable (:func:`unsupported_reason`).
+
+    ``kv_lens``: int32/int64 [B] on the device (values are clamped to [0, Sk] by the kernels);
+    ``key_bias``: fp32 [B, H or 1, Sk] per-key mask in units of the scaled scores and
+    ``mask_nonfinite``: bool [B], a NaN/+inf in that batch's mask (:class:`nvfp4_dit.masks.KeyMask`).
+    ``quantizer``: "cuda" (the CUDA quantiser) or "torch" (:func:`nvfp4_dit.preprocess.quantize_qkv`
+    on the GPU: the reference's own bytes, for tests).
+
+    Returns ``(out [q's layout and dtype], lse [B, H, Sq] fp32 or None)``. Rows whose Q block or
+    kv head met a NaN/inf input (or whose batch's mask holds NaN/+inf) are NaN.
+    """
+    qh, kh, vh = (fmt.to_hnd(t, layout) for t in (q, k, v))
+    b, h, sq, d = qh.shape
+    sk = kh.shape[2]
+    scale = fmt.default_scale(d) if scale is None else float(scale)
+    dk = launch.device_kernels(q.device)
+    launch.ensure_current(dk.index)
+    stream = launch.current_stream(dk.index)
+    lens = None if kv_lens is None else (kv_lens if kv_lens.dtype == torch.int32 else kv_lens.to(torch.int32))
+    skp = fmt.round_up(max(sk, 1), fmt.SEQ_TILE)
+    nq = fmt.round_up(max(sq, 1), fmt.SEQ_TILE) // fmt.SEQ_TILE
+    chunks = quantize.correction_chunks(nq, b, h, skp)
+    if quantizer == "cuda":
+        rows = chunks[0][1] - chunks[0][0]
+        ws = launch.Workspace(quantize.workspace_layout(qh, kh, balance_qk, qk_format, rows), q.device)
+        ws.clear(stream)
+        launch.launch_quantize(dk, ws, qh, kh, vh, lens, balance_qk, qk_format, stream)
+        planes = _workspace_planes(ws)
+        if mask_nonfinite is not None:
+            ws.view("nonfinite_kv").bitwise_or_(mask_nonfinite[:, None].to(torch.int32))
+        k_input = kh
+        delta_ptr = ws.ptr("delta")
+        delta_strides = (h * rows * skp, rows * skp, skp)
+    elif quantizer == "torch":
+        qq = preprocess.quantize_qkv(q, k, v, layout=layout, kv_lens=kv_lens, balance_qk=balance_qk,
+                                     qk_format=qk_format)
+        q_bad, kv_bad = preprocess.nonfinite_blocks(q, k, v, kv_lens, layout)
+        if mask_nonfinite is not None:
+            kv_bad = kv_bad | mask_nonfinite[:, None]
+        planes, keep = _tensor_planes(qq, (q_bad, kv_bad))
+        k_input = None
     else:
-        out = torch.empty(b, h, sq, d, dtype=out_dtype, device=q.device)
-        out_hnd = out
+        raise ValueError(f"quantizer must be 'cuda' or 'torch', got {quantizer!r}")
+    out, out_hnd = _output(q, layout, b, h, sq, d)
     lse = torch.empty(b, h, sq, dtype=torch.float32, device=q.device) if return_lse else None
-    run_kernel(qq, quantize.iter_corrections(qq), out_hnd, lse, scale=scale, causal=causal, kv_lens=kv_lens,
-               native=native)
+    bias = quantize.checked_key_bias(key_bias, b, h, sk, q.device)
+    for b0, b1 in chunks:
+        if k_input is not None:
+            launch.launch_correction(dk, ws, k_input, lens, bias, scale, b0, b1 - b0, delta_ptr, delta_strides,
+                                     stream)
+        else:
+            delta = preprocess.correction(qq, b0, b1, key_bias=bias, scale=scale)
+            keep.append(delta)   # alive until the launch is queued (the allocator orders its reuse)
+            delta_ptr, delta_strides = delta.data_ptr(), delta.stride()[:3]
+        launch.launch_attention(dk, planes, sq, sk, b0, b1, delta_ptr, delta_strides, out_hnd, lse, lens, scale,
+                                causal, qk_format, stream)
     if out.dtype != q.dtype:
         out = out.to(q.dtype)
-    return out, lse, nonfinite
+    return out, lse
+
+
+def run_kernel(qq: fmt.QuantizedQKV, corrections, out_hnd: torch.Tensor, lse: Optional[torch.Tensor], *,
+               scale: float, causal: bool, kv_lens: Optional[torch.Tensor],
+               nonfinite: Optional[tuple] = None) -> None:
+    """The attention kernel alone on quantised operands (tests, benchmarks): once per
+    ``(begin, end, delta)`` chunk of Q blocks in ``corrections``.
+
+    ``qq``: from :func:`nvfp4_dit.cuda.quantize.quantize_qkv` or :func:`nvfp4_dit.preprocess.quantize_qkv`
+    on the GPU; ``out_hnd`` a ``[B, H, Sq, D]`` view (any batch/head/row strides, last dim
+    contiguous) written in place, as is ``lse [B, H, Sq]``; ``nonfinite`` the
+    ``(q_blocks, kv)`` flags that poison rows (default: those of ``qq``, else none).
+    """
+    device = qq.q_data.device
+    b, h = qq.q_scale.shape[:2]
+    if nonfinite is None:
+        nonfinite = getattr(qq, "nonfinite", None) or (
+            torch.zeros(qq.q_scale.shape, dtype=torch.bool, device=device),
+            torch.zeros(qq.k_scale.shape, dtype=torch.bool, device=device))
+    planes, keep = _tensor_planes(qq, nonfinite)
+    if out_hnd.dim() != 4 or tuple(out_hnd.shape[:3]) != (b, h, qq.seq_q) or out_hnd.stride(3) != 1 \
+            or out_hnd.dtype not in (torch.bfloat16, torch.float16) or out_hnd.shape[3] > qq.head_dim_padded:
+        raise ValueError(f"out must be a bf16/fp16 [{b}, {h}, {qq.seq_q}, <= {qq.head_dim_padded}] view with a "
+                         f"contiguous last dim, got {out_hnd.dtype} {tuple(out_hnd.shape)}")
+    if lse is not None and (lse.dtype != torch.float32 or tuple(lse.shape) != (b, h, qq.seq_q) or lse.stride(2) != 1):
+        raise ValueError(f"lse must be float32 [{b}, {h}, {qq.seq_q}] with a contiguous last dim")
+    lens = None if kv_lens is None else kv_lens.to(device=device, dtype=torch.int32).contiguous()
+    dk = launch.device_kernels(device)
+    launch.ensure_current(dk.index)
+    stream = launch.current_stream(dk.index)
+    for b0, b1, delta in corrections:
+        if (delta.dtype != torch.float32 or delta.dim() != 4 or delta.shape[3] != qq.k_data.shape[2]
+                or delta.shape[2] not in (1, b1 - b0) or delta.stride(3) != 1):
+            raise ValueError(f"delta must be float32 [B, H, {b1 - b0} or 1, {qq.k_data.shape[2]}] with a contiguous "
+                             f"last dim, got {delta.dtype} {tuple(delta.shape)}")
+        if delta.data_ptr() % 16 or any(s % 4 for s in delta.stride()[:3]):
+            delta = delta.contiguous()
+        strides = (delta.stride(0), delta.stride(1), 0 if delta.shape[2] == 1 else delta.stride(2))
+        launch.launch_attention(dk, planes, qq.seq_q, qq.seq_k, b0, b1, delta.data_ptr(), strides, out_hnd, lse,
+                                lens, scale, causal, qq.qk_format, stream)
+        keep.append(delta)
+    del keep

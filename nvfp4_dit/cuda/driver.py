@@ -1,17 +1,21 @@
-"""Load cubins and launch their kernels through the CUDA driver API (NVIDIA's ``cuda.bindings``).
+"""Load cubins and launch their kernels through the CUDA driver API.
 
 A :class:`KernelLibrary` is the cubins of one build for one architecture (a folder and its
 manifest). Each cubin is loaded with ``cuLibraryLoadFromFile`` on first use: a context-independent
 library, so one load serves every device of that architecture. A :class:`Kernel` is one entry
-point on one device (the current context's, which the callers set with ``torch.cuda.device``);
-it keeps the function handle, its dynamic shared-memory limit and its occupancy, and launches on a
-stream with arguments given as ``ctypes`` objects (the structures of :mod:`nvfp4_dit.cuda.abi`).
-No call here synchronises, so launches can be captured into CUDA graphs.
+point on one device (the current context's, which the callers keep current); it keeps the function
+handle, its dynamic shared-memory limit and its occupancy, and launches on a stream with arguments
+given as ``ctypes`` objects (the structures of :mod:`nvfp4_dit.cuda.abi` are the packed parameter
+buffers). Loading and the occasional queries go through NVIDIA's ``cuda.bindings``; the launches
+and the memset of every call go to the driver library directly through ``ctypes`` (a few hundred
+nanoseconds of host time, where ``cuda.bindings`` converts each argument in Python). No call here
+synchronises, so launches can be captured into CUDA graphs.
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 from pathlib import Path
 from typing import Sequence
@@ -40,6 +44,43 @@ def check(result, what: str):
     return rest[0] if len(rest) == 1 else tuple(rest)
 
 
+_libcuda = None
+
+# The ctypes prototypes of the driver calls made on every call (cuda.h; tests/test_driver_calls.py
+# checks them against the header): cuLaunchKernel(CUfunction, 3 x grid, 3 x block, shared bytes,
+# CUstream, void** params, void** extra) and cuMemsetD32Async(CUdeviceptr, value, count, CUstream).
+PROTOTYPES = {
+    "cuLaunchKernel": [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3,
+    "cuMemsetD32Async": [ctypes.c_uint64, ctypes.c_uint, ctypes.c_size_t, ctypes.c_void_p],
+}
+
+
+def libcuda():
+    """The driver library through ctypes, with the prototypes of :data:`PROTOTYPES`."""
+    global _libcuda
+    if _libcuda is None:
+        lib = ctypes.CDLL("nvcuda.dll" if os.name == "nt" else "libcuda.so.1")
+        for name, argtypes in PROTOTYPES.items():
+            function = getattr(lib, name)
+            function.argtypes = argtypes
+            function.restype = ctypes.c_int
+        _libcuda = lib
+    return _libcuda
+
+
+def _raise_for(code: int, what: str) -> None:
+    cu = _cu()
+    check((cu.CUresult(code),), what)
+
+
+def memset_d32(pointer: int, value: int, count: int, stream: int) -> None:
+    """Set ``count`` 32-bit words at device address ``pointer`` to ``value``, in stream order."""
+    if count:
+        code = libcuda().cuMemsetD32Async(pointer, value, count, stream)
+        if code:
+            _raise_for(code, f"cuMemsetD32Async({count} words)")
+
+
 def driver_version() -> int:
     """The driver's CUDA version, 1000 * major + 10 * minor (13000 for CUDA 13.0)."""
     return int(check(_cu().cuDriverGetVersion(), "cuDriverGetVersion"))
@@ -64,6 +105,7 @@ class Kernel:
     def __init__(self, name: str, function, device: int):
         self.name = name
         self.function = function
+        self.handle = int(function)   # the CUfunction pointer, for the ctypes launch
         self.device = device
         self._smem_limit = 48 * 1024  # the default dynamic shared memory a launch may ask for
         self._occupancy: dict[tuple[int, int], int] = {}
@@ -88,11 +130,13 @@ class Kernel:
                stream: int, smem: int = 0) -> None:
         """Launch on ``stream`` (a CUstream handle as an int, e.g. torch's ``cuda_stream``) with
         ``args`` in the kernel's parameter order, each a ctypes object of the parameter's C type."""
-        self._allow_smem(smem)
+        if smem > self._smem_limit:
+            self._allow_smem(smem)
         gx, gy, gz = (tuple(grid) + (1, 1))[:3]
         pointers = (ctypes.c_void_p * len(args))(*(ctypes.addressof(a) for a in args))
-        check(_cu().cuLaunchKernel(self.function, gx, gy, gz, threads, 1, 1, smem, stream, ctypes.addressof(pointers), 0),
-              f"launching {self.name} (grid {gx}x{gy}x{gz}, {threads} threads, {smem} B shared memory)")
+        code = libcuda().cuLaunchKernel(self.handle, gx, gy, gz, threads, 1, 1, smem, stream, pointers, None)
+        if code:
+            _raise_for(code, f"launching {self.name} (grid {gx}x{gy}x{gz}, {threads} threads, {smem} B shared memory)")
 
 
 class KernelLibrary:

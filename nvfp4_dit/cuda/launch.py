@@ -1,341 +1,344 @@
-"""The CUDA kernels as Python functions on torch tensors: checks, parameter structs, launches.
+"""The CUDA kernels as launches: per-device kernel handles, one workspace per call, parameter structs.
 
-The host side of ``csrc/``: each function checks its tensors (ValueError naming the argument),
-fills the kernel's parameter structure (:mod:`nvfp4_dit.cuda.abi`), picks the instantiation
-(input dtype, padded head dim, vector or scalar loads, Q·Kᵀ format, MMA kind), sizes the grid and
-launches on torch's current stream through the driver (:mod:`nvfp4_dit.cuda.driver`). Nothing here
-synchronises or copies to the host, so every call can be captured into a CUDA graph. The kernels
-must be loaded for the tensors' device first (:func:`nvfp4_dit.cuda.build.unavailable_reason`).
+The host side of ``csrc/``. A call's preparation and attention use one device allocation, the
+:class:`Workspace` (its layout, :func:`workspace_layout`, depends on the shapes alone and is
+computed once per shape), whose counters and flags one stream-ordered memset clears. Each launch
+fills its kernel's parameter struct (:mod:`nvfp4_dit.cuda.abi`) with raw pointers into it and goes
+to the driver (:mod:`nvfp4_dit.cuda.driver`) on torch's current stream. Nothing here synchronises
+or copies to the host, so a call can be captured into a CUDA graph.
 
-These are building blocks for :mod:`nvfp4_dit.cuda.quantize` and :mod:`nvfp4_dit.cuda.attention`; the
-public op is :func:`nvfp4_dit.attention`.
+The arguments were validated once, at the public op (or at the functions of
+:mod:`nvfp4_dit.cuda.quantize` that tests call); these launchers keep only the checks that protect
+memory (grid limits). The kernels must be loaded for the device first
+(:func:`nvfp4_dit.cuda.build.unavailable_reason`).
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from . import build
-from . import driver
 from .. import format as fmt
-from . import abi
+from . import abi, build, driver
 
-_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 _MAX_GRID_X = 0x7FFFFFFF
 _MAX_GRID_YZ = 65535
-
-
-def _kernel(device: torch.device, name: str) -> driver.Kernel:
-    return build.library_for(device).kernel(name, build.device_index(device))
-
+_ALIGN = 256   # every workspace region starts on a 256-byte boundary (16-byte vector accesses)
 
 # torch's current stream as a raw handle (what torch.compile's generated code reads); the public
 # torch.cuda.current_stream builds a Stream object on every call.
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
-def _stream(device: torch.device) -> int:
-    index = build.device_index(device)
+def current_stream(index: int) -> int:
     return _raw_stream(index) if _raw_stream is not None else torch.cuda.current_stream(index).cuda_stream
 
 
-def _sms(device: torch.device) -> int:
-    return driver.device_attribute(build.device_index(device), "MULTIPROCESSOR_COUNT")
+class DeviceKernels:
+    """The kernels of one device, looked up once: its library, SM count, MMA kind."""
+
+    def __init__(self, index: int):
+        self.index = index
+        self.library = build.library_for(torch.device("cuda", index))
+        self.native = build.is_native(build.device_capability(index))
+        self.kind = "native" if self.native else "emulated"
+        self.sms = driver.device_attribute(index, "MULTIPROCESSOR_COUNT")
+        self._kernels: dict[str, driver.Kernel] = {}
+
+    def kernel(self, name: str) -> driver.Kernel:
+        found = self._kernels.get(name)
+        if found is None:
+            with torch.cuda.device(self.index):
+                found = self._kernels[name] = self.library.kernel(name, self.index)
+        return found
 
 
-def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
-    return None if t is None else t.data_ptr()
+_device_kernels: dict[int, DeviceKernels] = {}
 
 
-def _check(condition: bool, message: str, *args) -> None:
-    """ValueError(message.format(*args)) unless ``condition``. The message is formatted only on
-    failure: a call passes some fifty checks, and formatting shapes and dtypes every time would
-    cost more host time than the launches."""
-    if not condition:
-        raise ValueError(message.format(*(list(a) if isinstance(a, torch.Size) else a for a in args)))
+def device_kernels(device: torch.device) -> DeviceKernels:
+    """The :class:`DeviceKernels` of a CUDA device (its kernels loaded on first use)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    found = _device_kernels.get(index)
+    if found is None:
+        found = _device_kernels[index] = DeviceKernels(index)
+    return found
 
 
-def _strided(t: torch.Tensor) -> abi.StridedInput:
-    return abi.StridedInput(t.data_ptr(), *t.stride())
+def ensure_current(index: int) -> None:
+    """Make ``index`` the current device (the driver launches into the current context)."""
+    if torch.cuda.current_device() != index:
+        torch.cuda.set_device(index)
 
 
-def _vector_loads(t: torch.Tensor, head_dim_padded: int) -> bool:
-    """Whether ``t`` [B, H, S, D] can be read as 16-byte vectors: D == Dp, unit stride along D and
-    16-byte aligned rows (csrc/common/launch.h, the "vec" instantiations)."""
-    per16 = 16 // t.element_size()
-    b, h, s, _ = t.stride()
-    return (t.shape[3] == head_dim_padded and t.stride(3) == 1 and t.data_ptr() % 16 == 0
-            and b % per16 == 0 and h % per16 == 0 and s % per16 == 0)
+# ---------------------------------------------------------------------------------------------
+# The workspace of one call
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Region:
+    offset: int
+    shape: tuple
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n * torch.empty((), dtype=self.dtype).element_size()
 
 
-def _round_up_128(n: int) -> int:
-    return (max(n, 1) + 127) // 128 * 128
+@dataclass(frozen=True)
+class WorkspaceLayout:
+    """Where each output of the quantiser, its scratch and the correction chunk lie in one buffer."""
+
+    regions: dict
+    zeroed_bytes: int   # the counters, flags and channel statistics at the start: cleared per call
+    total_bytes: int
+
+
+@functools.lru_cache(maxsize=512)
+def workspace_layout(b: int, h: int, hkv: int, sq: int, sk: int, dp: int, qk_format: str, balance_qk: bool,
+                     correction_rows: int) -> WorkspaceLayout:
+    """The layout of a call's workspace for these sizes; ``correction_rows`` Q blocks of correction
+    per chunk (0: no correction buffer)."""
+    per_byte, per_scale = (1, fmt.MX_BLOCK) if qk_format == "mxfp8" else (2, fmt.BLOCK)
+    sqp, skp = fmt.round_up(max(sq, 1), fmt.SEQ_TILE), fmt.round_up(max(sk, 1), fmt.SEQ_TILE)
+    nq = sqp // fmt.SEQ_TILE
+    i32, f32, u8 = torch.int32, torch.float32, torch.uint8
+    items = [
+        # cleared per call: the statistics arrivals, the NaN/inf flags, the balance's Q statistics
+        ("arrivals", (abi.workspace_counters(b, hkv),), i32),
+        ("nonfinite_kv", (b, hkv), i32),
+        ("nonfinite_q", (b, h, nq), i32),
+        ("q_channel_amax", (b, hkv, dp) if balance_qk else (0,), i32),
+        ("partial", (abi.workspace_floats(b, hkv, sk, dp),), f32),
+        ("q_mean", (b, h, nq, dp), f32), ("k_mean", (b, hkv, dp), f32), ("v_mean", (b, hkv, dp), f32),
+        ("balance", (b, hkv, dp), f32), ("q_scale", (b, h, nq), f32), ("k_scale", (b, hkv), f32),
+        ("v_scale", (b, hkv), f32), ("q_dot_km", (b, h, sq), f32),
+        ("q_data", (b, h, sqp, dp // per_byte), u8), ("q_sf", (b, h, sqp, dp // per_scale), u8),
+        ("k_data", (b, hkv, skp, dp // per_byte), u8), ("k_sf", (b, hkv, skp, dp // per_scale), u8),
+        ("vt_data", (b, hkv, dp, skp // 2), u8), ("vt_sf", (b, hkv, dp, skp // 16), u8),
+        ("delta", (b, h, correction_rows, skp), f32),
+    ]
+    regions, offset, zeroed = {}, 0, 0
+    for name, shape, dtype in items:
+        region = Region(offset, shape, dtype)
+        regions[name] = region
+        offset = fmt.round_up(offset + region.nbytes, _ALIGN)
+        if name == "q_channel_amax":
+            zeroed = offset
+    return WorkspaceLayout(regions, zeroed, max(offset, _ALIGN))
+
+
+class Workspace:
+    """One device buffer holding a call's preparation (``layout``); ``view(name)`` gives a region as
+    a tensor, ``ptr(name)`` its address."""
+
+    def __init__(self, layout: WorkspaceLayout, device: torch.device):
+        self.layout = layout
+        self.buffer = torch.empty(layout.total_bytes, dtype=torch.uint8, device=device)
+        self.base = self.buffer.data_ptr()
+
+    def ptr(self, name: str) -> int:
+        return self.base + self.layout.regions[name].offset
+
+    def view(self, name: str) -> torch.Tensor:
+        r = self.layout.regions[name]
+        return self.buffer[r.offset:r.offset + r.nbytes].view(r.dtype).view(r.shape)
+
+    def clear(self, stream: int) -> None:
+        driver.memset_d32(self.base, 0, self.layout.zeroed_bytes // 4, stream)
 
 
 # ---------------------------------------------------------------------------------------------
 # Quantisation of Q, K, V
 # ---------------------------------------------------------------------------------------------
 
-def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_lens: Optional[torch.Tensor],
-                 balance_qk: bool, qk_format: str) -> list[torch.Tensor]:
-    """Quantise logical [B, H, S, D] views (any strides; NHD callers pass a transposed view) in the
-    kernel's layouts. Returns q_data, q_sf, k_data, k_sf, vt_data, vt_sf, q_mean, k_mean, v_mean,
-    q_scale, k_scale, v_scale, balance, q_dot_km, nonfinite_q [B, H, Sqp/128], nonfinite_kv [B, Hkv]."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        _check(t.is_cuda and t.dim() == 4, "{} must be a 4-D [B, H, S, D] CUDA tensor", name)
-        _check(t.dtype == q.dtype and t.device == q.device, "{} must share q's dtype and device", name)
-    _check(q.dtype in _DTYPES, "inputs must be bfloat16, float16 or float32, got {}", q.dtype)
+def _strided(t: torch.Tensor) -> abi.StridedInput:
+    return abi.StridedInput(t.data_ptr(), *t.stride())
+
+
+def vector_loads(t: torch.Tensor, head_dim_padded: int) -> bool:
+    """Whether ``t`` [B, H, S, D] can be read as 16-byte vectors: D == Dp, unit stride along D and
+    16-byte aligned rows (csrc/common/launch.h, the "vec" instantiations)."""
+    per16 = 16 // t.element_size()
+    b, h, s, d = t.stride()
+    return (t.shape[3] == head_dim_padded and d == 1 and t.data_ptr() % 16 == 0
+            and b % per16 == 0 and h % per16 == 0 and s % per16 == 0)
+
+
+def launch_quantize(dk: DeviceKernels, ws: Workspace, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    kv_lens: Optional[torch.Tensor], balance_qk: bool, qk_format: str, stream: int) -> None:
+    """Quantise logical [B, H, S, D] views (any strides) into ``ws`` (cleared by the caller): the
+    balance statistics (``balance_qk``), the K and V statistics chunks, then the tiles."""
     b, h, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
-    _check(k.shape[0] == b and tuple(v.shape) == (b, hkv, sk, d) and k.shape[3] == d,
-           "shape mismatch between q {}, k {}, v {}", q.shape, k.shape, v.shape)
-    _check(hkv > 0 and h % hkv == 0, "q's {} heads are not a multiple of k's {}", h, hkv)
     dp = fmt.padded_head_dim(d)
-    _check(dp is not None, "head dim must be in [1, {}], got {}", fmt.SUPPORTED_HEAD_DIMS[-1], d)
-    if kv_lens is not None:
-        _check(kv_lens.device == q.device and tuple(kv_lens.shape) == (b,) and kv_lens.dtype in (torch.int32, torch.int64),
-               "kv_lens must be int32 or int64 [B] on the inputs' device")
-        kv_lens = kv_lens.contiguous()
-    per_byte, per_scale = (1, 32) if qk_format == "mxfp8" else (2, 16)
-    sqp, skp = _round_up_128(sq), _round_up_128(sk)
-    dev = q.device
-    u8 = dict(dtype=torch.uint8, device=dev)
-    f32 = dict(dtype=torch.float32, device=dev)
-    q_data = torch.empty(b, h, sqp, dp // per_byte, **u8)
-    q_sf = torch.empty(b, h, sqp, dp // per_scale, **u8)
-    k_data = torch.empty(b, hkv, skp, dp // per_byte, **u8)
-    k_sf = torch.empty(b, hkv, skp, dp // per_scale, **u8)
-    vt_data = torch.empty(b, hkv, dp, skp // 2, **u8)
-    vt_sf = torch.empty(b, hkv, dp, skp // 16, **u8)
-    q_mean = torch.empty(b, h, sqp // 128, dp, **f32)
-    k_mean, v_mean, balance = (torch.empty(b, hkv, dp, **f32) for _ in range(3))
-    q_scale = torch.empty(b, h, sqp // 128, **f32)
-    k_scale, v_scale = torch.empty(b, hkv, **f32), torch.empty(b, hkv, **f32)
-    q_dot_km = torch.empty(b, h, sq, **f32)
-    partial = torch.empty(abi.workspace_floats(b, hkv, sk, dp), **f32)
-    # One zeroed int32 buffer (one memset): the work counters, the non-finite flags, then (balance_qk)
-    # the channel statistics of Q.
-    n_counters = abi.workspace_counters(b, hkv)
-    n_flags = b * hkv + b * h * (sqp // 128)
-    n_q_stats = b * hkv * dp if balance_qk else 0
-    counters = torch.zeros(n_counters + n_flags + n_q_stats, dtype=torch.int32, device=dev)
-    nonfinite_kv = counters[n_counters:n_counters + b * hkv].view(b, hkv)
-    nonfinite_q = counters[n_counters + b * hkv:n_counters + n_flags].view(b, h, sqp // 128)
-
-    dtype = _DTYPES[q.dtype]
+    sqp, skp = fmt.round_up(max(sq, 1), fmt.SEQ_TILE), fmt.round_up(max(sk, 1), fmt.SEQ_TILE)
+    dtype = DTYPE_NAMES[q.dtype]
     p = abi.QuantizeQkvParams(
-        q=_strided(q), k=_strided(k), v=_strided(v), dtype=abi.INPUT_DTYPES[dtype], kv_lens=_ptr(kv_lens),
+        q=_strided(q), k=_strided(k), v=_strided(v), dtype=abi.INPUT_DTYPES[dtype],
+        kv_lens=None if kv_lens is None else kv_lens.data_ptr(),
         kv_lens_int64=kv_lens is not None and kv_lens.dtype == torch.int64,
         batch=b, heads_q=h, heads_kv=hkv, seq_q=sq, seq_k=sk, head_dim=d, head_dim_padded=dp,
         seq_q_padded=sqp, seq_k_padded=skp,
-        q_data=q_data.data_ptr(), q_sf=q_sf.data_ptr(), k_data=k_data.data_ptr(), k_sf=k_sf.data_ptr(),
-        vt_data=vt_data.data_ptr(), vt_sf=vt_sf.data_ptr(), q_mean=q_mean.data_ptr(), k_mean=k_mean.data_ptr(),
-        v_mean=v_mean.data_ptr(), q_scale=q_scale.data_ptr(), k_scale=k_scale.data_ptr(), v_scale=v_scale.data_ptr(),
-        balance=balance.data_ptr(), q_dot_km=q_dot_km.data_ptr(), balance_qk=bool(balance_qk),
-        q_channel_amax=counters[n_counters + n_flags:].data_ptr() if balance_qk else None,
-        nonfinite_kv=nonfinite_kv.data_ptr(), nonfinite_q_blocks=nonfinite_q.data_ptr(),
-        k_partial_sums=partial.data_ptr(), work_counters=counters.data_ptr())
-
-    vector = all(_vector_loads(t, dp) for t in (q, k, v))
-    stream = _stream(dev)
-    kv_tiles = b * hkv * (skp // 128)
-    q_tiles = b * h * (sqp // 128)
-    with torch.cuda.device(dev):
-        if balance_qk:  # the balance needs every row of Q before any K or Q tile
-            _check(q_tiles <= _MAX_GRID_X, "too many Q tiles for one launch")
-            _kernel(dev, abi.balance_statistics_entry(dtype, dp, vector)).launch(
-                (q_tiles,), abi.QUANTIZE_THREADS, [p], stream)
-        first = b * hkv * abi.STAT_TENSORS * abi.k_chunks(sk)
-        second = 2 * kv_tiles + q_tiles
-        _check(first <= _MAX_GRID_X and second <= _MAX_GRID_X, "too many tiles for one launch")
-        _kernel(dev, abi.key_stats_entry(dtype, dp, vector)).launch((first,), abi.QUANTIZE_THREADS, [p], stream)
-        tiles = _kernel(dev, abi.quantize_tiles_entry(dtype, dp, vector, qk_format))
-        resident = _sms(dev) * tiles.blocks_per_sm(abi.QUANTIZE_THREADS)
-        tiles.launch((second,), abi.QUANTIZE_THREADS, [p, ctypes.c_int64(abi.PREFETCH_WAVES * resident)], stream)
-    return [q_data, q_sf, k_data, k_sf, vt_data, vt_sf, q_mean, k_mean, v_mean, q_scale, k_scale, v_scale, balance,
-            q_dot_km, nonfinite_q, nonfinite_kv]
+        q_data=ws.ptr("q_data"), q_sf=ws.ptr("q_sf"), k_data=ws.ptr("k_data"), k_sf=ws.ptr("k_sf"),
+        vt_data=ws.ptr("vt_data"), vt_sf=ws.ptr("vt_sf"), q_mean=ws.ptr("q_mean"), k_mean=ws.ptr("k_mean"),
+        v_mean=ws.ptr("v_mean"), q_scale=ws.ptr("q_scale"), k_scale=ws.ptr("k_scale"), v_scale=ws.ptr("v_scale"),
+        balance=ws.ptr("balance"), q_dot_km=ws.ptr("q_dot_km"), balance_qk=balance_qk,
+        q_channel_amax=ws.ptr("q_channel_amax") if balance_qk else None,
+        nonfinite_kv=ws.ptr("nonfinite_kv"), nonfinite_q_blocks=ws.ptr("nonfinite_q"),
+        k_partial_sums=ws.ptr("partial"), work_counters=ws.ptr("arrivals"))
+    vector = vector_loads(q, dp) and vector_loads(k, dp) and vector_loads(v, dp)
+    kv_tiles = b * hkv * (skp // fmt.SEQ_TILE)
+    q_tiles = b * h * (sqp // fmt.SEQ_TILE)
+    first = b * hkv * abi.STAT_TENSORS * abi.k_chunks(sk)
+    second = 2 * kv_tiles + q_tiles
+    if max(first, second) > _MAX_GRID_X:
+        raise ValueError(f"too many tiles for one quantiser launch ({max(first, second)})")
+    args = [p]
+    if balance_qk:  # the balance needs every row of Q before any K or Q tile
+        dk.kernel(abi.balance_statistics_entry(dtype, dp, vector)).launch((q_tiles,), abi.QUANTIZE_THREADS, args, stream)
+    dk.kernel(abi.key_stats_entry(dtype, dp, vector)).launch((first,), abi.QUANTIZE_THREADS, args, stream)
+    tiles = dk.kernel(abi.quantize_tiles_entry(dtype, dp, vector, qk_format))
+    prefetch = abi.PREFETCH_WAVES * dk.sms * tiles.blocks_per_sm(abi.QUANTIZE_THREADS)
+    tiles.launch((second,), abi.QUANTIZE_THREADS, [p, ctypes.c_int64(prefetch)], stream)
 
 
 # ---------------------------------------------------------------------------------------------
 # The correction term
 # ---------------------------------------------------------------------------------------------
 
-def correction(q_mean: torch.Tensor, k: torch.Tensor, k_mean: torch.Tensor, q_scale: torch.Tensor,
-               k_scale: torch.Tensor, kv_lens: Optional[torch.Tensor], block_begin: int, out: torch.Tensor) -> None:
-    """delta = qm . (k - km)^T / (q_scale k_scale) for Q blocks [block_begin, block_begin + out.shape[2])
-    into ``out`` [B, H, n, Skp] fp32 (last dim contiguous), in one launch."""
-    for name, t in (("q_mean", q_mean), ("k", k), ("k_mean", k_mean), ("q_scale", q_scale), ("k_scale", k_scale),
-                    ("out", out)):
-        _check(t.is_cuda and t.device == q_mean.device, "{} must be a CUDA tensor on q_mean's device", name)
-    _check(q_mean.dtype == k_mean.dtype == out.dtype == torch.float32, "q_mean, k_mean and out must be float32")
-    _check(q_mean.dim() == 4 and q_mean.is_contiguous(), "q_mean must be contiguous [B, H, nblk, Dp]")
-    _check(k.dim() == 4 and k.dtype in _DTYPES, "k must be a bf16/fp16/fp32 4-D [B, Hkv, Sk, D] tensor")
-    _check(k_mean.dim() == 3 and k_mean.is_contiguous(), "k_mean must be contiguous [B, Hkv, Dp]")
-    _check(out.dim() == 4 and out.stride(3) == 1, "out must be [B, H, n, Skp] with a contiguous last dim")
-    b, h, nblk, dp = q_mean.shape
+def launch_correction(dk: DeviceKernels, ws: Workspace, k: torch.Tensor, kv_lens: Optional[torch.Tensor],
+                      key_bias: Optional[torch.Tensor], scale: float, block_begin: int, rows: int,
+                      delta: int, delta_strides: tuple, stream: int) -> None:
+    """delta = qm . (k - km)^T / (q_scale k_scale) (+ key_bias / (scale q_scale k_scale)) for Q blocks
+    [block_begin, block_begin + rows) at address ``delta`` ([B, H, rows, Skp] fp32 with element
+    strides ``delta_strides`` (b, h, blk), the last dim contiguous), in one launch. ``k`` is the raw
+    [B, Hkv, Sk, D] input; the Q statistics come from ``ws``."""
+    b, h, nq, dp = ws.layout.regions["q_mean"].shape
     hkv, sk, d = k.shape[1:]
-    skp = _round_up_128(sk)
-    _check(dp == fmt.padded_head_dim(d), "q_mean's head dim {} does not match k's {}", dp, d)
-    _check(k.shape[0] == b and hkv > 0 and h % hkv == 0 and tuple(k_mean.shape) == (b, hkv, dp),
-           "shape mismatch between q_mean, k and k_mean")
-    _check(out.shape[0] == b and out.shape[1] == h and out.shape[3] == skp, "out must be [B, H, n, {}]", skp)
-    rows = out.shape[2]
-    _check(0 <= block_begin and block_begin + rows <= nblk, "blocks [{}, {}) outside [0, {})", block_begin,
-           block_begin + rows, nblk)
-    _check(q_scale.dtype == torch.float32 and q_scale.is_contiguous() and tuple(q_scale.shape) == (b, h, nblk),
-           "q_scale must be contiguous float32 [B, H, nblk]")
-    _check(k_scale.dtype == torch.float32 and k_scale.is_contiguous() and tuple(k_scale.shape) == (b, hkv),
-           "k_scale must be contiguous float32 [B, Hkv]")
-    if kv_lens is not None:
-        _check(kv_lens.device == q_mean.device and tuple(kv_lens.shape) == (b,) and kv_lens.dtype in (torch.int32, torch.int64),
-               "kv_lens must be int32 or int64 [B] on the inputs' device")
-        kv_lens = kv_lens.contiguous()
-    if rows == 0:
+    skp = fmt.round_up(max(sk, 1), fmt.SEQ_TILE)
+    if rows <= 0:
         return
-    _check(b * h <= _MAX_GRID_YZ, "too many batches x heads for one correction launch")
-    dp_index = abi.head_dim_index(dp)
-    smem = abi.CORRECTION_SMEM_BYTES[dp_index]
-    vec_store = out.data_ptr() % 8 == 0 and all(s % 2 == 0 for s in out.stride()[:3])
-    name = abi.correction_entry(_DTYPES[k.dtype], dp, _vector_loads(k, dp), vec_store)
-    kernel = _kernel(q_mean.device, name)
+    if b * h > _MAX_GRID_YZ:
+        raise ValueError(f"too many batches x heads ({b * h}) for one correction launch")
+    smem = abi.CORRECTION_SMEM_BYTES[abi.head_dim_index(dp)]
+    vec_store = delta % 8 == 0 and all(s % 2 == 0 for s in delta_strides)
+    kernel = dk.kernel(abi.correction_entry(DTYPE_NAMES[k.dtype], dp, vector_loads(k, dp), vec_store))
     # A CTA converts its 128 keys once and walks the Q blocks; the blocks are split over grid.y only
     # as far as needed to give every SM its resident CTAs.
     key_tiles, m_tiles = skp // abi.CORRECTION_TILE_N, -(-rows // abi.CORRECTION_TILE_M)
-    resident = _sms(q_mean.device) * kernel.blocks_per_sm(abi.CORRECTION_THREADS, smem)
+    resident = dk.sms * kernel.blocks_per_sm(abi.CORRECTION_THREADS, smem)
     grid = (key_tiles, min(m_tiles, max(1, -(-resident // (key_tiles * b * h))), _MAX_GRID_YZ), b * h)
+    bias_strides = (0, 0) if key_bias is None else (key_bias.stride(0), key_bias.stride(1))
     p = abi.CorrectionParams(
-        q_mean=q_mean.data_ptr(), k=_strided(k), dtype=abi.INPUT_DTYPES[_DTYPES[k.dtype]], kv_lens=_ptr(kv_lens),
-        kv_lens_int64=kv_lens is not None and kv_lens.dtype == torch.int64, k_mean=k_mean.data_ptr(),
-        q_scale=q_scale.data_ptr(), k_scale=k_scale.data_ptr(), delta=out.data_ptr(),
-        delta_stride_b=out.stride(0), delta_stride_h=out.stride(1), delta_stride_blk=out.stride(2),
+        q_mean=ws.ptr("q_mean"), k=_strided(k), dtype=abi.INPUT_DTYPES[DTYPE_NAMES[k.dtype]],
+        kv_lens=None if kv_lens is None else kv_lens.data_ptr(),
+        kv_lens_int64=kv_lens is not None and kv_lens.dtype == torch.int64,
+        k_mean=ws.ptr("k_mean"), q_scale=ws.ptr("q_scale"), k_scale=ws.ptr("k_scale"), delta=delta,
+        delta_stride_b=delta_strides[0], delta_stride_h=delta_strides[1], delta_stride_blk=delta_strides[2],
+        key_bias=None if key_bias is None else key_bias.data_ptr(), key_bias_stride_b=bias_strides[0],
+        key_bias_stride_h=bias_strides[1], scale=float(scale),
         batch=b, heads_q=h, heads_kv=hkv, seq_k=sk, seq_k_padded=skp, head_dim=d, head_dim_padded=dp,
-        num_q_blocks=nblk, block_begin=block_begin, block_end=block_begin + rows)
-    with torch.cuda.device(q_mean.device):
-        kernel.launch(grid, abi.CORRECTION_THREADS, [p], _stream(q_mean.device), smem)
+        num_q_blocks=nq, block_begin=block_begin, block_end=block_begin + rows)
+    kernel.launch(grid, abi.CORRECTION_THREADS, [p], stream, smem)
 
 
 # ---------------------------------------------------------------------------------------------
 # The attention kernel
 # ---------------------------------------------------------------------------------------------
 
-def _check_plane(t: torch.Tensor, name: str, device: torch.device) -> None:
-    _check(t.is_cuda and t.device == device, "{} must be a CUDA tensor on {}", name, device)
-    _check(t.dtype == torch.uint8 and t.dim() == 4 and t.is_contiguous(), "{} must be a contiguous 4-D uint8 tensor", name)
-
-
-def _check_f32(t: torch.Tensor, name: str, shape: tuple, device: torch.device) -> None:
-    _check(t.is_cuda and t.device == device and t.dtype == torch.float32 and t.is_contiguous() and tuple(t.shape) == shape,
-           "{} must be a contiguous float32 CUDA tensor of shape {}, got {} {}", name, list(shape), t.dtype, t.shape)
-
-
-def attention_fwd(q_data, q_sf, k_data, k_sf, vt_data, vt_sf, delta, q_dot_km, q_scale, k_scale, v_scale, v_mean,
-                  kv_lens: Optional[torch.Tensor], out: torch.Tensor, lse: Optional[torch.Tensor], seq_q: int,
-                  seq_k: int, q_block_begin: int, q_block_end: int, scale: float, causal: bool, native: bool,
-                  qk_format: str) -> None:
-    """Run the attention kernel over Q blocks [q_block_begin, q_block_end), writing those rows of
-    ``out`` [B, H, Sq, D] (any batch/head/row strides, bf16/fp16) and of ``lse`` [B, H, Sq] fp32."""
-    _check(qk_format in fmt.QK_FORMATS, "qk_format must be one of {}, got {!r}", fmt.QK_FORMATS, qk_format)
-    per_byte, per_scale = (2, 16) if qk_format == "nvfp4" else (1, 32)
-    device = q_data.device
-    for name, t in (("q_data", q_data), ("q_sf", q_sf), ("k_data", k_data), ("k_sf", k_sf), ("vt_data", vt_data),
-                    ("vt_sf", vt_sf)):
-        _check_plane(t, name, device)
-    b, h, sqp, dp = q_data.shape[0], q_data.shape[1], q_data.shape[2], q_data.shape[3] * per_byte
-    hkv, skp = k_data.shape[1], k_data.shape[2]
-    _check(dp in fmt.SUPPORTED_HEAD_DIMS, "padded head dim {} has no kernel instantiation", dp)
-    _check(sqp % 128 == 0 and skp % 128 == 0, "sequences must be padded to multiples of 128")
-    _check(hkv > 0 and h % hkv == 0, "q heads {} not a multiple of kv heads {}", h, hkv)
-    for name, t, shape in (("q_sf", q_sf, (b, h, sqp, dp // per_scale)), ("k_data", k_data, (b, hkv, skp, dp // per_byte)),
-                           ("k_sf", k_sf, (b, hkv, skp, dp // per_scale)), ("vt_data", vt_data, (b, hkv, dp, skp // 2)),
-                           ("vt_sf", vt_sf, (b, hkv, dp, skp // 16))):
-        _check(tuple(t.shape) == shape, "{} has shape {}, expected {}", name, t.shape, list(shape))
-    _check(0 < seq_q <= sqp and 0 < seq_k <= skp, "bad seq_q/seq_k {}/{}", seq_q, seq_k)
-    _check(0 <= q_block_begin < q_block_end and q_block_end * 128 <= sqp,
-           "q block range [{}, {}) out of range", q_block_begin, q_block_end)
-    nblk = q_block_end - q_block_begin
-    _check(delta.is_cuda and delta.device == device and delta.dtype == torch.float32 and delta.dim() == 4,
-           "delta must be a float32 4-D CUDA tensor on q's device")
-    _check(delta.shape[0] == b and delta.shape[1] == h and delta.shape[2] in (nblk, 1) and delta.shape[3] == skp,
-           "delta shape {}, expected [{}, {}, {}, {}]", delta.shape, b, h, nblk, skp)
-    _check(delta.stride(3) == 1 and all(s % 4 == 0 for s in delta.stride()[:3]) and delta.data_ptr() % 16 == 0,
-           "delta rows must be contiguous and 16-byte aligned")
-    _check(q_dot_km.is_cuda and q_dot_km.dtype == torch.float32 and q_dot_km.dim() == 3 and q_dot_km.shape[0] == b
-           and q_dot_km.shape[1] == h and q_dot_km.shape[2] >= seq_q and q_dot_km.stride(2) == 1,
-           "q_dot_km must be float32 [B, H, Sq] with a contiguous last dim")
-    _check_f32(q_scale, "q_scale", (b, h, sqp // 128), device)
-    _check_f32(k_scale, "k_scale", (b, hkv), device)
-    _check_f32(v_scale, "v_scale", (b, hkv), device)
-    _check_f32(v_mean, "v_mean", (b, hkv, dp), device)
-    _check(out.is_cuda and out.device == device and out.dim() == 4 and out.dtype in (torch.bfloat16, torch.float16),
-           "out must be a bf16/fp16 4-D CUDA tensor [B, H, Sq, D] (any batch/head/seq strides)")
-    _check(out.shape[0] == b and out.shape[1] == h and out.shape[2] == seq_q and out.shape[3] <= dp and out.stride(3) == 1,
-           "out shape {} / strides {}", out.shape, out.stride())
-    if kv_lens is not None:
-        _check(kv_lens.is_cuda and kv_lens.dtype == torch.int32 and tuple(kv_lens.shape) == (b,) and kv_lens.is_contiguous(),
-               "kv_lens must be int32 [B] contiguous on the GPU")
-    if lse is not None:
-        _check(lse.is_cuda and lse.dtype == torch.float32 and lse.dim() == 3 and tuple(lse.shape) == (b, h, seq_q)
-               and lse.stride(2) == 1, "lse must be float32 [B, H, Sq] with a contiguous last dim")
+def launch_attention(dk: DeviceKernels, planes: dict, seq_q: int, seq_k: int, block_begin: int, block_end: int,
+                     delta: int, delta_strides: tuple, out: torch.Tensor, lse: Optional[torch.Tensor],
+                     kv_lens: Optional[torch.Tensor], scale: float, causal: bool, qk_format: str,
+                     stream: int) -> None:
+    """The attention kernel over Q blocks [block_begin, block_end), writing those rows of ``out``
+    [B, H, Sq, D] (any batch/head/row strides, bf16/fp16, last dim contiguous) and of ``lse``
+    [B, H, Sq] fp32 (last dim contiguous). ``planes`` maps each quantised operand to its
+    ``(address, shape)`` (the :class:`Workspace` regions or tensors of the same layout); ``kv_lens``
+    is int32 [B] or None; ``delta`` is the chunk's correction ([B, H, nblk, Skp] fp32 through element
+    strides (b, h, blk); a blk stride of 0 repeats one row)."""
+    qd, qd_shape = planes["q_data"]
+    b, h, sqp = qd_shape[:3]
+    kd, kd_shape = planes["k_data"]
+    hkv, skp = kd_shape[1], kd_shape[2]
+    per_byte, per_scale = (1, fmt.MX_BLOCK) if qk_format == "mxfp8" else (2, fmt.BLOCK)
+    dp = qd_shape[3] * per_byte
+    nblk = block_end - block_begin
+    qrow, sf_row = dp // per_byte, dp // per_scale   # bytes of one Q/K row and of its scales
     p = abi.AttentionFwdParams(
-        q_data=q_data.data_ptr(), q_sf=q_sf.data_ptr(), k_data=k_data.data_ptr(), k_sf=k_sf.data_ptr(),
-        vt_data=vt_data.data_ptr(), vt_sf=vt_sf.data_ptr(),
-        q_stride_b=q_data.stride(0), q_stride_h=q_data.stride(1), qsf_stride_b=q_sf.stride(0), qsf_stride_h=q_sf.stride(1),
-        k_stride_b=k_data.stride(0), k_stride_h=k_data.stride(1), ksf_stride_b=k_sf.stride(0), ksf_stride_h=k_sf.stride(1),
-        vt_stride_b=vt_data.stride(0), vt_stride_h=vt_data.stride(1),
-        vtsf_stride_b=vt_sf.stride(0), vtsf_stride_h=vt_sf.stride(1),
-        delta=delta.data_ptr(), delta_stride_b=delta.stride(0), delta_stride_h=delta.stride(1),
-        delta_stride_blk=0 if delta.shape[2] == 1 else delta.stride(2),
-        q_dot_km=q_dot_km.data_ptr(), qdk_stride_b=q_dot_km.stride(0), qdk_stride_h=q_dot_km.stride(1),
-        q_scale=q_scale.data_ptr(), k_scale=k_scale.data_ptr(), v_scale=v_scale.data_ptr(), v_mean=v_mean.data_ptr(),
-        kv_lens=_ptr(kv_lens), out=out.data_ptr(), out_stride_b=out.stride(0), out_stride_h=out.stride(1),
-        out_stride_s=out.stride(2), lse=_ptr(lse),
-        lse_stride_b=lse.stride(0) if lse is not None else 0, lse_stride_h=lse.stride(1) if lse is not None else 0,
+        q_data=qd, q_sf=planes["q_sf"][0], k_data=kd, k_sf=planes["k_sf"][0], vt_data=planes["vt_data"][0],
+        vt_sf=planes["vt_sf"][0],
+        q_stride_b=h * sqp * qrow, q_stride_h=sqp * qrow, qsf_stride_b=h * sqp * sf_row, qsf_stride_h=sqp * sf_row,
+        k_stride_b=hkv * skp * qrow, k_stride_h=skp * qrow, ksf_stride_b=hkv * skp * sf_row, ksf_stride_h=skp * sf_row,
+        vt_stride_b=hkv * dp * (skp // 2), vt_stride_h=dp * (skp // 2),
+        vtsf_stride_b=hkv * dp * (skp // 16), vtsf_stride_h=dp * (skp // 16),
+        delta=delta, delta_stride_b=delta_strides[0], delta_stride_h=delta_strides[1], delta_stride_blk=delta_strides[2],
+        q_dot_km=planes["q_dot_km"][0], qdk_stride_b=h * seq_q, qdk_stride_h=seq_q,
+        q_scale=planes["q_scale"][0], k_scale=planes["k_scale"][0], v_scale=planes["v_scale"][0],
+        v_mean=planes["v_mean"][0], kv_lens=None if kv_lens is None else kv_lens.data_ptr(),
+        out=out.data_ptr(), out_stride_b=out.stride(0), out_stride_h=out.stride(1), out_stride_s=out.stride(2),
+        lse=None if lse is None else lse.data_ptr(), lse_stride_b=0 if lse is None else lse.stride(0),
+        lse_stride_h=0 if lse is None else lse.stride(1),
+        nonfinite_q_blocks=planes["nonfinite_q"][0], nonfinite_kv=planes["nonfinite_kv"][0],
         batch=b, heads=h, kv_heads=hkv, seq_q=seq_q, seq_k=seq_k, seq_q_pad=sqp, seq_k_pad=skp,
-        head_dim_out=out.shape[3], q_block_begin=q_block_begin, q_block_end=q_block_end,
-        scale=float(scale), scale_log2=float(scale * 1.4426950408889634), causal=int(bool(causal)),
+        head_dim_out=out.shape[3], q_block_begin=block_begin, q_block_end=block_end,
+        scale=float(scale), scale_log2=float(scale * 1.4426950408889634), causal=int(causal),
         out_bf16=int(out.dtype == torch.bfloat16),
-        out_vec2=int(all(s % 2 == 0 for s in out.stride()[:3]) and out.data_ptr() % 4 == 0))
-    kind = "native" if native else "emulated"
+        out_vec2=int(out.stride(0) % 2 == 0 and out.stride(1) % 2 == 0 and out.stride(2) % 2 == 0
+                     and out.data_ptr() % 4 == 0))
     smem = abi.ATTENTION_SMEM_BYTES[fmt.QK_FORMATS.index(qk_format)][abi.head_dim_index(dp)]
-    with torch.cuda.device(device):
-        kernel = _kernel(device, abi.attention_entry(kind, qk_format, dp, lse is not None))
-        per_sm = kernel.blocks_per_sm(abi.ATTENTION_THREADS, smem)
-        p.grid_size = min(b * h * nblk, max(per_sm, 1) * _sms(device))
-        kernel.launch((p.grid_size,), abi.ATTENTION_THREADS, [p], _stream(device), smem)
+    kernel = dk.kernel(abi.attention_entry(dk.kind, qk_format, dp, lse is not None))
+    work = b * h * nblk
+    p.grid_size = min(work, max(kernel.blocks_per_sm(abi.ATTENTION_THREADS, smem), 1) * dk.sms)
+    if p.grid_size > _MAX_GRID_X:
+        raise ValueError("too many work items for one attention launch")
+    kernel.launch((p.grid_size,), abi.ATTENTION_THREADS, [p], stream, smem)
 
 
 # ---------------------------------------------------------------------------------------------
 # The single-MMA probes (tests, the self-test)
 # ---------------------------------------------------------------------------------------------
 
+def _check_probe_registers(**registers) -> None:
+    shapes = {"a": (torch.int32, (32, 4)), "b": (torch.int32, (32, 2)), "sfa": (torch.int32, (32,)),
+              "sfb": (torch.int32, (32,)), "c": (torch.float32, (32, 4))}
+    for name, t in registers.items():
+        dtype, shape = shapes[name]
+        if not (t.is_cuda and t.dtype == dtype and tuple(t.shape) == shape and t.is_contiguous()):
+            raise ValueError(f"{name} must be a contiguous CUDA {dtype} tensor of shape {list(shape)}")
+
+
 def _mma_probe(probe: str, combination: int, a, b, sfa, sfb, c, native: bool) -> torch.Tensor:
-    for name, t, dtype, shape in (("a", a, torch.int32, (32, 4)), ("b", b, torch.int32, (32, 2)),
-                                  ("sfa", sfa, torch.int32, (32,)), ("sfb", sfb, torch.int32, (32,)),
-                                  ("c", c, torch.float32, (32, 4))):
-        _check(t.is_cuda and t.dtype == dtype and tuple(t.shape) == shape and t.is_contiguous(),
-               "{} must be a contiguous CUDA {} tensor of shape {}", name, dtype, list(shape))
+    _check_probe_registers(a=a, b=b, sfa=sfa, sfb=sfb, c=c)
     d = torch.empty(32, 4, dtype=torch.float32, device=c.device)
     args = [ctypes.c_void_p(t.data_ptr()) for t in (a, b, sfa, sfb, c, d)]
-    with torch.cuda.device(c.device):
-        _kernel(c.device, abi.probe_entry(probe, "native" if native else "emulated", combination)).launch(
-            (1,), abi.PROBE_THREADS, args, _stream(c.device))
+    dk = device_kernels(c.device)
+    ensure_current(dk.index)
+    dk.kernel(abi.probe_entry(probe, "native" if native else "emulated", combination)).launch(
+        (1,), abi.PROBE_THREADS, args, current_stream(dk.index))
     return d
 
 
 def mma_nvfp4_probe(a, b, sfa, sfb, c, tid_a: int, tid_b: int, native: bool) -> torch.Tensor:
     """One warp runs one m16n8k64 block-scaled FP4 MMA (scale_vec::4X) with these per-lane registers:
     a [32, 4], b [32, 2], sfa, sfb [32] int32, c [32, 4] fp32; returns d [32, 4]."""
-    _check(tid_a in (0, 1), "thread-id-a must be 0 or 1, got {}", tid_a)
-    _check(tid_b in (0, 1, 2, 3), "thread-id-b must be in 0..3, got {}", tid_b)
+    if tid_a not in (0, 1) or tid_b not in (0, 1, 2, 3):
+        raise ValueError(f"thread-id-a must be 0 or 1 and thread-id-b in 0..3, got {tid_a}, {tid_b}")
     return _mma_probe("nvfp4", 4 * tid_a + tid_b, a, b, sfa, sfb, c, native)
 
 
 def mma_mxfp8_probe(a, b, sfa, sfb, c, tid_a: int, tid_b: int, byte_id: int, native: bool) -> torch.Tensor:
     """The same for one m16n8k32 8-bit MMA (kind::mxf8f6f4, e4m3, ue8m0 scale_vec::1X) with byte-id."""
-    _check(tid_a in (0, 1), "thread-id-a must be 0 or 1, got {}", tid_a)
-    _check(tid_b in (0, 1, 2, 3), "thread-id-b must be in 0..3, got {}", tid_b)
-    _check(byte_id in (0, 1, 2, 3), "byte-id must be in 0..3, got {}", byte_id)
+    if tid_a not in (0, 1) or tid_b not in (0, 1, 2, 3) or byte_id not in (0, 1, 2, 3):
+        raise ValueError(f"thread-id-a must be 0 or 1, thread-id-b and byte-id in 0..3, got {tid_a}, {tid_b}, "
+                         f"{byte_id}")
     return _mma_probe("mxfp8", 16 * tid_a + 4 * tid_b + byte_id, a, b, sfa, sfb, c, native)

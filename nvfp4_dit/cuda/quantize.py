@@ -17,13 +17,14 @@ correction (:func:`correction`) reads the raw K.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from typing import Iterator, Optional, Union
 
 import torch
 
-from . import launch as kernels
+from . import launch
 from .. import format as fmt
 from .. import preprocess
 from ..checks import validate_attention_args
@@ -36,14 +37,15 @@ _SUFFIXES = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 @dataclass
 class KernelQuantizedQKV(fmt.QuantizedQKV):
-    """A :class:`~nvfp4_dit.format.QuantizedQKV` from the CUDA quantiser. It has no
-    ``k_smoothed``: the correction is computed from the raw K instead (``k_input``, a
-    [B, Hkv, Sk, D] view of the caller's tensor)."""
+    """A :class:`~nvfp4_dit.format.QuantizedQKV` from the CUDA quantiser: views into one
+    :class:`~nvfp4_dit.cuda.launch.Workspace`. It has no ``k_smoothed``: the correction is computed
+    from the raw K instead (``k_input``, a [B, Hkv, Sk, D] view of the caller's tensor)."""
 
     k_input: Optional[torch.Tensor] = None
     kv_lens: Optional[torch.Tensor] = None
     # (q_blocks [B, H, nblk], kv [B, Hkv]) bool: NaN/inf met while quantising (preprocess.nonfinite_blocks)
     nonfinite: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+    workspace: Optional[launch.Workspace] = None
 
 
 def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: str = "NHD",
@@ -73,23 +75,38 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: s
     d = fmt.to_hnd(q, layout).shape[-1]
     if fmt.padded_head_dim(d) is None:
         raise ValueError(f"head dim {d} is not supported (at most {fmt.SUPPORTED_HEAD_DIMS[-1]})")
-    return launch_quantize_qkv(q, k, v, layout=layout, kv_lens=kv_lens, balance_qk=balance_qk, qk_format=qk_format)
-
-
-def launch_quantize_qkv(q, k, v, *, layout: str, kv_lens: Optional[torch.Tensor],
-                        balance_qk: bool, qk_format: str = fmt.QK_FORMAT_DEFAULT) -> KernelQuantizedQKV:
-    """:func:`quantize_qkv` for arguments already checked (:func:`nvfp4_dit.attention` checks
-    them once): CUDA tensors, kv_lens on their device."""
     qh, kh, vh = (fmt.to_hnd(t, layout) for t in (q, k, v))
-    (q_data, q_sf, k_data, k_sf, vt_data, vt_sf, q_mean, k_mean, v_mean, q_scale, k_scale, v_scale, balance,
-     q_dot_km, nonfinite_q, nonfinite_kv) = kernels.quantize_qkv(qh, kh, vh, kv_lens, balance_qk, qk_format)
+    dk = launch.device_kernels(q.device)
+    launch.ensure_current(dk.index)
+    ws = launch.Workspace(workspace_layout(qh, kh, balance_qk, qk_format, 0), q.device)
+    stream = launch.current_stream(dk.index)
+    ws.clear(stream)
+    launch.launch_quantize(dk, ws, qh, kh, vh, None if kv_lens is None else kv_lens.contiguous(), balance_qk,
+                           qk_format, stream)
+    return quantized_from_workspace(ws, qh, kh, kv_lens, balance_qk, qk_format)
+
+
+def workspace_layout(qh: torch.Tensor, kh: torch.Tensor, balance_qk: bool, qk_format: str,
+                     correction_rows: int) -> launch.WorkspaceLayout:
+    """The workspace of logical [B, H, S, D] inputs (:func:`nvfp4_dit.cuda.launch.workspace_layout`)."""
+    b, h, sq, d = qh.shape
+    return launch.workspace_layout(b, h, kh.shape[1], sq, kh.shape[2], fmt.padded_head_dim(d), qk_format,
+                                   bool(balance_qk), correction_rows)
+
+
+def quantized_from_workspace(ws: launch.Workspace, qh: torch.Tensor, kh: torch.Tensor,
+                             kv_lens: Optional[torch.Tensor], balance_qk: bool, qk_format: str) -> KernelQuantizedQKV:
+    """The quantiser's outputs in ``ws`` as a :class:`KernelQuantizedQKV` of views."""
     d = qh.shape[3]
+    views = {name: ws.view(name) for name in ("q_data", "q_sf", "k_data", "k_sf", "vt_data", "vt_sf", "q_mean",
+                                              "k_mean", "v_mean", "q_scale", "k_scale", "v_scale", "balance",
+                                              "q_dot_km")}
+    if not balance_qk:
+        views["balance"] = None
     return KernelQuantizedQKV(
-        q_data=q_data, q_sf=q_sf, k_data=k_data, k_sf=k_sf, vt_data=vt_data, vt_sf=vt_sf,
-        q_mean=q_mean, k_mean=k_mean, v_mean=v_mean, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
-        balance=balance if balance_qk else None, q_dot_km=q_dot_km, k_smoothed=None,
-        seq_q=qh.shape[2], seq_k=kh.shape[2], head_dim=d, head_dim_padded=fmt.padded_head_dim(d),
-        k_input=kh, kv_lens=kv_lens, nonfinite=(nonfinite_q != 0, nonfinite_kv != 0), qk_format=qk_format)
+        **views, k_smoothed=None, seq_q=qh.shape[2], seq_k=kh.shape[2], head_dim=d,
+        head_dim_padded=fmt.padded_head_dim(d), k_input=kh, kv_lens=kv_lens,
+        nonfinite=(ws.view("nonfinite_q") != 0, ws.view("nonfinite_kv") != 0), qk_format=qk_format, workspace=ws)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -132,18 +149,22 @@ def correction_bytes_per_block(batch: int, heads: int, seq_k_padded: int) -> int
 
 
 def correction_chunks(num_q_blocks: int, batch: int, heads: int, seq_k_padded: int,
-                      budget: Union[int, str, None] = None) -> list[tuple[int, int]]:
+                      budget: Union[int, str, None] = None) -> tuple[tuple[int, int], ...]:
     """Split Q blocks ``[0, num_q_blocks)`` into ``(begin, end)`` chunks whose correction fits the budget.
 
     Chunks of 64 or more blocks are multiples of 64 (the kernel's tile). A single block needs
     ``batch*heads*seq_k_padded*4`` bytes; if even that is above the budget, chunks are one block.
     """
-    budget_bytes = correction_budget_bytes(budget)
-    per_block = correction_bytes_per_block(batch, heads, seq_k_padded)
+    return _chunks(num_q_blocks, correction_bytes_per_block(batch, heads, seq_k_padded),
+                   correction_budget_bytes(budget))
+
+
+@functools.lru_cache(maxsize=512)
+def _chunks(num_q_blocks: int, per_block: int, budget_bytes: int) -> tuple[tuple[int, int], ...]:
     step = max(1, budget_bytes // max(per_block, 1))
     if step >= _CORRECTION_TILE_BLOCKS:
         step -= step % _CORRECTION_TILE_BLOCKS
-    return [(b0, min(b0 + step, num_q_blocks)) for b0 in range(0, num_q_blocks, step)]
+    return tuple((b0, min(b0 + step, num_q_blocks)) for b0 in range(0, num_q_blocks, step))
 
 
 def _check_kernel_quantized(qq) -> None:
@@ -152,14 +173,16 @@ def _check_kernel_quantized(qq) -> None:
 
 
 def correction(qq: KernelQuantizedQKV, block_start: int = 0, block_end: Optional[int] = None, *,
-               out: Optional[torch.Tensor] = None) -> torch.Tensor:
+               out: Optional[torch.Tensor] = None, key_bias: Optional[torch.Tensor] = None,
+               scale: Optional[float] = None) -> torch.Tensor:
     """delta [B, H, block_end - block_start, Skp] fp32 = qm . (k - km)^T / (q_scale k_scale) for those
     Q blocks (the attention kernel's score units), on the GPU.
 
     Keys in natural order; keys past ``kv_lens`` and the padding give 0. Equals
     :func:`nvfp4_dit.preprocess.correction` bit for bit (int8 tensor cores on fixed-point limbs,
-    an order-independent integer sum). ``out`` (last dim
-    contiguous) is written in place and returned, so one buffer can serve every chunk.
+    an order-independent integer sum), ``key_bias`` ([B, H or 1, Sk] fp32, in units of the scaled
+    scores, e.g. a key mask's) included: it adds ``key_bias / (scale q_scale k_scale)``. ``out``
+    (last dim contiguous) is written in place and returned, so one buffer can serve every chunk.
     """
     _check_kernel_quantized(qq)
     n_blocks = qq.num_q_blocks
@@ -169,24 +192,49 @@ def correction(qq: KernelQuantizedQKV, block_start: int = 0, block_end: Optional
     b, h = qq.q_mean.shape[:2]
     skp = qq.k_data.shape[2]
     shape = (b, h, block_end - block_start, skp)
+    device = qq.q_mean.device
     if out is None:
-        out = torch.empty(shape, dtype=torch.float32, device=qq.q_mean.device)
-    elif tuple(out.shape) != shape or out.dtype != torch.float32 or out.stride(-1) != 1 or out.device != qq.q_mean.device:
-        raise ValueError(f"out must be a float32 {list(shape)} tensor on {qq.q_mean.device} with a contiguous "
+        out = torch.empty(shape, dtype=torch.float32, device=device)
+    elif tuple(out.shape) != shape or out.dtype != torch.float32 or out.stride(-1) != 1 or out.device != device:
+        raise ValueError(f"out must be a float32 {list(shape)} tensor on {device} with a contiguous "
                          f"last dim, got {out.dtype} {list(out.shape)} strides {out.stride()}")
+    key_bias = checked_key_bias(key_bias, b, h, qq.seq_k, device)
+    if key_bias is not None and scale is None:
+        raise ValueError("scale is needed with key_bias (the bias is in units of the scaled scores)")
     if block_end > block_start:
-        kernels.correction(qq.q_mean, qq.k_input, qq.k_mean, qq.q_scale, qq.k_scale, qq.kv_lens, block_start, out)
+        dk = launch.device_kernels(device)
+        launch.ensure_current(dk.index)
+        launch.launch_correction(dk, qq.workspace, qq.k_input, _lens(qq.kv_lens), key_bias,
+                                 1.0 if scale is None else scale, block_start, block_end - block_start,
+                                 out.data_ptr(), out.stride()[:3], launch.current_stream(dk.index))
     return out
 
 
+def checked_key_bias(key_bias: Optional[torch.Tensor], b: int, h: int, sk: int, device) -> Optional[torch.Tensor]:
+    """``key_bias`` as the kernels read it: fp32 [B, H or 1, Sk] on ``device`` with a contiguous last dim."""
+    if key_bias is None:
+        return None
+    if (not isinstance(key_bias, torch.Tensor) or key_bias.dtype != torch.float32 or key_bias.dim() != 3
+            or key_bias.shape[0] != b or key_bias.shape[1] not in (1, h) or key_bias.shape[2] != sk
+            or key_bias.device != device):
+        raise ValueError(f"key_bias must be a float32 [{b}, {h} or 1, {sk}] tensor on {device}")
+    return key_bias if key_bias.stride(2) == 1 else key_bias.contiguous()
+
+
+def _lens(kv_lens: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    return None if kv_lens is None else kv_lens.contiguous()
+
+
 def iter_corrections(qq: fmt.QuantizedQKV, budget: Union[int, str, None] = None,
-                     block_range: Optional[tuple[int, int]] = None) -> Iterator[tuple[int, int, torch.Tensor]]:
+                     block_range: Optional[tuple[int, int]] = None, *, key_bias: Optional[torch.Tensor] = None,
+                     scale: Optional[float] = None) -> Iterator[tuple[int, int, torch.Tensor]]:
     """Yield ``(begin, end, delta)`` over the Q blocks of ``block_range`` (default all), one chunk
     of at most ``budget`` bytes at a time (consume each delta before asking for the next).
 
     ``qq`` from :func:`quantize_qkv` gets the CUDA correction, written into one reused buffer; a
     :class:`~nvfp4_dit.format.QuantizedQKV` from :func:`nvfp4_dit.preprocess.quantize_qkv` (it
-    carries ``k_smoothed``) gets :func:`nvfp4_dit.preprocess.correction`.
+    carries ``k_smoothed``) gets :func:`nvfp4_dit.preprocess.correction`. ``key_bias`` and
+    ``scale``: a per-key mask in the correction (:func:`correction`).
     """
     first, last = (0, qq.num_q_blocks) if block_range is None else block_range
     b, h = qq.q_mean.shape[:2]
@@ -196,9 +244,9 @@ def iter_corrections(qq: fmt.QuantizedQKV, budget: Union[int, str, None] = None,
         return
     if not isinstance(qq, KernelQuantizedQKV):
         for b0, b1 in chunks:
-            yield b0, b1, preprocess.correction(qq, b0, b1)
+            yield b0, b1, preprocess.correction(qq, b0, b1, key_bias=key_bias, scale=scale)
         return
     rows = max(b1 - b0 for b0, b1 in chunks)
     buf = torch.empty((b, h, rows, skp), dtype=torch.float32, device=qq.q_mean.device)
     for b0, b1 in chunks:
-        yield b0, b1, correction(qq, b0, b1, out=buf[:, :, : b1 - b0])
+        yield b0, b1, correction(qq, b0, b1, out=buf[:, :, : b1 - b0], key_bias=key_bias, scale=scale)

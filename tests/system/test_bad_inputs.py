@@ -380,13 +380,13 @@ def test_general_masks(gen, case):
                                           vh.double().repeat_interleave(2, 1),
                                           attn_mask=exact_mask if exact_mask.dtype == torch.bool else
                                           exact_mask.double()).transpose(1, 2)
-    with pytest.warns(FallbackWarning) if case not in ("non_suffix_key_padding", "additive_bias_key_padding") \
-            else warnings.catch_warnings():
+    per_key = ("non_suffix_key_padding", "additive_bias_key_padding", "per_head_float_4d")
+    with pytest.warns(FallbackWarning) if case not in per_key else warnings.catch_warnings():
         out = nvfp4_dit.attention(q, k, v, attn_mask=mask)
     # auto on CPU: exact SDPA either way.
     assert torch.allclose(out.double(), want, atol=1e-5)
-    if case in ("non_suffix_key_padding", "additive_bias_key_padding"):
-        # per-key masks: the FP4 reference takes them as a key bias
+    if case in per_key:
+        # per-key masks (per head too): the FP4 reference takes them as a key bias
         ref = nvfp4_dit.attention(q, k, v, attn_mask=mask, backend="reference")
         assert _cos(ref, want) >= 0.97
     else:
@@ -576,14 +576,17 @@ def test_diffusers_backend_nan_input_is_not_hidden(gen):
     assert torch.isfinite(ours[0]).all()
 
 
-def test_diffusers_return_lse_with_an_inexpressible_mask_is_a_value_error(gen):
+def test_diffusers_return_lse_with_an_inexpressible_mask_is_exact(gen):
+    # A mask without a per-key form runs exact, LSE included (what ring attention merges by).
     _, backend, _ = _diffusers()
     q, k, v = _qkv(gen, sq=300, sk=300, h=2, hkv=2)
     mask = torch.rand(B, 1, 300, 300, generator=torch.Generator().manual_seed(0)) > 0.5
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        with pytest.raises(ValueError, match="return_lse"):
-            backend.nvfp4_forward_op(None, q, k, v, attn_mask=mask, return_lse=True)
+        out, lse = backend.nvfp4_forward_op(None, q, k, v, attn_mask=mask, return_lse=True)
+    s = (q.transpose(1, 2) @ k.transpose(1, 2).transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    want = torch.logsumexp(s.masked_fill(~mask, -math.inf), -1).transpose(1, 2)   # (B, S, H)
+    torch.testing.assert_close(lse, want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("kwargs, exc", [
@@ -662,9 +665,6 @@ COMFY_DECLINED = {
     "mask_int": lambda q, k, v: ((q, k, v, 2), dict(mask=torch.ones(B, 1, 64, dtype=torch.int64))),
     "mask_not_a_tensor": lambda q, k, v: ((q, k, v, 2), dict(mask=[1.0] * 64)),
     "mask_5d": lambda q, k, v: ((q, k, v, 2), dict(mask=torch.zeros(1, B, 1, 1, 64))),
-    "mask_every_key": lambda q, k, v: ((q, k, v, 2), dict(mask=torch.zeros(B, 1, 64, dtype=torch.bool))),
-    "mask_nan": lambda q, k, v: ((q, k, v, 2), dict(mask=torch.zeros(B, 1, 64).index_fill_(2, torch.tensor([1]),
-                                                                                         math.nan))),
     "mask_wrong_keys": lambda q, k, v: ((q, k, v, 2), dict(mask=torch.zeros(B, 1, 63))),
     "unknown_kwarg": lambda q, k, v: ((q, k, v, 2), dict(sliding_window=16)),
     "missing_heads": lambda q, k, v: ((q, k, v), {}),
@@ -685,6 +685,24 @@ def test_comfyui_override_declines_to_comfyuis_function(gen, case):
     # passed through untouched: the very same objects
     assert len(got_args) == len(args) and all(a is b for a, b in zip(got_args, args))
     assert got_kwargs.keys() == kwargs.keys() and all(got_kwargs[n] is kwargs[n] for n in kwargs)
+
+
+def test_comfyui_override_masks_whose_values_break_rows(gen):
+    # Rows a mask leaves without a key give 0, and a NaN in a batch's mask gives NaN rows for that
+    # batch: values the call never waits for (no host sync), so never a reason to decline.
+    from nvfp4_dit.comfyui_node.attention_override import NVFP4AttentionOverride
+    from nvfp4_dit.policy import AttentionPolicy
+
+    override = NVFP4AttentionOverride(AttentionPolicy(backend="reference", min_seq_len=0))
+    q, k, v = _comfy_qkv(gen)
+    every_key = torch.ones(B, 1, 64, dtype=torch.bool)
+    every_key[0] = False
+    out = override(_Func(), q, k, v, 2, mask=every_key)
+    assert (out[0] == 0).all() and torch.isfinite(out[1]).all()
+    nan = torch.zeros(B, 1, 64)
+    nan[1, :, 1] = math.nan
+    out = override(_Func(), q, k, v, 2, mask=nan)
+    assert torch.isnan(out[1]).all() and torch.isfinite(out[0]).all()
 
 
 @pytest.mark.parametrize("case", sorted(NON_FINITE))

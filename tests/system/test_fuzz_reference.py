@@ -397,7 +397,10 @@ class Case:
             keep = torch.rand(self.b, self.sk, generator=g) > 0.3
             keep[:, 0] = False  # never a prefix
             bias = torch.where(keep, 0.0, -math.inf)
-            return {"attn_mask": keep, **kw_lens}, lens, bias
+            # Keys past the last kept one are padding (masks.reduce_key_mask): out of the statistics.
+            last = (keep * torch.arange(1, self.sk + 1)).amax(1)
+            eff = last if lens is None else torch.minimum(last, lens)
+            return {"attn_mask": keep, **kw_lens}, eff, bias
         bias = 2 * torch.randn(self.b, self.sk, generator=g)
         return {"attn_mask": bias, **kw_lens}, lens, bias
 
