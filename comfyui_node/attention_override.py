@@ -51,10 +51,26 @@ def _warn_once(message: str) -> None:
     warn_once(f"nvfp4_dit: {message}; using the model's own attention for such calls", logger=logger)
 
 
-# The step of the model forward in progress: every attention call of one forward carries the same
-# sigma tensors, so the sigma is read to the host once per forward (a GPU sigma costs a sync), not
-# once per call. Held by weak references: a later forward brings new tensors.
-_step_of_forward: tuple = (None, None, None)
+class _StepOfForward:
+    """The step of the model forward in progress: every attention call of one forward carries the
+    same sigma tensors, so a sigma is read to the host once per forward (a GPU sigma costs a sync),
+    not once per call. Held by weak references: a later forward brings new tensors."""
+
+    __slots__ = ("current", "schedule", "step")
+
+    def __init__(self):
+        self.current = self.schedule = self.step = None
+
+    def lookup(self, schedule, current):
+        if (self.current is not None and self.current() is current and self.schedule() is schedule):
+            return self.step
+        step = _step_of(schedule, current)
+        if isinstance(current, torch.Tensor) and isinstance(schedule, torch.Tensor):
+            self.current, self.schedule, self.step = weakref.ref(current), weakref.ref(schedule), step
+        return step
+
+
+_STEP_OF_FORWARD = _StepOfForward()
 
 
 def sampling_step(transformer_options: dict) -> Optional[tuple[int, int]]:
@@ -64,19 +80,11 @@ def sampling_step(transformer_options: dict) -> Optional[tuple[int, int]]:
     of the current model call in ``sigmas``. Step i covers sigmas in (s[i+1], s[i]], so samplers that
     evaluate the model between two schedule points (Heun, DPM-2) count those calls to step i.
     """
-    global _step_of_forward
     schedule = transformer_options.get("sample_sigmas")
     current = transformer_options.get("sigmas")
     if schedule is None or current is None:
         return None
-    cached_current, cached_schedule, step = _step_of_forward
-    if (isinstance(current, torch.Tensor) and cached_current is not None and cached_current() is current
-            and cached_schedule() is schedule):
-        return step
-    step = _step_of(schedule, current)
-    if isinstance(current, torch.Tensor) and isinstance(schedule, torch.Tensor):
-        _step_of_forward = (weakref.ref(current), weakref.ref(schedule), step)
-    return step
+    return _STEP_OF_FORWARD.lookup(schedule, current)
 
 
 def _step_of(schedule, current) -> Optional[tuple[int, int]]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import re
 import resource
 import time
 from collections import defaultdict
@@ -61,6 +62,24 @@ def parse_pair(text: str) -> tuple[int, int]:
     return a, b
 
 
+PAIR_OPTIONS = ("--dense-steps",)
+
+
+def join_pair_values(argv: list) -> list:
+    """``--dense-steps -1,1`` as ``--dense-steps=-1,1``: argparse reads a value that starts with "-"
+    and is no plain number as an option, and would say "expected one argument" instead of what is
+    wrong with the value."""
+    out, i = [], 0
+    while i < len(argv):
+        if argv[i] in PAIR_OPTIONS and i + 1 < len(argv) and re.fullmatch(r"-?\d+,-?\d+", argv[i + 1]):
+            out.append(f"{argv[i]}={argv[i + 1]}")
+            i += 2
+        else:
+            out.append(argv[i])
+            i += 1
+    return out
+
+
 def add_generation_args(ap: argparse.ArgumentParser) -> None:
     g = ap.add_argument_group("model and sampling")
     g.add_argument("--model", default=None,
@@ -101,9 +120,20 @@ def add_generation_args(ap: argparse.ArgumentParser) -> None:
 
 
 def resolve_device(args) -> torch.device:
+    """The device of ``--device``; SystemExit with one line for a device this machine lacks."""
     if args.device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(args.device)
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        raise SystemExit(f"--device {args.device!r} is not a device (cpu, cuda, cuda:1, ...)") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit(f"--device {args.device}: no CUDA GPU is visible to torch {torch.__version__} "
+                             f"(CUDA build {torch.version.cuda or 'none'}); use --device cpu")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise SystemExit(f"--device {args.device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return device
 
 
 def init_context_parallel(device: torch.device) -> tuple[int, int, torch.device]:
@@ -160,9 +190,7 @@ def load_pipeline(args, device: torch.device, dtype: torch.dtype):
         defaults, name = dict(pipe.tiny_config["defaults"]), "tiny-wan-t2v (built-in, random weights)"
         defaults.setdefault("min_seq_len", TINY_MIN_SEQ_LEN)
     else:
-        from diffusers import DiffusionPipeline
-
-        pipe = DiffusionPipeline.from_pretrained(args.model, dtype=dtype)
+        pipe = _from_pretrained(args.model, dtype)
         defaults, name = {"fps": 16}, args.model
     if args.cpu_offload == "model":
         pipe.enable_model_cpu_offload(device=device)
@@ -173,6 +201,27 @@ def load_pipeline(args, device: torch.device, dtype: torch.dtype):
     if args.image and "image" not in inspect.signature(pipe.__call__).parameters:
         raise SystemExit(f"--image given, but {type(pipe).__name__} takes no image (not an image-to-video pipeline)")
     return pipe, defaults, name
+
+
+def _from_pretrained(model: str, dtype: torch.dtype):
+    """``DiffusionPipeline.from_pretrained``; SystemExit with one line when ``model`` is no pipeline:
+    a missing folder, a folder without ``model_index.json``, or a hub id that cannot be fetched."""
+    import os
+
+    from diffusers import DiffusionPipeline
+
+    looks_local = os.path.isabs(model) or model.startswith((".", "~")) or os.path.exists(model)
+    if looks_local:
+        folder = os.path.expanduser(model)
+        if not os.path.isdir(folder):
+            raise SystemExit(f"--model {model}: no such folder")
+        if not os.path.isfile(os.path.join(folder, "model_index.json")):
+            raise SystemExit(f"--model {model}: not a diffusers pipeline folder (no model_index.json)")
+    try:
+        return DiffusionPipeline.from_pretrained(model, dtype=dtype)
+    except (OSError, ValueError, EnvironmentError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise SystemExit(f"--model {model}: cannot load a pipeline ({first})") from None
 
 
 class InvalidArguments(ValueError):

@@ -107,7 +107,7 @@ def main(argv=None) -> int:
     ap.add_argument("--capture-steps", default=None, help="comma-separated step indices to save (default: all)")
     ap.add_argument("--max-calls", type=int, default=64, help="stop saving after this many calls (default 64)")
     ap.add_argument("--out", default="out/capture.safetensors")
-    args = ap.parse_args(argv)
+    args = ap.parse_args(generation.join_pair_values(sys.argv[1:] if argv is None else argv))
 
     from safetensors.torch import save_file
 

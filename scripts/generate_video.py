@@ -68,7 +68,7 @@ def main(argv=None) -> int:
     ap.add_argument("--context-parallel", choices=("ulysses", "ring"), default=None,
                     help="shard the sequence over the ranks of a torchrun launch (Ulysses: heads must divide "
                          "by the rank count; ring: any head count, min_seq_len applies to each shard)")
-    args = ap.parse_args(argv)
+    args = ap.parse_args(generation.join_pair_values(sys.argv[1:] if argv is None else argv))
     if args.budget is not None and not args.calibrate:
         ap.error("--budget needs --calibrate")
     if args.budget is not None and not args.budget > 0:

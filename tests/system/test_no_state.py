@@ -75,10 +75,11 @@ def _tensors_in_module_state() -> list[str]:
 _ALLOWED_CONSTANTS = {"nvfp4_dit.format._E2M1_TABLE"}
 
 # Per-process records that a first call may add: the self-test verdict (the FP4 path's one piece
-# of state), the loaded kernels (and the device attributes their launches read), and the
-# once-per-reason warning bookkeeping.
+# of state) and the back-end it resolves, the loaded kernels (and the device attributes their
+# launches read), and the once-per-reason warning bookkeeping.
 _FIRST_CALL_STATE = {"nvfp4_dit.selftest._verdicts", "nvfp4_dit.cuda.build._libraries", "nvfp4_dit.cuda.build._load_failures",
-                     "nvfp4_dit.cuda.build._capabilities",
+                     "nvfp4_dit.cuda.build._capabilities", "nvfp4_dit.planner._resolved",
+                     "nvfp4_dit.cuda.launch._device_kernels",
                      "nvfp4_dit.cuda.driver._device_attributes", "nvfp4_dit.fallback._reported"}
 
 
