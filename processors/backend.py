@@ -2,7 +2,7 @@
 
 diffusers' ``AttentionBackendName`` is a closed enum and the registry is private, so the name is
 added by inserting a pseudo-member into the enum's maps and calling the registry's ``register``
-decorator (diffusers.md §2.4).  Every private name used is feature-detected first; if one is
+decorator.  Every private name used is feature-detected first; if one is
 missing, :func:`register_backend` raises ``RuntimeError`` naming it and the processors
 (:mod:`nvfp4_dit.processors.apply`) still work through the routes that need no backend.
 

@@ -3,7 +3,7 @@
 Each processor wraps the model's own processor and replaces only its core attention call, so
 projections, qk-norm, RoPE, joint text+video concatenation, masks and the output projection are
 the original code running unchanged.  A dense call (policy says so) *is* the original processor,
-bit for bit.  How the core call is reached depends on the family (diffusers.md §1):
+bit for bit.  How the core call is reached depends on the family:
 
 * ``dispatch`` -- the processor calls ``dispatch_attention_fn(..., backend=self._attention_backend)``
   (Wan, HunyuanVideo, LTX-Video, MiniMax-H3, ...): the FP4 call runs a copy of the original

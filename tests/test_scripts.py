@@ -224,3 +224,26 @@ def test_bench_launch_measures_each_row_and_profiles():
     assert len(rows) == 5 and all(us > 0 for us in rows.values())
     assert "tottime" in res.stderr
 
+
+
+def test_figures_without_matplotlib_say_what_to_install(monkeypatch, tmp_path, capsys):
+    import plotting
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)   # as if it were not installed
+    with pytest.raises(SystemExit, match=r"--png needs matplotlib \(pip install matplotlib\)"):
+        replay_attention.main([str(tmp_path / "capture.safetensors"), "--png", str(tmp_path / "replay.png")])
+    with pytest.raises(SystemExit, match="pip install matplotlib"):
+        plotting.pyplot()
+
+
+def test_generate_video_usage_errors_are_one_line(capsys):
+    with pytest.raises(SystemExit):
+        generate_video.main(["--dense-steps", "-1,1"])
+    assert "dense steps must be >= 0" in capsys.readouterr().err
+    for argv, words in ((["--model", "/no/such/folder"], "no such folder"),
+                        (["--model", str(Path(__file__).parent)], "no model_index.json")):
+        with pytest.raises(SystemExit, match=words):
+            generate_video.main(argv + ["--no-video"])
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="no CUDA GPU"):
+            generate_video.main(["--device", "cuda", "--no-video"])

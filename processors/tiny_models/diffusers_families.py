@@ -90,7 +90,7 @@ def wan(head_dim=64, heads=2, dtype=torch.float32, seed=0, text_len=12, frames=2
         cross_attn_norm=True, qk_norm="rms_norm_across_heads", rope_max_seq_len=32, **extra,
     ).to(dtype).eval()
     g = _gen(seed + 1)
-    # Wan I2V hard-codes the last 512 context tokens as text (diffusers.md §1.2).
+    # Wan I2V hard-codes the last 512 context tokens as text (WanAttnProcessor splits them off).
     inputs = dict(
         hidden_states=_randn(g, 1, 8 if i2v else 4, frames, size, size, dtype=dtype),
         timestep=torch.tensor([500]),
