@@ -31,10 +31,11 @@ def kernel_means(q, k, v, *, layout, kv_lens=None, balance_qk=True) -> Optional[
 
 
 def matched_reference(q, k, v, *, layout, causal=False, scale=None, kv_lens=None, query_blocks=None,
-                      means=None, balance_qk=True):
-    """``attention_reference`` (out, lse) on the kernel's means (see the module docstring)."""
+                      means=None, balance_qk=True, key_bias=None):
+    """``attention_reference`` (out, lse) on the kernel's means (see the module docstring);
+    ``key_bias`` [B, Sk] or [B, H or 1, Sk] a per-key mask as the planner reduces it."""
     if means is None:
         means = kernel_means(q, k, v, layout=layout, kv_lens=kv_lens, balance_qk=balance_qk)
     qq = preprocess.quantize_qkv(q, k, v, layout=layout, kv_lens=kv_lens, balance_qk=balance_qk, **(means or {}))
     return attention_reference(q, k, v, layout=layout, causal=causal, scale=scale, kv_lens=kv_lens,
-                               return_lse=True, query_blocks=query_blocks, quantized=qq)
+                               key_bias=key_bias, return_lse=True, query_blocks=query_blocks, quantized=qq)

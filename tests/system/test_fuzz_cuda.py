@@ -32,7 +32,6 @@ import pytest
 import torch
 
 import nvfp4_dit
-from nvfp4_dit import BackendUnavailableError
 from nvfp4_dit import format as fmt
 
 try:
@@ -58,7 +57,7 @@ class CudaCase:
     causal: bool
     scale: Optional[float]
     lens: Optional[list]
-    mask: str          # none | bool_2d | bool_4d | float_4d | non_suffix (the kernel must refuse it)
+    mask: str          # none | bool_2d | bool_4d | float_4d | non_suffix (a key bias with holes)
     offset: float
 
 
@@ -107,7 +106,7 @@ def case_inputs(case: CudaCase, device):
             q, k, v = (x.contiguous() for x in (q, k, v))
     q, k, v = (x.to(device=device, dtype=case.dtype) for x in (q, k, v))
     kwargs = {"layout": case.layout, "causal": case.causal, "scale": case.scale}
-    eff_lens = None
+    eff_lens, key_bias = None, None
     if case.lens is not None:
         kwargs["kv_lens"] = torch.tensor(case.lens, device=device, dtype=torch.int32 if case.seed % 2 else torch.int64)
         eff_lens = torch.tensor(case.lens)
@@ -117,12 +116,13 @@ def case_inputs(case: CudaCase, device):
         if case.mask == "non_suffix":
             keep = torch.rand(case.b, case.sk, generator=g) > 0.3
             keep[:, 0] = False
+            key_bias = torch.where(keep, 0.0, -math.inf).to(device)
+            mlen = (keep * torch.arange(1, case.sk + 1)).amax(1)   # one past the last kept key
         m = {"bool_2d": keep, "bool_4d": keep[:, None, None, :], "non_suffix": keep,
              "float_4d": torch.where(keep, 0.0, -math.inf)[:, None, None, :]}[case.mask]
         kwargs["attn_mask"] = m.to(device)
-        if case.mask != "non_suffix":  # a suffix mask is key lengths (the op's conversion)
-            eff_lens = mlen if eff_lens is None else torch.minimum(mlen, eff_lens)
-    return q, k, v, kwargs, (None if eff_lens is None else eff_lens.to(device=device, dtype=torch.int32))
+        eff_lens = mlen if eff_lens is None else torch.minimum(mlen, eff_lens)   # the planner's key lengths
+    return q, k, v, kwargs, (None if eff_lens is None else eff_lens.to(device=device, dtype=torch.int32)), key_bias
 
 
 def _poison_allocator(nbytes: int, device) -> None:
@@ -134,17 +134,10 @@ def _poison_allocator(nbytes: int, device) -> None:
 
 
 def run_case(case: CudaCase, device, backend: str) -> None:
-    q, k, v, kwargs, eff_lens = case_inputs(case, device)
-    if case.mask == "non_suffix" and backend == "cuda":
-        with pytest.raises(BackendUnavailableError, match="key-padding mask"):
-            nvfp4_dit.attention(q, k, v, backend="cuda", return_lse=True, **kwargs)
-        return
+    q, k, v, kwargs, eff_lens, key_bias = case_inputs(case, device)
     pub, pub_lse = nvfp4_dit.attention(q, k, v, backend="reference", return_lse=True, **kwargs)
-    if case.mask == "non_suffix":  # (CPU harness runs only) a key bias: the public op is the reference
-        ref, ref_lse = pub, pub_lse
-    else:
-        ref, ref_lse = matched_reference(q, k, v, layout=case.layout, causal=case.causal, scale=case.scale,
-                                         kv_lens=eff_lens)
+    ref, ref_lse = matched_reference(q, k, v, layout=case.layout, causal=case.causal, scale=case.scale,
+                                     kv_lens=eff_lens, key_bias=key_bias)
     _poison_allocator(ref.numel() * ref.element_size() + ref_lse.numel() * 4, device)
     out, lse = nvfp4_dit.attention(q, k, v, backend=backend, return_lse=True, **kwargs)
     if torch.device(device).type == "cuda":
