@@ -93,7 +93,7 @@ def test_fresh_install_without_compilers_lists_the_prebuilt_kernels(wheel, tmp_p
     env["PATH"] = str(bin_dir)   # no nvcc, no c++, no ninja on PATH
     env["HOME"] = str(tmp_path)
     probe = (
-        "import shutil, nvfp4_dit; from nvfp4_dit import build; "
+        "import shutil, nvfp4_dit; from nvfp4_dit.cuda import build; "
         "assert shutil.which('nvcc') is None and shutil.which('c++') is None and shutil.which('g++') is None; "
         "assert 'site-packages' in nvfp4_dit.__file__, nvfp4_dit.__file__; "
         "m = build.prebuilt_manifest(); assert m is not None; "
