@@ -238,7 +238,9 @@ def launch_correction(dk: DeviceKernels, ws: Workspace, k: torch.Tensor, kv_lens
     key_tiles, m_tiles = skp // abi.CORRECTION_TILE_N, -(-rows // abi.CORRECTION_TILE_M)
     resident = dk.sms * kernel.blocks_per_sm(abi.CORRECTION_THREADS, smem)
     grid = (key_tiles, min(m_tiles, max(1, -(-resident // (key_tiles * b * h))), _MAX_GRID_YZ), b * h)
-    bias_strides = (0, 0) if key_bias is None else (key_bias.stride(0), key_bias.stride(1))
+    # A bias shared by the heads ([B, 1, Sk]) is read at head stride 0, whatever its storage says.
+    bias_strides = (0, 0) if key_bias is None else (
+        key_bias.stride(0), 0 if key_bias.shape[1] == 1 else key_bias.stride(1))
     p = abi.CorrectionParams(
         q_mean=ws.ptr("q_mean"), k=_strided(k), dtype=abi.INPUT_DTYPES[DTYPE_NAMES[k.dtype]],
         kv_lens=None if kv_lens is None else kv_lens.data_ptr(),

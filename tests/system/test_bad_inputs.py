@@ -406,21 +406,41 @@ def _cuda_or_skip():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("case", ["non_suffix_key_padding", "per_query_bool_4d", "head_dim_160", "cpu_kv_lens"])
+@pytest.mark.parametrize("case", ["per_query_bool_4d", "bool_3d_sq_sk", "head_dim_160"])
 def test_cuda_backend_refuses_what_it_cannot_run(gen, case):
     _cuda_or_skip()
     q, k, v = _qkv(gen, device="cuda", dtype=torch.bfloat16, d=160 if case == "head_dim_160" else D)
     kwargs = {}
     if case in GENERAL_MASKS:
         kwargs["attn_mask"] = GENERAL_MASKS[case]().cuda()
-    if case == "cpu_kv_lens":
-        kwargs["kv_lens"] = torch.tensor([3, 4])
-        with pytest.raises(ValueError, match="kv_lens is on"):
-            nvfp4_dit.attention(q, k, v, backend="cuda", **kwargs)
-        return
     with pytest.raises(BackendUnavailableError):
         nvfp4_dit.attention(q, k, v, backend="cuda", **kwargs)
     torch.cuda.synchronize()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", ["non_suffix_key_padding", "additive_bias_key_padding", "per_head_float_4d"])
+def test_cuda_backend_runs_per_key_masks(gen, case):
+    """Per-key masks (holes, biases, per head) are a key bias of the correction: FP4 on the GPU."""
+    _cuda_or_skip()
+    q, k, v = _qkv(gen, device="cuda", dtype=torch.bfloat16)
+    mask = GENERAL_MASKS[case]().cuda()
+    out = nvfp4_dit.attention(q, k, v, backend="cuda", attn_mask=mask)
+    ref = nvfp4_dit.attention(q, k, v, backend="reference", attn_mask=mask)
+    assert _cos(out.float(), ref.float()) >= 0.995
+
+
+@pytest.mark.cuda
+def test_cuda_backend_takes_kv_lens_from_the_host(gen):
+    """kv_lens on the CPU is checked there and moved; out of range it is a ValueError naming it."""
+    _cuda_or_skip()
+    q, k, v = _qkv(gen, device="cuda", dtype=torch.bfloat16)
+    lens = torch.tensor([3, SK])
+    out = nvfp4_dit.attention(q, k, v, backend="cuda", kv_lens=lens)
+    same = nvfp4_dit.attention(q, k, v, backend="cuda", kv_lens=lens.cuda())
+    assert torch.equal(out, same)
+    with pytest.raises(ValueError, match="kv_lens"):
+        nvfp4_dit.attention(q, k, v, backend="cuda", kv_lens=torch.tensor([3, SK + 1]))
 
 
 @pytest.mark.cuda

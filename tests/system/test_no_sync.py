@@ -65,7 +65,7 @@ def test_the_diffusers_route_does_not_synchronise(cuda_device):
     def route(mask):
         prev = routing.push_route(POLICY, None, "blocks.0.attn1", (2, 4))
         try:
-            return backend._nvfp4_attention(q, k, v, attn_mask=mask)
+            return backend._nvfp4_attention(q, k, v, attn_mask=mask, enable_gqa=True)   # as diffusers passes GQA
         finally:
             routing.pop_route(prev)
 
