@@ -16,7 +16,6 @@ override again (the recursion trap). Nothing is kept between calls: no tensors, 
 
 from __future__ import annotations
 
-import inspect
 import logging
 import weakref
 from typing import Any, Callable, Optional
@@ -38,12 +37,12 @@ _KNOWN_KWARGS = frozenset({
 })
 
 
-def _comfy_attention_signature(q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False,
-                               skip_output_reshape=False, **kwargs):
-    """The signature every ComfyUI attention back-end shares; used only to bind arguments."""
-
-
-_SIGNATURE = inspect.signature(_comfy_attention_signature)
+def _bind_arguments(q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False,
+                    skip_output_reshape=False, **kwargs) -> dict:
+    """The arguments of a call with the signature every ComfyUI attention back-end shares, by name
+    (Python binds them: a call that does not fit raises TypeError)."""
+    return {"q": q, "k": k, "v": v, "heads": heads, "mask": mask, "attn_precision": attn_precision,
+            "skip_reshape": skip_reshape, "skip_output_reshape": skip_output_reshape, "kwargs": kwargs}
 
 def _warn_once(message: str) -> None:
     # One log line per kind of declined call per process, not one per attention call (ComfyUI shows
@@ -160,11 +159,11 @@ class NVFP4AttentionOverride:
 
     def __call__(self, func: Callable, *args: Any, **kwargs: Any):
         try:
-            bound = _SIGNATURE.bind(*args, **kwargs)
+            arguments = _bind_arguments(*args, **kwargs)
         except TypeError as error:
             _warn_once(f"attention call with unexpected arguments ({error})")
             return self.decline(func, args, kwargs)
-        plan = self.plan(bound.arguments)
+        plan = self.plan(arguments)
         if plan is None:
             return self.decline(func, args, kwargs)
         import nvfp4_dit
@@ -297,7 +296,7 @@ class CalibratingOverride(NVFP4AttentionOverride):
     def __call__(self, func: Callable, *args: Any, **kwargs: Any):
         exact = self.decline(func, args, kwargs)
         try:
-            arguments = _SIGNATURE.bind(*args, **kwargs).arguments
+            arguments = _bind_arguments(*args, **kwargs)
         except TypeError:
             return exact
         plan = self.plan(arguments)

@@ -49,17 +49,17 @@ def validate_attention_args(q, k, v, layout, causal, scale, attn_mask, kv_lens, 
         raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if k.device != q.device or v.device != q.device:
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
-    qh, kh, vh = (fmt.to_hnd(t, layout) for t in (q, k, v))
-    b, h, _, d = qh.shape
-    if kh.shape != vh.shape:
+    qh, kh, vh = (fmt.hnd_shape(t, layout) for t in (q, k, v))
+    b, h, _, d = qh
+    if kh != vh:
         raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-    if kh.shape[0] != b:
-        raise ValueError(f"k has batch {kh.shape[0]} but q has batch {b}")
-    if kh.shape[3] != d:
-        raise ValueError(f"k/v head dim {kh.shape[3]} differs from q head dim {d}")
+    if kh[0] != b:
+        raise ValueError(f"k has batch {kh[0]} but q has batch {b}")
+    if kh[3] != d:
+        raise ValueError(f"k/v head dim {kh[3]} differs from q head dim {d}")
     if d == 0:
         raise ValueError(f"q/k/v head dim must be at least 1, got shape {tuple(q.shape)}")
-    hkv = kh.shape[1]
+    hkv = kh[1]
     if hkv == 0 or h % hkv:
         raise ValueError(f"q heads ({h}) must be a multiple of k/v heads ({hkv})")
     if scale is not None:
@@ -67,7 +67,7 @@ def validate_attention_args(q, k, v, layout, causal, scale, attn_mask, kv_lens, 
             raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
         if not (math.isfinite(scale) and scale > 0):
             raise ValueError(f"scale must be a positive finite number, got {scale}")
-    sk = kh.shape[2]
+    sk = kh[2]
     if kv_lens is not None:
         check_tensor("kv_lens", kv_lens)
         if kv_lens.dtype not in (torch.int32, torch.int64):
@@ -82,7 +82,7 @@ def validate_attention_args(q, k, v, layout, causal, scale, attn_mask, kv_lens, 
             raise TypeError(f"attn_mask must be bool or floating point, got {attn_mask.dtype}")
         if attn_mask.device != q.device:
             raise ValueError(f"attn_mask is on {attn_mask.device} but q is on {q.device}")
-        sq = qh.shape[2]
+        sq = qh[2]
         if not 2 <= attn_mask.dim() <= 4:
             # SDPA itself fails on 1-D masks, and a 5-D mask would broadcast the output to 5-D.
             raise ValueError(f"attn_mask must be 2-D [B, Sk] or 3-/4-D broadcastable to [B, H, Sq, Sk], "

@@ -365,6 +365,13 @@ def permute_k_rows(x: torch.Tensor, dim: int = -2) -> torch.Tensor:
     return x.index_select(dim, index)
 
 
+def hnd_shape(x: torch.Tensor, layout: str) -> tuple[int, int, int, int]:
+    """``(B, H, S, D)`` of a [B, S, H, D] (NHD) or [B, H, S, D] (HND) tensor, without a view (the
+    call's host path reads shapes many times)."""
+    b, x1, x2, d = x.shape
+    return (b, x2, x1, d) if layout == "NHD" else (b, x1, x2, d)
+
+
 def to_hnd(x: torch.Tensor, layout: str) -> torch.Tensor:
     """View a [B, S, H, D] (NHD) or [B, H, S, D] (HND) tensor as [B, H, S, D]."""
     if layout == "NHD":

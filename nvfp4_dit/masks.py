@@ -50,9 +50,8 @@ def check_per_key_shape(shape: torch.Size, b: int, h: int, sq: int, sk: int) -> 
     """Why a mask of ``shape`` (SDPA broadcasting against [B, H, Sq, Sk]) has no per-key form, or None."""
     if len(shape) > 4:
         return f"attn_mask with {len(shape)} dims"
-    try:
-        torch.broadcast_shapes(shape, (b, h, sq, sk))
-    except RuntimeError:
+    # SDPA's broadcasting, checked by hand: torch.broadcast_shapes costs more than the whole check.
+    if any(m != 1 and m != t for m, t in zip(reversed(shape), (sk, sq, h, b))):
         return f"attn_mask of shape {tuple(shape)} does not broadcast to {(b, h, sq, sk)}"
     if sq > 1 and len(shape) >= 2 and shape[-2] != 1:
         return f"attn_mask of shape {tuple(shape)} differs between queries (not a key mask)"
@@ -79,10 +78,13 @@ def reduce_key_mask(mask: torch.Tensor, b: int, h: int, sq: int, sk: int) -> Key
         bias = m.float()
         top = bias.amax(-1, keepdim=True)
         keep = bias > top - MASKED_GAP
-        nonfinite = (torch.isnan(bias) | torch.isposinf(bias)).flatten(1).any(1)
-    keys = torch.arange(1, sk + 1, dtype=torch.int32, device=mask.device)
-    kv_lens = (keep.any(1) * keys).amax(1).to(torch.int32) if sk else torch.zeros(b, dtype=torch.int32,
-                                                                                      device=mask.device)
+        # A row holds NaN or +inf exactly when its maximum is one (amax propagates NaN).
+        nonfinite = (top < math.inf).logical_not_().flatten(1).any(1)
+    if sk:
+        keys = torch.arange(1, sk + 1, dtype=torch.int32, device=mask.device)
+        kv_lens = torch.where(keep.any(1), keys, 0).amax(1)
+    else:
+        kv_lens = torch.zeros(b, dtype=torch.int32, device=mask.device)
     return KeyMask(bias=bias, kv_lens=kv_lens, nonfinite=nonfinite)
 
 
