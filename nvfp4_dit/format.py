@@ -32,6 +32,8 @@ k_scale       [B, Hkv] float32               tensor scale of K per head
 v_scale       [B, Hkv] float32               tensor scale of V per head
 balance       [B, Hkv, Dp] float32 or None   the channel balance s (None: not balanced, s = 1)
 q_dot_km      [B, H, Sq] float32             q . km, to give back the true LSE
+k_tile_mean   [B, Hkv, Skp/128, Dp] float32  per-128-key-tile mean of the raw K (valid keys)
+q_similarity  [B, H, Sqp/128] float32        per-Q-block mean pairwise cosine of the raw rows
 ============  =============================  ===============================================
 
 Row-major scales put the four scale bytes of one row's 64-wide K chunk into one aligned 32-bit
@@ -411,6 +413,11 @@ class QuantizedQKV:
     head_dim: int
     head_dim_padded: int
     qk_format: str = QK_FORMAT_DEFAULT
+    k_tile_mean: Optional[torch.Tensor] = None
+    """[B, Hkv, Skp/128, Dp] fp32: each 128-key tile's mean of the raw K over its valid keys (the
+    block-sparse estimate, nvfp4_dit/sparse.py)."""
+    q_similarity: Optional[torch.Tensor] = None
+    """[B, H, Sqp/128] fp32: each 128-row Q block's mean pairwise cosine of its raw rows."""
 
     @property
     def num_q_blocks(self) -> int:

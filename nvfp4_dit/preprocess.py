@@ -75,6 +75,33 @@ def q_block_means(q_hnd: torch.Tensor, per_block_mean: bool = True) -> torch.Ten
     return padded.sum(3) / count[:, None]
 
 
+def k_tile_means(k_hnd: torch.Tensor, kv_lens: Optional[torch.Tensor]) -> torch.Tensor:
+    """[B, Hkv, Skp/128, D] fp32: each 128-key tile's mean of the raw K over its valid keys (0 for a
+    tile without one), for the block-sparse estimate."""
+    b, h, s, d = k_hnd.shape
+    nk = round_up(max(s, 1), SEQ_TILE) // SEQ_TILE
+    valid = valid_key_mask(kv_lens, b, s, k_hnd.device)
+    kf = torch.where(valid[:, None, :, None], k_hnd.float(), 0.0)
+    sums = pad_dim(kf, 2, nk * SEQ_TILE).unflatten(2, (nk, SEQ_TILE)).sum(3)
+    count = pad_dim(valid, 1, nk * SEQ_TILE).view(b, nk, SEQ_TILE).sum(-1).float()
+    return torch.where(count[:, None, :, None] > 0, sums / count.clamp_min(1)[:, None, :, None], 0.0)
+
+
+def q_block_similarity(q_hnd: torch.Tensor) -> torch.Tensor:
+    """[B, H, Sqp/128] fp32: each 128-row Q block's mean pairwise cosine of its raw rows, from the
+    unit rows x_i (0 for a zero row) and the n nonzero rows: (|sum x_i|^2 - n) / (n (n - 1)); 1 for
+    n < 2. Low values say the block's mean is a poor stand-in for its rows."""
+    b, h, s, d = q_hnd.shape
+    nq = round_up(max(s, 1), SEQ_TILE) // SEQ_TILE
+    qf = q_hnd.float()
+    norm = qf.norm(dim=-1, keepdim=True)
+    unit = torch.where(norm > 0, qf / norm.clamp_min(1e-30), 0.0)
+    sums = pad_dim(unit, 2, nq * SEQ_TILE).unflatten(2, (nq, SEQ_TILE)).sum(3)
+    n = pad_dim((norm[..., 0] > 0).float(), 2, nq * SEQ_TILE).view(b, h, nq, SEQ_TILE).sum(-1)
+    s2 = (sums * sums).sum(-1)
+    return torch.where(n >= 2, (s2 - n) / (n * (n - 1)).clamp_min(1), 1.0)
+
+
 def balance_statistics(q_smoothed: torch.Tensor, k_smoothed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(amax|Q_c - qm_c|, amax|K_c - km_c|) [B, Hkv, D] fp32: the statistics of
     :func:`channel_balance`, taken on what is quantised. Q's are over every row of the query heads
@@ -162,7 +189,8 @@ def quantize_qkv(
         q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
         balance=None if balance is None else pad_dim(balance, 2, dp, 1.0),
         q_dot_km=q_dot_km, k_smoothed=pad_dim(pad_dim(k_s, 3, dp), 2, skp), seq_q=sq, seq_k=sk, head_dim=d,
-        head_dim_padded=dp, qk_format=qk_format,
+        head_dim_padded=dp, qk_format=qk_format, k_tile_mean=pad_dim(k_tile_means(kh, kv_lens), 3, dp),
+        q_similarity=q_block_similarity(qh),
     )
 
 

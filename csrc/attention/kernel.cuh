@@ -13,6 +13,8 @@
 //
 // Persistent: gridDim.x CTAs stride over (batch, head, Q block) work items; within a head the
 // Q blocks are adjacent so concurrent CTAs share K/V in L2; causal runs the longest blocks first.
+// Block-sparse (a block map, params.h; separate instantiations): a work item visits only its listed
+// key tiles, whose indices the stage ring streams; the host lists each head's rows longest first.
 #pragma once
 #include "common/portable.h"
 #include <cuda_bf16.h>
@@ -106,7 +108,7 @@ __device__ __forceinline__ void store_one(void* out, int64_t offset, float x, bo
 
 }  // namespace detail
 
-template <int kHeadDim, bool kWithLse, class Mma, class QkFmt>
+template <int kHeadDim, bool kWithLse, bool kSparse, class Mma, class QkFmt>
 __device__ __forceinline__ void attention_fwd_body(const AttentionFwdParams& p) {
   using T = AttentionTraits<kHeadDim, QkFmt>;
   using F = Fragments<kHeadDim, QkFmt>;
@@ -123,6 +125,7 @@ __device__ __forceinline__ void attention_fwd_body(const AttentionFwdParams& p) 
   static_assert(kPVSteps % 8 == 0, "PV steps are spread over the 8 P blocks of a tile");
 
   extern __shared__ __align__(128) uint8_t smem[];
+  __shared__ int item_first;   // a block-sparse work item's first list entry
   const uint32_t smem_base = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
   const int tid = threadIdx.x;
   const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
@@ -132,10 +135,21 @@ __device__ __forceinline__ void attention_fwd_body(const AttentionFwdParams& p) 
   const int group = p.heads / p.kv_heads;
   const int64_t nblk_all = p.seq_q_pad / T::kBlockM;
 
+  // The block-sparse kernels are their own instantiations: the dense ones keep every register.
+  constexpr bool sparse = kSparse;
   for (int64_t work = blockIdx.x; work < total; work += gridDim.x) {
-    const int64_t bh = work / nblk;
-    int mi = int(work % nblk);
-    if (p.causal) mi = nblk - 1 - mi;
+    int64_t bh, list_row = 0;
+    int mi;
+    if constexpr (sparse) {   // a chunk's rows fit 32 bits (the host checks): 32-bit division
+      const int r = p.work_order[work], stride = int(p.block_row_stride);
+      list_row = r;
+      bh = r / stride;
+      mi = r % stride;
+    } else {
+      bh = work / nblk;
+      mi = int(work % nblk);
+      if (p.causal) mi = nblk - 1 - mi;   // the longest rows first (a map orders its own)
+    }
     const int m_blk = p.q_block_begin + mi;
     const int b = int(bh / p.heads), h = int(bh % p.heads), hk = h / group;
     const int64_t bhk = int64_t(b) * p.kv_heads + hk;
@@ -145,18 +159,38 @@ __device__ __forceinline__ void attention_fwd_body(const AttentionFwdParams& p) 
     const int kv_len = p.kv_lens != nullptr ? min(max(p.kv_lens[b], 0), p.seq_k) : p.seq_k;
     int n_end = (kv_len + T::kBlockN - 1) / T::kBlockN;
     if (p.causal) n_end = min(n_end, m_blk + 1);
+    // A block map lists the row's tiles (within the limits above: the host drops the others) from
+    // its first entry on, which also places its compact correction. That entry is kept in shared
+    // memory, so no address derived from it stays in a register (the D=128 kernels are at the
+    // register limit); the previous item's last reader passed the barrier that ends it.
+    if constexpr (sparse) {
+      const int first = p.block_offsets[list_row];
+      n_end = p.block_offsets[list_row + 1] - first;
+      if (tid == 0) item_first = first;
+      __syncthreads();
+    }
 
     const uint8_t* k_base = p.k_data + b * p.k_stride_b + hk * p.k_stride_h;
     const uint8_t* ksf_base = p.k_sf + b * p.ksf_stride_b + hk * p.ksf_stride_h;
     const uint8_t* vt_base = p.vt_data + b * p.vt_stride_b + hk * p.vt_stride_h;
     const uint8_t* vtsf_base = p.vt_sf + b * p.vtsf_stride_b + hk * p.vtsf_stride_h;
-    const float* delta_row = p.delta + b * p.delta_stride_b + h * p.delta_stride_h + int64_t(mi) * p.delta_stride_blk;
+    // The n-th tile visited: its key tile, and its correction (tile n of a dense row, or entry n of
+    // the row's compact list).
+    const float* delta_row = sparse ? nullptr
+                                    : p.delta + b * p.delta_stride_b + h * p.delta_stride_h +
+                                          int64_t(mi) * p.delta_stride_blk;
+    auto tile_of = [&](int n) { return sparse ? p.block_tiles[item_first + n] : n; };
+    auto delta_of = [&](int n) {
+      return sparse ? p.delta + int64_t(item_first + n) * T::kBlockN : delta_row + int64_t(n) * T::kBlockN;
+    };
     const int64_t vt_row = p.seq_k_pad / 2, vtsf_row = p.seq_k_pad / 16;
 
+    // Stage of the n-th tile visited.
     auto load_stage = [&](int stage, int n) {
+      const int tile = tile_of(n);
       const uint32_t sbase = smem_base + stage * T::kStageBytes;
       constexpr int kKChunksRow = T::kKRowBytes / 16;
-      const uint8_t* k_tile = k_base + int64_t(n) * T::kBlockN * T::kKRowBytes;
+      const uint8_t* k_tile = k_base + int64_t(tile) * T::kBlockN * T::kKRowBytes;
 #pragma unroll
       for (int i = tid; i < T::kBlockN * kKChunksRow; i += T::kThreads) {
         const int r = i / kKChunksRow, ch = i % kKChunksRow;
@@ -165,17 +199,17 @@ __device__ __forceinline__ void attention_fwd_body(const AttentionFwdParams& p) 
 #pragma unroll
       for (int i = tid; i < kHeadDim * 4; i += T::kThreads) {
         const int d = i >> 2, ch = i & 3;
-        detail::cp_async16(sbase + F::v_smem(d, ch), vt_base + d * vt_row + int64_t(n) * T::kVRowBytes + ch * 16);
+        detail::cp_async16(sbase + F::v_smem(d, ch), vt_base + d * vt_row + int64_t(tile) * T::kVRowBytes + ch * 16);
       }
-      const uint8_t* ksf_tile = ksf_base + int64_t(n) * T::kBlockN * kSfRow;
+      const uint8_t* ksf_tile = ksf_base + int64_t(tile) * T::kBlockN * kSfRow;
       for (int i = tid; i < T::kKSfBytes / 16; i += T::kThreads) {
         detail::cp_async16(sbase + T::kOffKSf + i * 16, ksf_tile + i * 16);
       }
       for (int i = tid; i < kHeadDim; i += T::kThreads) {
-        detail::cp_async8(sbase + F::v_scale_row(i), vtsf_base + i * vtsf_row + int64_t(n) * T::kVSfRowBytes);
+        detail::cp_async8(sbase + F::v_scale_row(i), vtsf_base + i * vtsf_row + int64_t(tile) * T::kVSfRowBytes);
       }
       if (tid < T::kBlockN / 4) {
-        detail::cp_async16(sbase + T::kOffDelta + tid * 16, delta_row + int64_t(n) * T::kBlockN + tid * 4);
+        detail::cp_async16(sbase + T::kOffDelta + tid * 16, delta_of(n) + tid * 4);
       }
     };
 
@@ -273,7 +307,7 @@ __device__ __forceinline__ void attention_fwd_body(const AttentionFwdParams& p) 
       }
 
       // ---- masks (true token index), online max -----------------------------------------------
-      const int tile_start = n * T::kBlockN;
+      const int tile_start = tile_of(n) * T::kBlockN;
       if (tile_start + T::kBlockN > min(limit_g, limit_g8)) {
         apply_key_mask(s, tile_start, t, limit_g, limit_g8);
       }
@@ -402,14 +436,14 @@ __device__ __forceinline__ void attention_fwd_body(const AttentionFwdParams& p) 
   }
 }
 
-template <int kHeadDim, bool kWithLse, class Mma, class QkFmt>
+template <int kHeadDim, bool kWithLse, bool kSparse, class Mma, class QkFmt>
 __device__ __forceinline__ void attention_fwd_entry(const AttentionFwdParams& p) {
   static_assert(AttentionTraits<kHeadDim, QkFmt>::kThreads == launch::kAttentionThreads &&
                     AttentionTraits<kHeadDim, QkFmt>::kSmemBytes ==
                         launch::kAttentionSmemBytes[QkFmt::kFormatIndex][kHeadDim == 64 ? 0 : 1],
                 "common/launch.h states the attention kernel's launch geometry");
   if constexpr (Mma::kCompiledHere) {
-    attention_fwd_body<kHeadDim, kWithLse, Mma, QkFmt>(p);
+    attention_fwd_body<kHeadDim, kWithLse, kSparse, Mma, QkFmt>(p);
   } else {
     __trap();   // the host never launches a back-end on an arch it was not built for
   }
@@ -417,15 +451,15 @@ __device__ __forceinline__ void attention_fwd_entry(const AttentionFwdParams& p)
 
 }  // namespace nvfp4_dit
 
-// The entry points of one back-end, Q·Kᵀ format and head dim, without and with the LSE
-// (common/launch.h); each instantiation TU (attention_fwd_*.cu) expands it once.
-#define NVFP4_DIT_ATTENTION_ENTRIES(KIND, MMA, FORMAT, FMT, D)                                                \
+// The entry points of one back-end, Q·Kᵀ format and head dim: dense and block-sparse, each without
+// and with the LSE (common/launch.h); each instantiation TU (attention_fwd_*.cu) expands it once.
+#define NVFP4_DIT_ATTENTION_ENTRY(KIND, MMA, FORMAT, FMT, D, SUFFIX, LSE, SPARSE)                              \
   extern "C" __global__ void __launch_bounds__(nvfp4_dit::launch::kAttentionThreads, 1)                       \
-      nvfp4_dit_attention_fwd_##KIND##_##FORMAT##_d##D(const __grid_constant__ nvfp4_dit::AttentionFwdParams p) { \
-    nvfp4_dit::attention_fwd_entry<D, false, nvfp4_dit::MMA, nvfp4_dit::FMT>(p);                               \
-  }                                                                                                            \
-  extern "C" __global__ void __launch_bounds__(nvfp4_dit::launch::kAttentionThreads, 1)                       \
-      nvfp4_dit_attention_fwd_##KIND##_##FORMAT##_d##D##_lse(                                                  \
-          const __grid_constant__ nvfp4_dit::AttentionFwdParams p) {                                           \
-    nvfp4_dit::attention_fwd_entry<D, true, nvfp4_dit::MMA, nvfp4_dit::FMT>(p);                                \
+      nvfp4_dit_attention_fwd_##KIND##_##FORMAT##_d##D##SUFFIX(const __grid_constant__ nvfp4_dit::AttentionFwdParams p) { \
+    nvfp4_dit::attention_fwd_entry<D, LSE, SPARSE, nvfp4_dit::MMA, nvfp4_dit::FMT>(p);                        \
   }
+#define NVFP4_DIT_ATTENTION_ENTRIES(KIND, MMA, FORMAT, FMT, D)                                                \
+  NVFP4_DIT_ATTENTION_ENTRY(KIND, MMA, FORMAT, FMT, D, , false, false)                                         \
+  NVFP4_DIT_ATTENTION_ENTRY(KIND, MMA, FORMAT, FMT, D, _lse, true, false)                                      \
+  NVFP4_DIT_ATTENTION_ENTRY(KIND, MMA, FORMAT, FMT, D, _sparse, false, true)                                   \
+  NVFP4_DIT_ATTENTION_ENTRY(KIND, MMA, FORMAT, FMT, D, _sparse_lse, true, true)

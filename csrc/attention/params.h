@@ -25,8 +25,20 @@ struct AttentionFwdParams {
   // Correction qm . k_s / (q_scale * k_scale) for Q blocks [q_block_begin, q_block_end): fp32,
   // natural key order, row (m - q_block_begin) of [B, H, nblk_chunk, Skp]; strides in elements,
   // the last dim contiguous and 16-byte aligned. delta_stride_blk may be 0 (one row for every block).
+  // With a block map (below) it is compact instead: 128 floats per listed tile, entry e at e * 128.
   const float* delta;
   int64_t delta_stride_b, delta_stride_h, delta_stride_blk;
+
+  // The block map of a block-sparse call, or nullptr for dense attention. Row r = bh *
+  // block_row_stride + (m - q_block_begin) of the chunk (block_row_stride >= nblk) visits the key
+  // tiles block_tiles[block_offsets[r] .. block_offsets[r + 1]) (ascending; int32 CSR, entries
+  // counted from the chunk's first), and its correction is entry block_offsets[r] onwards of delta.
+  // The CTAs take the B * H * nblk rows of the chunk in the order work_order (each head's rows
+  // longest first).
+  const int32_t* block_offsets;  // the chunk's rows, plus one
+  const int32_t* block_tiles;
+  const int32_t* work_order;     // [B * H * nblk] rows
+  int64_t block_row_stride;
 
   // q . km [B, H, Sq] fp32 (only read when the LSE is written).
   const float* q_dot_km;

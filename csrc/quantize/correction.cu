@@ -135,15 +135,17 @@ __device__ __forceinline__ void convert_keys(CorrectionSmem<DP>& s, const Correc
   store_limbs(s.k, key, d0, v, kHalf, power_of_two(kFixedBits - e));
 }
 
-// Four threads per Q block, a quarter row each.
+// Four threads per Q block, a quarter row each. Item m0 + r of the CTA's work is chunk row m0 + r,
+// or, with a block map, chunk row rows[m0 + r].
 template <int DP>
 __device__ __forceinline__ void convert_q_means(CorrectionSmem<DP>& s, const CorrectionParams& p, int64_t bh,
-                                                int64_t m0, int64_t n_rows, float k_scale) {
+                                                int64_t m0, int64_t n_items, const int32_t* rows, float k_scale) {
   constexpr int kQuarter = DP / 4;
   const int r = threadIdx.x >> 2, d0 = (threadIdx.x & 3) * kQuarter;
   const int64_t m = m0 + r;
-  const bool valid = m < n_rows;
-  const int64_t block = bh * p.num_q_blocks + p.block_begin + (valid ? m : 0);
+  const bool valid = m < n_items;
+  const int64_t row = !valid ? 0 : rows != nullptr ? int64_t(rows[m]) : m;
+  const int64_t block = bh * p.num_q_blocks + p.block_begin + row;
   const float4* src = reinterpret_cast<const float4*>(p.q_mean + block * DP + d0);
   float v[kQuarter];
   float amax = 0.0f;
@@ -188,8 +190,19 @@ __device__ __forceinline__ void correction_kernel(const CorrectionParams& p) {
   const int64_t bh = blockIdx.z;  // b * H + h
   const int64_t b = bh / p.heads_q, h = bh % p.heads_q;
   const int64_t kvh = h / (p.heads_q / p.heads_kv);
-  const int64_t n_rows = p.block_end - p.block_begin;
   const int64_t n_valid = valid_key_count(p, b);  // keys past kv_lens[b] are padding: k_s = 0
+  // The rows this CTA computes: every row of the chunk, or those of its column of the block map.
+  int64_t n_items = p.block_end - p.block_begin;
+  const int32_t* rows = nullptr;
+  const int32_t* entries = nullptr;
+  if (p.col_offsets != nullptr) {
+    const int64_t col = bh * (p.seq_k_padded / kTileN) + blockIdx.x;
+    const int32_t first = p.col_offsets[col];
+    n_items = p.col_offsets[col + 1] - first;
+    rows = p.col_rows + first;
+    entries = p.col_entries + first;
+    if (n_items <= int64_t(blockIdx.y) * kTileM) return;   // uniform: this CTA has no listed row
+  }
 
   for (int d = threadIdx.x; d < DP; d += kThreads) s.km[d] = p.k_mean[(b * p.heads_kv + kvh) * DP + d];
   __syncthreads();
@@ -217,9 +230,9 @@ __device__ __forceinline__ void correction_kernel(const CorrectionParams& p) {
                                                 : nullptr;
 
 #pragma unroll 1
-  for (int64_t m0 = int64_t(blockIdx.y) * kTileM; m0 < n_rows; m0 += int64_t(gridDim.y) * kTileM) {
+  for (int64_t m0 = int64_t(blockIdx.y) * kTileM; m0 < n_items; m0 += int64_t(gridDim.y) * kTileM) {
     __syncthreads();  // the previous step's fragments are read; the key limbs are written
-    convert_q_means<DP>(s, p, bh, m0, n_rows, k_scale);
+    convert_q_means<DP>(s, p, bh, m0, n_items, rows, k_scale);
     __syncthreads();
 
     // Two passes of 32 keys per warp keep the accumulators at 64 registers (two CTAs per SM).
@@ -269,9 +282,9 @@ __device__ __forceinline__ void correction_kernel(const CorrectionParams& p) {
       for (int half = 0; half < 2; ++half) {
         const int r = wm * 16 + g + 8 * half;
         const int64_t m = m0 + r;
-        if (m >= n_rows) continue;
+        if (m >= n_items) continue;
         const float rf = s.row_factor[r];
-        float* row = out + m * p.delta_stride_blk + key0;
+        float* row = entries != nullptr ? p.delta + int64_t(entries[m]) * kTileN : out + m * p.delta_stride_blk + key0;
 #pragma unroll
         for (int t = 0; t < 4; ++t) {
           const int n = wn * 64 + pass * 32 + t * 8 + 2 * tig;

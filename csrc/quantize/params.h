@@ -59,6 +59,11 @@ struct QuantizeQkvParams {
   float* v_scale;    // [B, Hkv]
   float* balance;    // [B, Hkv, Dp] the channel balance s (1 where balance_qk is off)
   float* q_dot_km;   // [B, H, Sq]
+  // Block statistics for the block-sparse estimate (nvfp4_dit/sparse.py): the mean of the raw K
+  // over the valid keys of each 128-key tile (0 for a tile without one), and the mean pairwise
+  // cosine of the raw Q rows of each 128-row block (1 for a block of fewer than two nonzero rows).
+  float* k_tile_mean;   // [B, Hkv, Skp/128, Dp]
+  float* q_similarity;  // [B, H, Sqp/128]
 
   // Channel balance (format.channel_balance): on, Q is multiplied by s and K divided by it.
   // q_channel_amax holds max |q - qm| per (b, kv head, channel) over the group's rows as fp32
@@ -129,6 +134,14 @@ struct CorrectionParams {
   int64_t key_bias_stride_b;
   int64_t key_bias_stride_h;
   float scale;          // the softmax scale (read only with key_bias)
+  // A block-sparse call's correction, only where the attention kernel reads it, or nullptr for all
+  // of it: CTA (key tile j, bh) computes the rows (Q blocks of the chunk) col_rows[col_offsets[
+  // bh * nk + j] .. col_offsets[bh * nk + j + 1]) and writes each to delta + 128 * col_entries[..]
+  // (the chunk's compact layout that the attention kernel's block map reads, entries counted from
+  // the chunk's first: AttentionFwdParams::block_offsets).
+  const int32_t* col_offsets;  // the chunk's B * H * Skp/128 columns, plus one
+  const int32_t* col_rows;
+  const int32_t* col_entries;
 
   int64_t batch;
   int64_t heads_q;

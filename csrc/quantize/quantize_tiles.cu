@@ -183,6 +183,20 @@ __device__ __forceinline__ float cta_max(float x, SharedStorage<DP>& sm) {
   return r;
 }
 
+// Sum of x over the CTA in a fixed order (deterministic); every thread calls it (two barriers).
+template <int DP>
+__device__ __forceinline__ float cta_sum(float x, SharedStorage<DP>& sm) {
+#pragma unroll
+  for (int off = 16; off; off >>= 1) x += __shfl_xor_sync(0xFFFFFFFFu, x, off);
+  __syncthreads();  // earlier readers of warp_max are done
+  if ((threadIdx.x & 31) == 0) sm.warp_max[threadIdx.x / 32] = x;
+  __syncthreads();
+  float r = sm.warp_max[0];
+#pragma unroll
+  for (int w = 1; w < kWarps; ++w) r += sm.warp_max[w];
+  return r;
+}
+
 // Column statistics: per column, a sum, a minimum or a maximum over rows (NaN-propagating).
 enum ColumnStat { kColumnSum, kColumnMin, kColumnMax };
 
@@ -422,6 +436,45 @@ __device__ __forceinline__ void q_tile_deviation(const SharedStorage<DP>& sm, co
       }
 }
 
+// The mean pairwise cosine of the block's raw rows, for the block-sparse estimate: with x_i the
+// unit rows (0 for a zero row) and n the nonzero rows, (|sum x_i|^2 - n) / (n (n - 1)); 1 for
+// n < 2. Ends with a barrier.
+template <InputDtype DT, int DP>
+__device__ __forceinline__ void q_tile_similarity(const QuantizeQkvParams& p, SharedStorage<DP>& sm,
+                                                  const RowTile<DP>& t, const Block16<DT> (&x)[RowTileMap<DP>::kPasses],
+                                                  int64_t tile) {
+  using Map = RowTileMap<DP>;
+  constexpr ColumnStat kKinds[1] = {kColumnSum};
+  float st[1][16];
+  init_column_stats(kKinds, st);
+  float nonzero = 0.0f;
+#pragma unroll
+  for (int ps = 0; ps < Map::kPasses; ++ps) {
+    float n2 = 0.0f;
+#pragma unroll
+    for (int e = 0; e < 16; ++e) n2 = fmaf(x[ps].get(e), x[ps].get(e), n2);
+    // The kColBlocks threads of a row are consecutive lanes.
+#pragma unroll
+    for (int off = 1; off < Map::kColBlocks; off <<= 1) n2 += __shfl_xor_sync(0xFFFFFFFFu, n2, off);
+    const bool row = t.r0 + ps * Map::kRowsPerPass < t.valid_rows && n2 > 0.0f;
+    const float inv = row ? rsqrtf(n2) : 0.0f;
+    if (row && t.cb == 0) nonzero += 1.0f;
+#pragma unroll
+    for (int e = 0; e < 16; ++e) st[0][e] = fmaf(x[ps].get(e), inv, st[0][e]);
+  }
+  stage_column_stats<Map::kColBlocks>(sm, kKinds, st);
+  __syncthreads();
+  float s2 = 0.0f;
+  if (threadIdx.x < DP) {
+    float col[1];
+    cta_column_stats(sm, kKinds, threadIdx.x, col);
+    s2 = col[0] * col[0];
+  }
+  s2 = cta_sum(s2, sm);
+  const float n = cta_sum(nonzero, sm);
+  if (threadIdx.x == 0) p.q_similarity[tile] = n >= 2.0f ? (s2 - n) / (n * (n - 1.0f)) : 1.0f;
+}
+
 // Bytes of one Q/K row's data and scales, and of one thread's 16 columns, in Q·Kᵀ format QkFmt
 // (attention/qk_format.cuh: NVFP4 or MXFP8).
 template <int DP, class QkFmt>
@@ -464,6 +517,7 @@ __device__ __forceinline__ void q_tile(const QuantizeQkvParams& p, SharedStorage
 
   Block16<DT> x[Map::kPasses];
   const float qm = q_tile_load<DT, DP, VEC>(p, sm, t, x);
+  q_tile_similarity<DT, DP>(p, sm, t, x, tile);
   // The block's tensor scale t(max |fl(q - qm_c)| * s_c); then quantise (q - qm) * s_c / t.
   const int c = int(threadIdx.x);
   const float s = c < DP ? p.balance[bhk * DP + c] : 1.0f;
@@ -541,7 +595,24 @@ __device__ __forceinline__ void k_tile(const QuantizeQkvParams& p, SharedStorage
   // While the loads are in flight: km and the scales (written by the previous launch), the tables.
   key_tile_columns(p, sm, bh, false);
   fill_scale_tables(sm.tables);
+  // The tile's mean of the raw keys (rows past valid_rows hold zeros), for the block-sparse estimate.
+  {
+    constexpr ColumnStat kKinds[1] = {kColumnSum};
+    float st[1][16];
+    init_column_stats(kKinds, st);
+#pragma unroll
+    for (int ps = 0; ps < Map::kPasses; ++ps)
+#pragma unroll
+      for (int e = 0; e < 16; ++e) st[0][e] += x[ps].get(e);
+    stage_column_stats<Map::kColBlocks>(sm, kKinds, st);
+  }
   __syncthreads();
+  if (threadIdx.x < DP) {
+    constexpr ColumnStat kKinds[1] = {kColumnSum};
+    float sum[1];
+    cta_column_stats(sm, kKinds, threadIdx.x, sum);
+    p.k_tile_mean[tile * DP + threadIdx.x] = valid_rows > 0 ? __fdiv_rn(sum[0], float(valid_rows)) : 0.0f;
+  }
 
   // This thread's outputs of pass 0, rows permuted; pass ps writes kRowsPerPass * ps rows further
   // (the permutation stays inside 32-row groups).

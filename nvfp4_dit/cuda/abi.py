@@ -47,6 +47,8 @@ class AttentionFwdParams(ctypes.Structure):
         ("vt_stride_b", c_int64), ("vt_stride_h", c_int64),
         ("vtsf_stride_b", c_int64), ("vtsf_stride_h", c_int64),
         ("delta", c_void_p), ("delta_stride_b", c_int64), ("delta_stride_h", c_int64), ("delta_stride_blk", c_int64),
+        ("block_offsets", c_void_p), ("block_tiles", c_void_p), ("work_order", c_void_p),
+        ("block_row_stride", c_int64),
         ("q_dot_km", c_void_p), ("qdk_stride_b", c_int64), ("qdk_stride_h", c_int64),
         ("q_scale", c_void_p), ("k_scale", c_void_p), ("v_scale", c_void_p), ("v_mean", c_void_p),
         ("kv_lens", c_void_p),
@@ -76,7 +78,7 @@ class QuantizeQkvParams(ctypes.Structure):
         ("vt_data", c_void_p), ("vt_sf", c_void_p),
         ("q_mean", c_void_p), ("k_mean", c_void_p), ("v_mean", c_void_p),
         ("q_scale", c_void_p), ("k_scale", c_void_p), ("v_scale", c_void_p),
-        ("balance", c_void_p), ("q_dot_km", c_void_p),
+        ("balance", c_void_p), ("q_dot_km", c_void_p), ("k_tile_mean", c_void_p), ("q_similarity", c_void_p),
         ("balance_qk", c_bool), ("q_channel_amax", c_void_p),
         ("nonfinite_kv", c_void_p), ("nonfinite_q_blocks", c_void_p),
         ("k_partial_sums", c_void_p), ("work_counters", c_void_p),
@@ -89,6 +91,7 @@ class CorrectionParams(ctypes.Structure):
         ("kv_lens_int64", c_bool), ("k_mean", c_void_p), ("q_scale", c_void_p), ("k_scale", c_void_p),
         ("delta", c_void_p), ("delta_stride_b", c_int64), ("delta_stride_h", c_int64), ("delta_stride_blk", c_int64),
         ("key_bias", c_void_p), ("key_bias_stride_b", c_int64), ("key_bias_stride_h", c_int64), ("scale", c_float),
+        ("col_offsets", c_void_p), ("col_rows", c_void_p), ("col_entries", c_void_p),
         ("batch", c_int64), ("heads_q", c_int64), ("heads_kv", c_int64), ("seq_k", c_int64),
         ("seq_k_padded", c_int64), ("head_dim", c_int64), ("head_dim_padded", c_int64),
         ("num_q_blocks", c_int64), ("block_begin", c_int64), ("block_end", c_int64),
@@ -115,8 +118,9 @@ def workspace_counters(batch: int, heads_kv: int) -> int:
 
 # Entry-point names (csrc/common/launch.h).
 
-def attention_entry(kind: str, qk_format: str, head_dim_padded: int, with_lse: bool) -> str:
-    return f"nvfp4_dit_attention_fwd_{kind}_{qk_format}_d{head_dim_padded}" + ("_lse" if with_lse else "")
+def attention_entry(kind: str, qk_format: str, head_dim_padded: int, with_lse: bool, sparse: bool = False) -> str:
+    return (f"nvfp4_dit_attention_fwd_{kind}_{qk_format}_d{head_dim_padded}" + ("_sparse" if sparse else "")
+            + ("_lse" if with_lse else ""))
 
 
 def probe_entry(probe: str, kind: str, combination: int) -> str:
@@ -147,7 +151,8 @@ def correction_entry(dtype: str, head_dim_padded: int, vector_load: bool, vector
 def launcher_entries(kind: str) -> set[str]:
     """Every entry point the launcher (nvfp4_dit/cuda/launch.py) may ask for on a target of MMA ``kind``."""
     formats, head_dims = ("nvfp4", "mxfp8"), (64, 128)
-    names = {attention_entry(kind, f, d, lse) for f in formats for d in head_dims for lse in (False, True)}
+    names = {attention_entry(kind, f, d, lse, sp) for f in formats for d in head_dims for lse in (False, True)
+             for sp in (False, True)}
     names |= {probe_entry(p, k, i) for p, n in (("nvfp4", 8), ("mxfp8", 32)) for k in ("native", "emulated")
               for i in range(n)}
     for dt in INPUT_DTYPES:

@@ -122,6 +122,7 @@ def workspace_layout(b: int, h: int, hkv: int, sq: int, sk: int, dp: int, qk_for
         ("q_mean", (b, h, nq, dp), f32), ("k_mean", (b, hkv, dp), f32), ("v_mean", (b, hkv, dp), f32),
         ("balance", (b, hkv, dp), f32), ("q_scale", (b, h, nq), f32), ("k_scale", (b, hkv), f32),
         ("v_scale", (b, hkv), f32), ("q_dot_km", (b, h, sq), f32),
+        ("k_tile_mean", (b, hkv, skp // fmt.SEQ_TILE, dp), f32), ("q_similarity", (b, h, nq), f32),
         ("q_data", (b, h, sqp, dp // per_byte), u8), ("q_sf", (b, h, sqp, dp // per_scale), u8),
         ("k_data", (b, hkv, skp, dp // per_byte), u8), ("k_sf", (b, hkv, skp, dp // per_scale), u8),
         ("vt_data", (b, hkv, dp, skp // 2), u8), ("vt_sf", (b, hkv, dp, skp // 16), u8),
@@ -192,7 +193,8 @@ def launch_quantize(dk: DeviceKernels, ws: Workspace, q: torch.Tensor, k: torch.
         q_data=ws.ptr("q_data"), q_sf=ws.ptr("q_sf"), k_data=ws.ptr("k_data"), k_sf=ws.ptr("k_sf"),
         vt_data=ws.ptr("vt_data"), vt_sf=ws.ptr("vt_sf"), q_mean=ws.ptr("q_mean"), k_mean=ws.ptr("k_mean"),
         v_mean=ws.ptr("v_mean"), q_scale=ws.ptr("q_scale"), k_scale=ws.ptr("k_scale"), v_scale=ws.ptr("v_scale"),
-        balance=ws.ptr("balance"), q_dot_km=ws.ptr("q_dot_km"), balance_qk=balance_qk,
+        balance=ws.ptr("balance"), q_dot_km=ws.ptr("q_dot_km"), k_tile_mean=ws.ptr("k_tile_mean"),
+        q_similarity=ws.ptr("q_similarity"), balance_qk=balance_qk,
         q_channel_amax=ws.ptr("q_channel_amax") if balance_qk else None,
         nonfinite_kv=ws.ptr("nonfinite_kv"), nonfinite_q_blocks=ws.ptr("nonfinite_q"),
         k_partial_sums=ws.ptr("partial"), work_counters=ws.ptr("arrivals"))
@@ -218,11 +220,13 @@ def launch_quantize(dk: DeviceKernels, ws: Workspace, q: torch.Tensor, k: torch.
 
 def launch_correction(dk: DeviceKernels, ws: Workspace, k: torch.Tensor, kv_lens: Optional[torch.Tensor],
                       key_bias: Optional[torch.Tensor], scale: float, block_begin: int, rows: int,
-                      delta: int, delta_strides: tuple, stream: int) -> None:
+                      delta: int, delta_strides: tuple, stream: int, columns=None) -> None:
     """delta = qm . (k - km)^T / (q_scale k_scale) (+ key_bias / (scale q_scale k_scale)) for Q blocks
     [block_begin, block_begin + rows) at address ``delta`` ([B, H, rows, Skp] fp32 with element
     strides ``delta_strides`` (b, h, blk), the last dim contiguous), in one launch. ``k`` is the raw
-    [B, Hkv, Sk, D] input; the Q statistics come from ``ws``."""
+    [B, Hkv, Sk, D] input; the Q statistics come from ``ws``. With ``columns`` (a block-sparse
+    chunk's :class:`nvfp4_dit.sparse.ChunkLists`) only the listed tiles are computed, into the
+    compact layout the attention kernel reads (128 floats per entry, ``delta_strides`` unused)."""
     b, h, nq, dp = ws.layout.regions["q_mean"].shape
     hkv, sk, d = k.shape[1:]
     skp = fmt.round_up(max(sk, 1), fmt.SEQ_TILE)
@@ -251,6 +255,8 @@ def launch_correction(dk: DeviceKernels, ws: Workspace, k: torch.Tensor, kv_lens
         key_bias_stride_h=bias_strides[1], scale=float(scale),
         batch=b, heads_q=h, heads_kv=hkv, seq_k=sk, seq_k_padded=skp, head_dim=d, head_dim_padded=dp,
         num_q_blocks=nq, block_begin=block_begin, block_end=block_begin + rows)
+    if columns is not None:
+        p.col_offsets, p.col_rows, p.col_entries = columns.col_offsets, columns.col_rows, columns.col_entries
     kernel.launch(grid, abi.CORRECTION_THREADS, [p], stream, smem)
 
 
@@ -261,13 +267,15 @@ def launch_correction(dk: DeviceKernels, ws: Workspace, k: torch.Tensor, kv_lens
 def launch_attention(dk: DeviceKernels, planes: dict, seq_q: int, seq_k: int, block_begin: int, block_end: int,
                      delta: int, delta_strides: tuple, out: torch.Tensor, lse: Optional[torch.Tensor],
                      kv_lens: Optional[torch.Tensor], scale: float, causal: bool, qk_format: str,
-                     stream: int) -> None:
+                     stream: int, lists=None) -> None:
     """The attention kernel over Q blocks [block_begin, block_end), writing those rows of ``out``
     [B, H, Sq, D] (any batch/head/row strides, bf16/fp16, last dim contiguous) and of ``lse``
     [B, H, Sq] fp32 (last dim contiguous). ``planes`` maps each quantised operand to its
     ``(address, shape)`` (the :class:`Workspace` regions or tensors of the same layout); ``kv_lens``
     is int32 [B] or None; ``delta`` is the chunk's correction ([B, H, nblk, Skp] fp32 through element
-    strides (b, h, blk); a blk stride of 0 repeats one row)."""
+    strides (b, h, blk); a blk stride of 0 repeats one row). With ``lists`` (a block-sparse chunk's
+    :class:`nvfp4_dit.sparse.ChunkLists`) each Q block visits only its listed key tiles and
+    ``delta`` is the chunk's compact correction (:func:`launch_correction` with ``columns``)."""
     qd, qd_shape = planes["q_data"]
     b, h, sqp = qd_shape[:3]
     kd, kd_shape = planes["k_data"]
@@ -297,8 +305,11 @@ def launch_attention(dk: DeviceKernels, planes: dict, seq_q: int, seq_k: int, bl
         out_bf16=int(out.dtype == torch.bfloat16),
         out_vec2=int(out.stride(0) % 2 == 0 and out.stride(1) % 2 == 0 and out.stride(2) % 2 == 0
                      and out.data_ptr() % 4 == 0))
+    if lists is not None:
+        p.block_offsets, p.block_tiles, p.work_order = lists.offsets, lists.tiles, lists.order
+        p.block_row_stride = lists.row_stride
     smem = abi.ATTENTION_SMEM_BYTES[fmt.QK_FORMATS.index(qk_format)][abi.head_dim_index(dp)]
-    kernel = dk.kernel(abi.attention_entry(dk.kind, qk_format, dp, lse is not None))
+    kernel = dk.kernel(abi.attention_entry(dk.kind, qk_format, dp, lse is not None, lists is not None))
     work = b * h * nblk
     p.grid_size = min(work, max(kernel.blocks_per_sm(abi.ATTENTION_THREADS, smem), 1) * dk.sms)
     if p.grid_size > _MAX_GRID_X:

@@ -100,7 +100,7 @@ def quantized_from_workspace(ws: launch.Workspace, qh: torch.Tensor, kh: torch.T
     d = qh.shape[3]
     views = {name: ws.view(name) for name in ("q_data", "q_sf", "k_data", "k_sf", "vt_data", "vt_sf", "q_mean",
                                               "k_mean", "v_mean", "q_scale", "k_scale", "v_scale", "balance",
-                                              "q_dot_km")}
+                                              "q_dot_km", "k_tile_mean", "q_similarity")}
     if not balance_qk:
         views["balance"] = None
     return KernelQuantizedQKV(
