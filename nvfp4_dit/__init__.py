@@ -1,14 +1,15 @@
 """nvfp4_dit: NVFP4 (FP4 microscaling) attention for video diffusion transformers.
 
 ``nvfp4_dit.attention`` is the op; ``nvfp4_dit.apply`` swaps it into a diffusers pipeline or
-model, ``nvfp4_dit.calibrate`` measures which of its layers FP4 suits; the ComfyUI node lives in
+model, ``nvfp4_dit.calibrate`` measures which of its layers FP4 suits, ``nvfp4_dit.sparse`` holds the
+block-sparse estimate (``estimate_block_mask``); the ComfyUI node lives in
 ``nvfp4_dit.comfyui_node``. ComfyUI and diffusers are imported
 only when those entry points are used.
 """
 
 from __future__ import annotations
 
-from . import format
+from . import format, sparse
 from .fallback import FallbackWarning, reset_fallback_warnings
 from .ops import BACKENDS, BackendUnavailableError, attention, available_backends, run_fp4
 from .policy import AttentionPolicy

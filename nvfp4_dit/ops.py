@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from . import format as fmt
 from . import preprocess
+from . import sparse
 from .checks import BACKENDS, LAYOUTS, validate_attention_args
 from .fallback import FallbackWarning, reset_fallback_warnings, warn_once
 from .masks import KeyMask, NotPerKeyMask, combine_kv_lens, reduce_key_mask
@@ -55,14 +56,44 @@ def _sdpa_mask(attn_mask, kv_lens, b, h, sq, sk, causal, device):
     return attn_mask.masked_fill(~allowed, -math.inf)
 
 
-def _attention_sdpa(q, k, v, layout, causal, scale, attn_mask, kv_lens, return_lse):
+def _attention_sdpa(q, k, v, layout, causal, scale, attn_mask, kv_lens, return_lse, block_map=None):
+    """Exact attention through SDPA; with a block map (:mod:`nvfp4_dit.sparse`) in chunks of query
+    rows, each with its token-resolution mask, so memory stays O(S*D + chunk)."""
     qh, kh, vh = (fmt.to_hnd(t, layout) for t in (q, k, v))
     b, h, sq, d = qh.shape
-    hkv, sk = kh.shape[1], kh.shape[2]
+    sk = kh.shape[2]
     scale = fmt.default_scale(d) if scale is None else scale
     mask = _sdpa_mask(attn_mask, kv_lens, b, h, sq, sk, causal, q.device)
+    if block_map is None:
+        out, lse = _sdpa_rows(qh, kh, vh, mask, scale, return_lse)
+    else:
+        outs, lses = [], []
+        for r0, r1 in sparse.exact_row_chunks(b, h, sq, sk):
+            rows = mask[..., r0:r1, :] if mask is not None and mask.dim() >= 2 and mask.shape[-2] == sq else mask
+            listed = sparse.expand_rows(block_map, r0, r1, sk)
+            if rows is None:
+                rows = listed
+            elif rows.dtype == torch.bool:
+                rows = rows & listed
+            else:
+                rows = rows.masked_fill(~listed, -math.inf)
+            o, lse = _sdpa_rows(qh[:, :, r0:r1], kh, vh, rows, scale, return_lse)
+            outs.append(o)
+            lses.append(lse)
+        out = torch.cat(outs, 2) if outs else qh.new_zeros(b, h, 0, vh.shape[-1])
+        lse = torch.cat(lses, 2) if return_lse and lses else (qh.new_zeros(b, h, 0, dtype=torch.float32)
+                                                               if return_lse else None)
+    out = out.transpose(1, 2) if layout == "NHD" else out
+    return out.contiguous(), lse
+
+
+def _sdpa_rows(qh, kh, vh, mask, scale, return_lse):
+    """SDPA of the rows of ``qh`` [B, H, r, D] under ``mask`` (None, bool or additive,
+    broadcastable to [B, H, r, Sk]): ``(out [B, H, r, D], lse or None)``."""
+    b, h, sq = qh.shape[:3]
+    hkv = kh.shape[1]
     if mask is not None and mask.dtype != torch.bool:
-        mask = mask.to(q.dtype)
+        mask = mask.to(qh.dtype)
     gqa = {"enable_gqa": True} if h != hkv else {}
     out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, **gqa)
     # Rows with no visible key: SDPA gives NaN there; our convention is 0 and LSE -inf. The mask
@@ -75,9 +106,8 @@ def _attention_sdpa(q, k, v, layout, causal, scale, attn_mask, kv_lens, return_l
         allowed = mask if mask.dtype == torch.bool else ~torch.isneginf(mask)
         no_key = torch.broadcast_to(~allowed.any(-1), (b, h, sq))
     if no_key is not None:
-        out = torch.where(no_key[..., None], 0.0, out).to(q.dtype)
-    out = out.transpose(1, 2) if layout == "NHD" else out
-    return out.contiguous(), lse
+        out = torch.where(no_key[..., None], 0.0, out).to(qh.dtype)
+    return out, lse
 
 
 def _exact_lse(qh, kh, scale, mask, chunk_rows: int = 1024):
@@ -105,7 +135,7 @@ def _poison_non_finite(out, lse, layout, q_blocks_bad, kv_bad):
     query heads of a (batch, kv-head) flagged in ``kv_bad [B, Hkv]`` (see
     :func:`nvfp4_dit.preprocess.nonfinite_blocks`).
     """
-    h, sq = fmt.to_hnd(out, layout).shape[1:3]
+    h, sq = fmt.hnd_shape(out, layout)[1:3]
     bad = q_blocks_bad.repeat_interleave(fmt.SEQ_TILE, 2)[:, :, :sq]
     bad = bad | kv_bad.repeat_interleave(h // kv_bad.shape[1], 1)[:, :, None]
     out.masked_fill_((bad.transpose(1, 2) if layout == "NHD" else bad)[..., None], math.nan)
@@ -114,26 +144,48 @@ def _poison_non_finite(out, lse, layout, q_blocks_bad, kv_bad):
     return out, lse
 
 
+def _sparsity_of(block_mask, keep_mass, always_keep) -> Optional[sparse.Sparsity]:
+    if block_mask is None and keep_mass is None:
+        return None
+    return sparse.Sparsity(block_mask, keep_mass, None if always_keep is None else tuple(always_keep))
+
+
+def _tile_grid(q, k, layout, causal, scale, kv_lens, key_bias) -> sparse.TileGrid:
+    b, h, sq, d = fmt.hnd_shape(q, layout)
+    sk = fmt.hnd_shape(k, layout)[2]
+    return sparse.TileGrid(b, h, sq, sk, fmt.default_scale(d) if scale is None else scale, causal, kv_lens, key_bias)
+
+
 def _fp4(q, k, v, key_bias, kv_lens, mask_nonfinite, layout, causal, scale, return_lse, backend, balance_qk,
-         qk_format):
-    """The back-ends on checked arguments with a reduced mask: ``(out, lse or None)``."""
-    qh = fmt.to_hnd(q, layout)
-    if q.numel() == 0 or fmt.to_hnd(k, layout).shape[2] == 0:
+         qk_format, block_mask=None, keep_mass=None, always_keep=None):
+    """The back-ends on checked arguments with a reduced mask: ``(out, lse or None)``. ``block_mask``,
+    ``keep_mass``, ``always_keep``: a block-sparse call (checked by :func:`nvfp4_dit.sparse.check_sparsity`)."""
+    if q.numel() == 0 or fmt.hnd_shape(k, layout)[2] == 0:
         # Empty query, or no keys at all: nothing to attend (0 output, -inf LSE).
-        b, h, sq, _ = qh.shape
+        b, h, sq, _ = fmt.hnd_shape(q, layout)
         out = q.new_zeros(_out_shape(q, v, layout))
         return out, (q.new_full((b, h, sq), -math.inf, dtype=torch.float32) if return_lse else None)
+    sparsity = _sparsity_of(block_mask, keep_mass, always_keep)
     if backend == "sdpa":
         mask = None if key_bias is None else key_bias[:, :, None, :]
-        return _attention_sdpa(q, k, v, layout, causal, scale, mask, kv_lens, return_lse)
+        block_map = None if sparsity is None else sparse.inputs_block_map(
+            fmt.to_hnd(q, layout), fmt.to_hnd(k, layout), sparsity, _tile_grid(q, k, layout, causal, scale, kv_lens, key_bias))
+        return _attention_sdpa(q, k, v, layout, causal, scale, mask, kv_lens, return_lse, block_map)
     if backend == "cuda":
         from .cuda import attention as cuda_attention
 
         return cuda_attention.attention(q, k, v, layout=layout, causal=causal, scale=scale, kv_lens=kv_lens,
                                         return_lse=return_lse, balance_qk=balance_qk, qk_format=qk_format,
-                                        key_bias=key_bias, mask_nonfinite=mask_nonfinite)
+                                        key_bias=key_bias, mask_nonfinite=mask_nonfinite, sparsity=sparsity)
+    qq, block_map = None, None
+    if sparsity is not None:
+        qq = preprocess.quantize_qkv(q, k, v, layout=layout, kv_lens=kv_lens, balance_qk=balance_qk,
+                                     qk_format=qk_format)
+        stats = sparse.BlockStatistics.of(qq) if sparsity.estimated else None
+        block_map = sparse.block_map(stats, sparsity, _tile_grid(q, k, layout, causal, scale, kv_lens, key_bias))
     res = attention_reference(q, k, v, layout=layout, causal=causal, scale=scale, key_bias=key_bias, kv_lens=kv_lens,
-                              return_lse=return_lse, balance_qk=balance_qk, qk_format=qk_format)
+                              return_lse=return_lse, balance_qk=balance_qk, qk_format=qk_format, quantized=qq,
+                              block_mask=block_map)
     out, lse = res if return_lse else (res, None)
     q_bad, kv_bad = preprocess.nonfinite_blocks(q, k, v, kv_lens, layout)
     if mask_nonfinite is not None:
@@ -142,7 +194,7 @@ def _fp4(q, k, v, key_bias, kv_lens, mask_nonfinite, layout, causal, scale, retu
 
 
 def _out_shape(q, v, layout):
-    b, h, sq, _ = fmt.to_hnd(q, layout).shape
+    b, h, sq, _ = fmt.hnd_shape(q, layout)
     dv = v.shape[-1]
     return (b, sq, h, dv) if layout == "NHD" else (b, h, sq, dv)
 
@@ -162,16 +214,19 @@ def _attention_op(
     backend: str,
     balance_qk: bool,
     qk_format: str,
+    block_mask: Optional[torch.Tensor] = None,
+    keep_mass: Optional[float] = None,
+    always_keep: Optional[list[int]] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     out, lse = _fp4(q, k, v, key_bias, kv_lens, mask_nonfinite, layout, causal, scale, return_lse, backend,
-                    balance_qk, qk_format)
+                    balance_qk, qk_format, block_mask, keep_mass, always_keep)
     return out, (lse.float().contiguous() if return_lse else q.new_empty(0, dtype=torch.float32))
 
 
 @_attention_op.register_fake
 def _attention_fake(q, k, v, key_bias, kv_lens, mask_nonfinite, layout, causal, scale, return_lse, backend, balance_qk,
-                    qk_format):
-    b, h, sq, _ = fmt.to_hnd(q, layout).shape
+                    qk_format, block_mask=None, keep_mass=None, always_keep=None):
+    b, h, sq, _ = fmt.hnd_shape(q, layout)
     out = q.new_empty(_out_shape(q, v, layout))
     lse = q.new_empty((b, h, sq) if return_lse else (0,), dtype=torch.float32)
     return out, lse
@@ -185,20 +240,24 @@ def _through_custom_op(q, k, v) -> bool:
 
 
 def run_fp4(q, k, v, *, layout: str, causal: bool, scale: Optional[float], key_mask: Optional[KeyMask],
-            kv_lens: Optional[torch.Tensor], return_lse: bool, backend: str, balance_qk: bool, qk_format: str):
+            kv_lens: Optional[torch.Tensor], return_lse: bool, backend: str, balance_qk: bool, qk_format: str,
+            sparsity: Optional[sparse.Sparsity] = None):
     """The op on arguments already checked (:func:`attention`, or a planner's
     :class:`~nvfp4_dit.planner.CallPlan`): ``backend`` "cuda" or "reference" (FP4) or "sdpa"
-    (exact), ``key_mask`` reduced on the device, ``kv_lens`` on the device. Returns ``out``, or
-    ``(out, lse)``."""
+    (exact), ``key_mask`` reduced on the device, ``kv_lens`` on the device, ``sparsity`` from
+    :func:`nvfp4_dit.sparse.check_sparsity` (None: dense). Returns ``out``, or ``(out, lse)``."""
     lens = combine_kv_lens(key_mask, kv_lens)
     key_bias = None if key_mask is None else key_mask.bias
     nonfinite = None if key_mask is None else key_mask.nonfinite
+    block_mask, keep_mass, always_keep = (None, None, None) if sparsity is None else (
+        sparsity.block_mask, sparsity.keep_mass, None if sparsity.always_keep is None else list(sparsity.always_keep))
     if _through_custom_op(q, k, v):
         out, lse = torch.ops.nvfp4_dit.attention(q, k, v, key_bias, lens, nonfinite, layout, causal, scale,
-                                                  return_lse, backend, balance_qk, qk_format)
+                                                  return_lse, backend, balance_qk, qk_format, block_mask, keep_mass,
+                                                  always_keep)
     else:
         out, lse = _fp4(q, k, v, key_bias, lens, nonfinite, layout, causal, scale, return_lse, backend, balance_qk,
-                        qk_format)
+                        qk_format, block_mask, keep_mass, always_keep)
     return (out, lse) if return_lse else out
 
 
@@ -228,6 +287,9 @@ def attention(
     backend: str = "auto",
     balance_qk: bool = fmt.BALANCE_QK_DEFAULT,
     qk_format: str = fmt.QK_FORMAT_DEFAULT,
+    block_mask: Optional[torch.Tensor] = None,
+    keep_mass: Optional[float] = None,
+    always_keep: Optional[tuple[int, int]] = None,
 ):
     """Scaled dot-product attention with NVFP4 (FP4 microscaling) Q, K, P and V.
 
@@ -260,6 +322,16 @@ def attention(
             power-of-two scale per 32 elements; P and V stay NVFP4). MXFP8 keeps sharp attention
             (heads whose logits spread far, e.g. strong QK-norm gains) accurate where 4-bit Q/K
             cannot; on sm_120 its Q·Kᵀ runs at half the FP4 rate.
+        block_mask: block-sparse attention (:mod:`nvfp4_dit.sparse`): bool ``[B or 1, H or 1,
+            ceil(Sq/128), ceil(Sk/128)]``, True = the 128-query block attends that 128-key tile;
+            skipped tiles contribute nothing. Every back-end, the exact fallback included,
+            attends exactly the listed keys.
+        keep_mass: a float in (0, 1]: the call estimates its own block map (in every call, from
+            pooled block means), keeping per Q block the fewest key tiles whose estimated
+            attention mass reaches ``keep_mass``; with ``block_mask``, within that map. ``1.0``
+            alone is dense attention. :func:`nvfp4_dit.sparse.estimate_block_mask` returns the map.
+        always_keep: with ``keep_mass``, a key range ``(start, end)`` whose tiles every Q block
+            keeps (text tokens, attention sinks).
 
     Returns:
         ``out`` in q's layout and dtype, or ``(out, lse)`` with ``return_lse=True``.
@@ -272,11 +344,13 @@ def attention(
     validate_attention_args(q, k, v, layout, causal, scale, attn_mask, kv_lens, return_lse, backend, balance_qk,
                             qk_format)
     scale = None if scale is None else float(scale)
-    b, h, sq, d = fmt.to_hnd(q, layout).shape
-    sk = fmt.to_hnd(k, layout).shape[2]
+    b, h, sq, d = fmt.hnd_shape(q, layout)
+    sk = fmt.hnd_shape(k, layout)[2]
     kv_lens = _key_lengths_on(kv_lens, q.device, sk)
+    sparsity = sparse.check_sparsity(block_mask, keep_mass, always_keep, batch=b, heads=h, seq_q=sq, seq_k=sk,
+                                     device=q.device)
     if backend == "sdpa":
-        return _exact(q, k, v, layout, causal, scale, attn_mask, kv_lens, return_lse)
+        return _exact(q, k, v, layout, causal, scale, attn_mask, kv_lens, return_lse, sparsity)
 
     reason, key_mask = None, None
     if attn_mask is not None:
@@ -294,13 +368,29 @@ def attention(
         if backend != "auto" and hard:
             raise BackendUnavailableError(f"backend={backend!r} cannot run this call: {reason}")
         _warn_fallback(reason)
-        return _exact(q, k, v, layout, causal, scale, attn_mask, kv_lens, return_lse)
+        return _exact(q, k, v, layout, causal, scale, attn_mask, kv_lens, return_lse, sparsity)
     return run_fp4(q, k, v, layout=layout, causal=causal, scale=scale, key_mask=key_mask, kv_lens=kv_lens,
-                   return_lse=return_lse, backend=resolved, balance_qk=balance_qk, qk_format=qk_format)
+                   return_lse=return_lse, backend=resolved, balance_qk=balance_qk, qk_format=qk_format,
+                   sparsity=sparsity)
 
 
-def _exact(q, k, v, layout, causal, scale, attn_mask, kv_lens, return_lse):
-    out, lse = _attention_sdpa(q, k, v, layout, causal, scale, attn_mask, kv_lens, return_lse)
+def _exact(q, k, v, layout, causal, scale, attn_mask, kv_lens, return_lse, sparsity=None):
+    block_map = None
+    if sparsity is not None:
+        b, h, sq, _ = fmt.hnd_shape(q, layout)
+        sk = fmt.hnd_shape(k, layout)[2]
+        key_bias = None
+        lens = kv_lens
+        if attn_mask is not None:
+            try:
+                key_mask = reduce_key_mask(attn_mask[:, None, None, :] if attn_mask.dim() == 2 else attn_mask,
+                                           b, h, sq, sk)
+                lens, key_bias = combine_kv_lens(key_mask, kv_lens), key_mask.bias
+            except NotPerKeyMask:
+                pass   # the estimate weighs tiles by their unmasked keys; the mask still applies in SDPA
+        grid = _tile_grid(q, k, layout, causal, scale, lens, key_bias)
+        block_map = sparse.inputs_block_map(fmt.to_hnd(q, layout), fmt.to_hnd(k, layout), sparsity, grid)
+    out, lse = _attention_sdpa(q, k, v, layout, causal, scale, attn_mask, kv_lens, return_lse, block_map)
     return (out, lse) if return_lse else out
 
 

@@ -29,6 +29,7 @@ import torch
 
 from . import format as fmt
 from . import preprocess
+from . import sparse
 
 LOG2E = math.log2(math.e)
 _DEFAULT_CHUNK_ELEMS = 1 << 25
@@ -51,6 +52,7 @@ def attention_reference(
     chunk_elems: int = _DEFAULT_CHUNK_ELEMS,
     quantized: Optional[fmt.QuantizedQKV] = None,
     qk_format: str = fmt.QK_FORMAT_DEFAULT,
+    block_mask: Optional[torch.Tensor] = None,
 ):
     """NVFP4 attention, reference numerics.
 
@@ -69,6 +71,8 @@ def attention_reference(
         quantized: a precomputed :class:`~nvfp4_dit.format.QuantizedQKV` (from
             :func:`nvfp4_dit.preprocess.quantize_qkv`, e.g. with the CUDA quantiser's means) to run
             the rest of the algorithm on; it must carry ``k_smoothed``.
+        block_mask: optional bool ``[B or 1, H or 1, ceil(Sq/128), ceil(Sk/128)]`` block map
+            (:mod:`nvfp4_dit.sparse`): each Q block attends only the keys of its True tiles.
 
     Returns:
         ``out`` in q's layout and dtype, and ``lse [B, H, Sq]`` fp32 when ``return_lse``.
@@ -115,6 +119,9 @@ def attention_reference(
         qc = q_hat[:, :, r0:r1].reshape(b, hkv, group * rows, dp)
         s = torch.matmul(qc, k_hat.transpose(-1, -2)).view(b, h, b1 - b0, fmt.SEQ_TILE, skp)
         s = s + preprocess.correction(qq, b0, b1, key_bias=key_bias, scale=scale)[:, :, :, None, :] + mask
+        if block_mask is not None:   # unlisted tiles hold no key (adding 0 leaves listed scores exact)
+            listed = block_mask[:, :, b0:b1].to(dev).repeat_interleave(fmt.SEQ_TILE, dim=-1)
+            s = s + torch.where(listed, 0.0, -math.inf)[:, :, :, None, :]
         f = f_all[:, :, b0:b1, None, None]
         s = s.view(b, h, rows, skp)
         f_rows = f.view(b, h, b1 - b0, 1, 1).expand(b, h, b1 - b0, fmt.SEQ_TILE, 1).reshape(b, h, rows, 1)
@@ -165,8 +172,10 @@ def attention_exact(
     kv_lens: Optional[torch.Tensor] = None,
     dtype: torch.dtype = torch.float64,
     chunk_rows: int = 1024,
+    block_mask: Optional[torch.Tensor] = None,
 ):
-    """Exact attention in ``dtype`` (default fp64) with the same masking conventions.
+    """Exact attention in ``dtype`` (default fp64) with the same masking conventions, and the
+    same block map as :func:`attention_reference` (``chunk_rows`` a multiple of 128 then).
 
     Returns ``(out [q's layout, dtype], lse [B, H, Sq])``; fully masked rows give 0 / -inf.
     For tests and accuracy reports; memory O(chunk_rows * Sk).
@@ -190,6 +199,8 @@ def attention_exact(
         if causal:
             q_idx = torch.arange(r0, r1, device=qh.device)
             s = s.masked_fill(torch.arange(sk, device=qh.device)[None, :] > q_idx[:, None], -math.inf)
+        if block_mask is not None:
+            s = s.masked_fill(~sparse.expand_rows(block_mask.to(qh.device), r0, r1, sk), -math.inf)
         lse = torch.logsumexp(s, dim=-1)
         finite = torch.isfinite(lse)
         p = torch.exp(s - torch.where(finite, lse, 0.0)[..., None])

@@ -24,6 +24,7 @@ import torch
 
 from .. import format as fmt
 from .. import preprocess
+from .. import sparse as sp
 from . import build, launch, quantize
 
 
@@ -97,7 +98,7 @@ def _output(q: torch.Tensor, layout: str, b: int, h: int, sq: int, d: int):
 def attention(q, k, v, *, layout: str, causal: bool, scale: Optional[float], kv_lens: Optional[torch.Tensor],
               return_lse: bool, balance_qk: bool = fmt.BALANCE_QK_DEFAULT, qk_format: str = fmt.QK_FORMAT_DEFAULT,
               key_bias: Optional[torch.Tensor] = None, mask_nonfinite: Optional[torch.Tensor] = None,
-              quantizer: str = "cuda"):
+              quantizer: str = "cuda", sparsity: Optional[sp.Sparsity] = None):
     """NVFP4 attention on the GPU; the caller has validated the arguments (:func:`nvfp4_dit.attention`)
     and made the device's kernels loadable (:func:`unsupported_reason`).
 
@@ -105,7 +106,10 @@ def attention(q, k, v, *, layout: str, causal: bool, scale: Optional[float], kv_
     ``key_bias``: fp32 [B, H or 1, Sk] per-key mask in units of the scaled scores and
     ``mask_nonfinite``: bool [B], a NaN/+inf in that batch's mask (:class:`nvfp4_dit.masks.KeyMask`).
     ``quantizer``: "cuda" (the CUDA quantiser) or "torch" (:func:`nvfp4_dit.preprocess.quantize_qkv`
-    on the GPU: the reference's own bytes, for tests).
+    on the GPU: the reference's own bytes, for tests). ``sparsity``: a block-sparse call
+    (:mod:`nvfp4_dit.sparse`): per group of correction chunks the block map is estimated from the
+    quantiser's statistics and listed on the device, and the correction and the kernel visit only
+    the listed tiles.
 
     Returns ``(out [q's layout and dtype], lse [B, H, Sq] fp32 or None)``. Rows whose Q block or
     kv head met a NaN/inf input (or whose batch's mask holds NaN/+inf) are NaN.
@@ -145,16 +149,33 @@ def attention(q, k, v, *, layout: str, causal: bool, scale: Optional[float], kv_
     out, out_hnd = _output(q, layout, b, h, sq, d)
     lse = torch.empty(b, h, sq, dtype=torch.float32, device=q.device) if return_lse else None
     bias = quantize.checked_key_bias(key_bias, b, h, sk, q.device)
-    for b0, b1 in chunks:
-        if k_input is not None:
-            launch.launch_correction(dk, ws, k_input, lens, bias, scale, b0, b1 - b0, delta_ptr, delta_strides,
-                                     stream)
-        else:
-            delta = preprocess.correction(qq, b0, b1, key_bias=bias, scale=scale)
-            keep.append(delta)   # alive until the launch is queued (the allocator orders its reuse)
-            delta_ptr, delta_strides = delta.data_ptr(), delta.stride()[:3]
-        launch.launch_attention(dk, planes, sq, sk, b0, b1, delta_ptr, delta_strides, out_hnd, lse, lens, scale,
-                                causal, qk_format, stream)
+    if sparsity is None:
+        groups, lists = [chunks], None
+    else:
+        stats = sp.BlockStatistics(ws.view("q_mean"), ws.view("k_tile_mean"), ws.view("q_similarity")) \
+            if quantizer == "cuda" else sp.BlockStatistics.of(qq)
+        grid = sp.TileGrid(b, h, sq, sk, scale, causal, lens, bias)
+        weights = grid.tile_log_weights(q.device) if sparsity.estimated else None
+        groups = sp.chunk_groups(chunks, b * h, skp // fmt.SEQ_TILE)
+    for group in groups:
+        if sparsity is not None:
+            g0, g1 = group[0][0], group[-1][1]
+            rows_map = sp.map_rows(stats, sparsity, grid, g0, g1, weights)
+            lists = sp.build_lists(rows_map, [c1 - c0 for c0, c1 in group])
+        for c, (b0, b1) in enumerate(group):
+            chunk_lists = None if lists is None else lists.chunk(c)
+            if k_input is not None:
+                launch.launch_correction(dk, ws, k_input, lens, bias, scale, b0, b1 - b0, delta_ptr, delta_strides,
+                                         stream, columns=chunk_lists)
+            else:
+                delta = preprocess.correction(qq, b0, b1, key_bias=bias, scale=scale)
+                delta_strides = delta.stride()[:3]
+                if lists is not None:
+                    delta = sp.compact_correction(delta, rows_map[:, :, b0 - g0:b1 - g0])
+                keep.append(delta)   # alive until the launch is queued (the allocator orders its reuse)
+                delta_ptr = delta.data_ptr()
+            launch.launch_attention(dk, planes, sq, sk, b0, b1, delta_ptr, delta_strides, out_hnd, lse, lens, scale,
+                                    causal, qk_format, stream, lists=chunk_lists)
     if out.dtype != q.dtype:
         out = out.to(q.dtype)
     return out, lse

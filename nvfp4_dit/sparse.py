@@ -1,0 +1,447 @@
+"""Block-sparse attention: the block map of a call, its per-call estimate, and the lists the kernels read.
+
+A **block map** is bool ``[B, H, nq, nk]`` over 128-row Q blocks and 128-key tiles (``nq =
+ceil(Sq/128)``, ``nk = ceil(Sk/128)``): True = the Q block attends the keys of that tile. A skipped
+tile contributes nothing (the LSE covers the visited keys only); a Q block that visits no tile
+gives output 0 and LSE -inf, like a row with no visible key. Every back-end honours the same map:
+the kernel visits only the listed tiles, the reference masks the others, and the exact fallback
+attends exactly the listed keys.
+
+A call gets its map (:class:`Sparsity`) from
+
+* ``block_mask``: the caller's map, bool ``[B or 1, H or 1, nq, nk]``;
+* ``keep_mass``: **the estimate**, made in every call from the quantiser's block statistics (nothing
+  is cached between calls or denoising steps). For each Q block ``i`` and key tile ``j`` the pooled
+  score ``scale * mean(q_i) . mean(k_j) / sqrt(s_i) + log(w_j)`` (``s_i``: the block's mean pairwise
+  cosine, below; the mean of rows that share a direction only that far is shorter than they are by
+  ``sqrt(s_i)``, and the division restores the rows' logit spread. ``w_j``: the tile's visible key
+  weight, its count of valid keys or the sum of ``exp(bias)`` under a key mask) goes through a softmax over the
+  allowed tiles; the block keeps the fewest tiles, by descending estimated mass (ties to the lower
+  tile index), whose mass reaches ``keep_mass``. ``keep_mass=1.0`` keeps every allowed tile.
+  Safeguards: a Q block whose rows point in unrelated directions (mean pairwise cosine below
+  :data:`SIMILARITY_THRESHOLD`: its mean is no stand-in for its rows) keeps every tile; the
+  "diagonal" tile (the key tile holding the block's own token indices, where it exists) is kept;
+  ``always_keep=(start, end)`` keeps the tiles of a key range (text tokens, sinks).
+  With both ``block_mask`` and ``keep_mass`` the estimate chooses within the given map.
+
+Tiles that causality or ``kv_lens`` hide entirely are never listed (the estimated mass excludes
+those keys). On the GPU the statistics come from the quantiser (``q_mean``, ``k_tile_mean``,
+``q_similarity``: :mod:`nvfp4_dit.format`), so the estimate reads no input again; the reference and
+exact paths compute the same statistics in PyTorch.
+
+**The lists.** The kernels read the map as CSR rows (per Q block an offset into a list of ascending
+tile indices, and a visiting order: each head's rows longest first) and as CSC columns (per key tile
+the Q blocks that read its correction); :func:`build_lists` makes both on the device for a group of
+correction chunks, sized for the worst case (every tile), so a sparse call never waits for the GPU
+and stays capturable in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from . import format as fmt
+from . import preprocess
+
+SIMILARITY_THRESHOLD = 0.02
+"""A Q block whose mean pairwise cosine is below this keeps every tile. Measured on 128-row blocks
+at D = 128 (docs/measurements.md): independent random rows give |s| <= 0.004; RoPE'd video tokens
+in raster order (scripts/video_inputs.py) 0.07 to 0.37; real DiT queries, whose channels share a
+bias, more."""
+
+WORK_ELEMENTS = 1 << 23
+"""Map elements (Q blocks x key tiles x heads) handled at once by the estimate and the list
+builder: bounds their temporaries to a few hundred MB at any length."""
+
+
+@dataclass(frozen=True)
+class Sparsity:
+    """How a call chooses its block map (checked by :func:`check_sparsity`)."""
+
+    block_mask: Optional[torch.Tensor] = None   # bool [B or 1, H or 1, nq, nk]
+    keep_mass: Optional[float] = None            # (0, 1]
+    always_keep: Optional[tuple[int, int]] = None   # key range [start, end), with keep_mass
+
+    @property
+    def estimated(self) -> bool:
+        return self.keep_mass is not None and self.keep_mass < 1.0
+
+
+def num_blocks(seq: int) -> int:
+    """128-token blocks of a sequence (one for an empty one, as the padded layouts have)."""
+    return fmt.round_up(max(seq, 1), fmt.SEQ_TILE) // fmt.SEQ_TILE
+
+
+def check_sparsity(block_mask, keep_mass, always_keep, *, batch: int, heads: int, seq_q: int, seq_k: int,
+                   device: torch.device) -> Optional[Sparsity]:
+    """The checked :class:`Sparsity` of a call, or None for dense attention (no map, or
+    ``keep_mass=1.0`` alone). Raises TypeError for a wrong type or dtype and ValueError for a wrong
+    shape, device or value, naming the argument."""
+    if keep_mass is not None:
+        if isinstance(keep_mass, bool) or not isinstance(keep_mass, (int, float)):
+            raise TypeError(f"keep_mass must be a float in (0, 1] or None, got {type(keep_mass).__name__}")
+        keep_mass = float(keep_mass)
+        if not (0.0 < keep_mass <= 1.0):
+            raise ValueError(f"keep_mass must lie in (0, 1], got {keep_mass}")
+    if block_mask is not None:
+        if not isinstance(block_mask, torch.Tensor):
+            raise TypeError(f"block_mask must be a torch.Tensor, got {type(block_mask).__name__}")
+        if block_mask.dtype != torch.bool:
+            raise TypeError(f"block_mask must be a bool tensor (True = visit the tile), got {block_mask.dtype}")
+        nq, nk = num_blocks(seq_q), num_blocks(seq_k)
+        shape = tuple(block_mask.shape)
+        if len(shape) != 4 or shape[0] not in (1, batch) or shape[1] not in (1, heads) or shape[2:] != (nq, nk):
+            raise ValueError(f"block_mask must have shape [B or 1, H or 1, ceil(Sq/128), ceil(Sk/128)] = "
+                             f"[{batch} or 1, {heads} or 1, {nq}, {nk}], got {list(shape)}")
+        if block_mask.device != device:
+            raise ValueError(f"block_mask is on {block_mask.device} but q is on {device}")
+    if always_keep is not None:
+        if keep_mass is None:
+            raise ValueError("always_keep applies to the estimated map: give keep_mass with it")
+        if (not isinstance(always_keep, (tuple, list)) or len(always_keep) != 2
+                or any(isinstance(x, bool) or not isinstance(x, int) for x in always_keep)):
+            raise TypeError(f"always_keep must be a (start, end) pair of ints, got {always_keep!r}")
+        start, end = always_keep
+        if not (0 <= start < end <= seq_k):
+            raise ValueError(f"always_keep must be a key range with 0 <= start < end <= {seq_k}, got {always_keep}")
+        always_keep = (start, end)
+    if block_mask is None and (keep_mass is None or keep_mass == 1.0):
+        return None   # keep_mass=1.0 alone keeps every tile: dense attention
+    return Sparsity(block_mask=block_mask, keep_mass=keep_mass, always_keep=always_keep)
+
+
+@dataclass(frozen=True)
+class BlockStatistics:
+    """What the estimate reads: ``q_mean`` [B, H, nq, D'] and ``k_tile_mean`` [B, Hkv, nk, D'] (raw
+    means, D' the head dim or its padding), ``q_similarity`` [B, H, nq]."""
+
+    q_mean: torch.Tensor
+    k_tile_mean: torch.Tensor
+    q_similarity: torch.Tensor
+
+    @classmethod
+    def of(cls, qq: fmt.QuantizedQKV) -> "BlockStatistics":
+        """The statistics a quantiser wrote (the CUDA quantiser's or :func:`nvfp4_dit.preprocess.quantize_qkv`'s)."""
+        return cls(qq.q_mean, qq.k_tile_mean, qq.q_similarity)
+
+    @classmethod
+    def of_inputs(cls, qh: torch.Tensor, kh: torch.Tensor, kv_lens: Optional[torch.Tensor]) -> "BlockStatistics":
+        """The same statistics from [B, H, S, D] inputs, in PyTorch (the exact path's)."""
+        return cls(preprocess.q_block_means(qh), preprocess.k_tile_means(kh, kv_lens),
+                   preprocess.q_block_similarity(qh))
+
+
+@dataclass(frozen=True)
+class TileGrid:
+    """The tiles of one call and what hides keys from them: ``kv_lens`` int [B] on the device (or
+    None), ``key_bias`` fp32 [B, H or 1, Sk] (a per-key mask, :class:`nvfp4_dit.masks.KeyMask`) or
+    None, ``causal`` (query i sees keys j <= i)."""
+
+    batch: int
+    heads: int
+    seq_q: int
+    seq_k: int
+    scale: float
+    causal: bool = False
+    kv_lens: Optional[torch.Tensor] = None
+    key_bias: Optional[torch.Tensor] = None
+
+    @property
+    def nq(self) -> int:
+        return num_blocks(self.seq_q)
+
+    @property
+    def nk(self) -> int:
+        return num_blocks(self.seq_k)
+
+    def allowed(self, i0: int, i1: int, device) -> torch.Tensor:
+        """bool [B, 1, i1 - i0, nk]: the tiles of Q blocks [i0, i1) that hold a visible key."""
+        tiles = torch.arange(self.nk, device=device)
+        if self.kv_lens is None:
+            has_key = torch.full((self.batch, self.nk), self.seq_k > 0, dtype=torch.bool, device=device)
+        else:
+            lens = self.kv_lens.to(device).long().clamp(0, self.seq_k)
+            has_key = tiles[None, :] * fmt.SEQ_TILE < lens[:, None]
+        allowed = has_key[:, None, None, :].expand(self.batch, 1, i1 - i0, self.nk)
+        if self.causal:
+            blocks = torch.arange(i0, i1, device=device)
+            allowed = allowed & (tiles[None, :] <= blocks[:, None])
+        return allowed
+
+    def tile_log_weights(self, device) -> torch.Tensor:
+        """fp32 [B, H or 1, nk]: log of each tile's visible key weight (-inf for none)."""
+        nk, sk = self.nk, self.seq_k
+        valid = fmt.valid_key_mask(self.kv_lens, self.batch, sk, device)
+        if self.key_bias is None:
+            count = fmt.pad_dim(valid, 1, nk * fmt.SEQ_TILE).view(self.batch, nk, fmt.SEQ_TILE).sum(-1)
+            return count.float().log()[:, None, :]
+        bias = torch.where(valid[:, None, :], self.key_bias.to(device, torch.float32), -math.inf)
+        bias = fmt.pad_dim(bias, 2, nk * fmt.SEQ_TILE, -math.inf)
+        return bias.unflatten(2, (nk, fmt.SEQ_TILE)).logsumexp(-1)
+
+
+def _kept_by_mass(scores: torch.Tensor, keep_mass: float) -> torch.Tensor:
+    """bool like ``scores`` (-inf: not a candidate): per row, the fewest entries by descending
+    softmax mass (stable: ties to the lower index) whose mass reaches ``keep_mass``."""
+    p = torch.softmax(scores, dim=-1).nan_to_num_(0.0)   # a row without candidates: all 0
+    ranked, order = torch.sort(p, dim=-1, descending=True, stable=True)
+    before = ranked.cumsum(-1) - ranked
+    return torch.zeros_like(p, dtype=torch.bool).scatter_(-1, order, (before < keep_mass) & (ranked > 0))
+
+
+def map_rows(stats: Optional[BlockStatistics], sparsity: Sparsity, grid: TileGrid, i0: int, i1: int,
+             log_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The block map of Q blocks [i0, i1): bool [B, H, i1 - i0, nk] (contiguous).
+
+    ``stats`` is read only when the map is estimated (``keep_mass < 1``); ``log_weights`` is
+    :meth:`TileGrid.tile_log_weights`, passed in when several row ranges share it."""
+    b, h, nk, rows = grid.batch, grid.heads, grid.nk, i1 - i0
+    device = sparsity.block_mask.device if stats is None else stats.q_mean.device
+    allowed = grid.allowed(i0, i1, device)
+    if sparsity.block_mask is not None:
+        allowed = allowed & sparsity.block_mask[:, :, i0:i1]
+    allowed = allowed.expand(b, h, rows, nk)
+    if not sparsity.estimated:
+        return allowed.contiguous()
+    qm, km = stats.q_mean, stats.k_tile_mean
+    hkv, d = km.shape[1], min(qm.shape[-1], km.shape[-1])
+    group = h // hkv
+    q_rows = qm[:, :, i0:i1, :d].float().reshape(b, hkv, group * rows, d)
+    scores = torch.matmul(q_rows, km[..., :d].float().transpose(-1, -2)).view(b, h, rows, nk) * grid.scale
+    # A block's mean is shorter than its rows by sqrt(similarity) (RoPE turns neighbours apart):
+    # scaled back to the rows' length, its scores regain the rows' spread.
+    scores = scores * stats.q_similarity[:, :, i0:i1, None].clamp_min(SIMILARITY_THRESHOLD).rsqrt()
+    if log_weights is None:
+        log_weights = grid.tile_log_weights(device)
+    allowed = allowed & (log_weights[:, :, None, :] > -math.inf)   # a key mask may hide whole tiles
+    scores = torch.where(allowed, scores + log_weights[:, :, None, :], -math.inf)
+    keep = _kept_by_mass(scores, sparsity.keep_mass)
+    # The safeguards: unreliable blocks keep everything; the diagonal and the always-kept keys stay.
+    keep |= (stats.q_similarity[:, :, i0:i1] < SIMILARITY_THRESHOLD)[..., None]
+    tiles = torch.arange(nk, device=device)
+    keep |= (tiles[None, :] == torch.arange(i0, i1, device=device)[:, None])
+    if sparsity.always_keep is not None:
+        start, end = sparsity.always_keep
+        keep |= (tiles * fmt.SEQ_TILE < end) & ((tiles + 1) * fmt.SEQ_TILE > start)
+    return keep & allowed
+
+
+def row_groups(num_q_blocks: int, rows_per_group: int, elements_per_row: int,
+               budget: int = WORK_ELEMENTS) -> list[tuple[int, int]]:
+    """Split Q blocks into ``(begin, end)`` groups of whole multiples of ``rows_per_group`` (the
+    correction chunk) whose map has at most ``budget`` elements (one multiple at least)."""
+    per = max(1, budget // max(elements_per_row * rows_per_group, 1)) * max(rows_per_group, 1)
+    return [(i, min(i + per, num_q_blocks)) for i in range(0, num_q_blocks, per)]
+
+
+def block_map(stats: Optional[BlockStatistics], sparsity: Sparsity, grid: TileGrid) -> torch.Tensor:
+    """The whole block map of a call, bool [B, H, nq, nk], estimated in bounded groups of rows."""
+    device = sparsity.block_mask.device if stats is None else stats.q_mean.device
+    weights = grid.tile_log_weights(device) if sparsity.estimated else None
+    parts = [map_rows(stats, sparsity, grid, i0, i1, weights)
+             for i0, i1 in row_groups(grid.nq, 1, grid.batch * grid.heads * grid.nk)]
+    return torch.cat(parts, dim=2)
+
+
+# ---------------------------------------------------------------------------------------------
+# The lists the kernels read
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ChunkLists:
+    """One correction chunk's view of :class:`BlockLists`: device addresses (int) for the attention
+    kernel's block map (``offsets``, ``tiles``, ``order``, ``row_stride``) and the correction's
+    columns (``col_offsets``, ``col_rows``, ``col_entries``)."""
+
+    offsets: int
+    tiles: int
+    order: int
+    row_stride: int
+    col_offsets: int
+    col_rows: int
+    col_entries: int
+
+
+@dataclass(frozen=True)
+class BlockLists:
+    """The block map of consecutive correction chunks of ``step`` Q blocks each (the last may be
+    shorter), as int32 device lists, each chunk's in its own worst-case-sized region so that its
+    addresses are known on the host. In chunk c, row ``bh * step + m`` is Q block m of the chunk for
+    (batch, head) bh (rows past the chunk's length are empty), and entries (listed tiles, in row
+    order) count from the chunk's first: the compact correction of the chunk starts at entry 0."""
+
+    offsets: torch.Tensor      # [C, BH * step + 1] CSR row offsets
+    tiles: torch.Tensor        # [C, BH * step * nk] the entries' tile indices, ascending within a row
+    order: torch.Tensor        # [C, BH * step]: the chunk's rows, each head's longest first
+    col_offsets: torch.Tensor  # [C, BH * nk + 1] CSC column offsets
+    col_rows: torch.Tensor     # [C, BH * step * nk] per column entry: the Q block m within the chunk
+    col_entries: torch.Tensor  # [C, BH * step * nk] per column entry: its entry index
+    step: int
+
+    def chunk(self, c: int) -> ChunkLists:
+        def at(t: torch.Tensor) -> int:
+            return t[c].data_ptr()
+
+        return ChunkLists(offsets=at(self.offsets), tiles=at(self.tiles), order=at(self.order), row_stride=self.step,
+                          col_offsets=at(self.col_offsets), col_rows=at(self.col_rows),
+                          col_entries=at(self.col_entries))
+
+
+def _offsets(counts: torch.Tensor) -> torch.Tensor:
+    """int32 [C, n + 1]: per chunk (first dim) the exclusive cumulative sums of ``counts`` [C, ...]
+    and their total."""
+    out = torch.zeros(counts.shape[0], counts[0].numel() + 1, dtype=torch.int32, device=counts.device)
+    torch.cumsum(counts.flatten(1), 1, dtype=torch.int32, out=out[:, 1:])
+    return out
+
+
+def _pack(flat: torch.Tensor, slot: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """int32 like ``flat`` [C, n]: per chunk, ``values`` where ``flat`` is set, at ``slot`` (packed
+    from 0); the rest of each chunk's region is 0."""
+    chunks, n = flat.shape
+    out = torch.zeros(chunks, n + 1, dtype=torch.int32, device=flat.device)
+    out.scatter_(1, torch.where(flat, slot.long(), n), values.reshape(chunks, n))
+    return out[:, :n]
+
+
+def build_lists(rows_map: torch.Tensor, chunk_lengths: Sequence[int]) -> BlockLists:
+    """The lists of a block map ``rows_map`` bool [B, H, n, nk] whose rows are the Q blocks of
+    consecutive correction chunks of ``chunk_lengths`` blocks (all but the last equal). Device ops
+    only, sized for the worst case: no host sync."""
+    b, h, n, nk = rows_map.shape
+    step, chunks, bh = max(chunk_lengths), len(chunk_lengths), b * h
+    device = rows_map.device
+    if bh * step * nk >= 2**31:
+        raise ValueError(f"a correction chunk's block map of {bh * step * nk} elements exceeds int32 lists")
+    padded = torch.zeros(bh, chunks * step, nk, dtype=torch.bool, device=device)
+    padded[:, :n] = rows_map.reshape(bh, n, nk)
+    by_chunk = padded.view(bh, chunks, step, nk).transpose(0, 1).contiguous()   # [C, BH, step, nk]
+    flat = by_chunk.view(chunks, -1)
+
+    counts = by_chunk.sum(-1, dtype=torch.int32)                     # [C, BH, step]
+    offsets = _offsets(counts)
+    entry = torch.cumsum(flat, 1, dtype=torch.int32) - 1            # each listed tile's entry
+    tile_ids = torch.arange(nk, dtype=torch.int32, device=device).repeat(chunks * bh * step)
+    tiles = _pack(flat, entry, tile_ids)
+
+    # Visiting order: per chunk its real rows, each head's longest first; the padding rows last.
+    # (All chunks but the last have `step` blocks: the lengths need no copy to the device.)
+    lengths = torch.where(torch.arange(chunks, device=device) == chunks - 1, chunk_lengths[-1], step)
+    real = torch.arange(step, device=device)[None, None, :] < lengths[:, None, None]          # [C, 1, step]
+    heads = torch.arange(bh, device=device)[None, :, None]
+    key = torch.where(real, heads * (nk + 1) + (nk - counts), bh * (nk + 1))
+    order = torch.argsort(key.view(chunks, bh * step), dim=1, stable=True).to(torch.int32)
+
+    # Columns: per (chunk, bh, key tile) the Q blocks that list it, and their entries.
+    by_column = by_chunk.transpose(-1, -2).contiguous()              # [C, BH, nk, step]
+    col_flat = by_column.view(chunks, -1)
+    col_offsets = _offsets(by_column.sum(-1, dtype=torch.int32))
+    col_slot = torch.cumsum(col_flat, 1, dtype=torch.int32) - 1
+    block_ids = torch.arange(step, dtype=torch.int32, device=device).repeat(chunks * bh * nk)
+    col_rows = _pack(col_flat, col_slot, block_ids)
+    col_entries = _pack(col_flat, col_slot, entry.view(chunks, bh, step, nk).transpose(-1, -2))
+    return BlockLists(offsets=offsets, tiles=tiles, order=order, col_offsets=col_offsets, col_rows=col_rows,
+                      col_entries=col_entries, step=step)
+
+
+def compact_correction(delta: torch.Tensor, rows_map: torch.Tensor) -> torch.Tensor:
+    """The compact correction of one chunk from its dense rows ``delta`` [B, H, n, Skp] fp32 and its
+    block map ``rows_map`` [B, H, n, nk]: [entries, 128], the listed tiles in list order (what
+    the CUDA correction writes with a block map; the PyTorch quantiser's path)."""
+    b, h, n, nk = rows_map.shape
+    tiles = delta.reshape(b * h, n, nk, fmt.SEQ_TILE)
+    return tiles[rows_map.reshape(b * h, n, nk)].contiguous()
+
+
+def chunk_groups(chunks: Sequence[tuple[int, int]], bh: int, nk: int,
+                 budget: int = WORK_ELEMENTS) -> list[list[tuple[int, int]]]:
+    """Consecutive correction chunks grouped so that a group's map has at most ``budget`` elements
+    (one chunk at least): each group gets one estimate and one :func:`build_lists`."""
+    groups, current, size = [], [], 0
+    for b0, b1 in chunks:
+        elements = bh * (b1 - b0) * nk
+        if current and size + elements > budget:
+            groups.append(current)
+            current, size = [], 0
+        current.append((b0, b1))
+        size += elements
+    if current:
+        groups.append(current)
+    return groups
+
+
+# ---------------------------------------------------------------------------------------------
+# The exact attention of a block map
+# ---------------------------------------------------------------------------------------------
+
+def inputs_block_map(qh: torch.Tensor, kh: torch.Tensor, sparsity: Sparsity, grid: TileGrid) -> torch.Tensor:
+    """The block map of a call from its [B, H, S, D] inputs (the statistics in PyTorch): what the
+    exact and SDPA paths attend."""
+    stats = BlockStatistics.of_inputs(qh, kh, grid.kv_lens) if sparsity.estimated else None
+    return block_map(stats, sparsity, grid)
+
+
+def expand_rows(block_map: torch.Tensor, r0: int, r1: int, seq_k: int) -> torch.Tensor:
+    """bool [B|1, H|1, r1 - r0, Sk]: the block map of query rows [r0, r1) (r0 a multiple of 128)
+    at token resolution."""
+    i0, i1 = r0 // fmt.SEQ_TILE, -(-r1 // fmt.SEQ_TILE)
+    rows = block_map[:, :, i0:i1].repeat_interleave(fmt.SEQ_TILE, dim=2)[:, :, : r1 - r0]
+    return rows.repeat_interleave(fmt.SEQ_TILE, dim=3)[..., :seq_k]
+
+
+def exact_row_chunks(batch: int, heads: int, seq_q: int, seq_k: int,
+                     budget: int = 1 << 26) -> list[tuple[int, int]]:
+    """Query row ranges (multiples of 128) whose token-resolution mask has at most ``budget``
+    elements (one Q block at least)."""
+    per = max(1, budget // max(batch * heads * fmt.SEQ_TILE * max(seq_k, 1), 1)) * fmt.SEQ_TILE
+    return [(r, min(r + per, seq_q)) for r in range(0, seq_q, per)]
+
+
+def estimate_block_mask(q: torch.Tensor, k: torch.Tensor, keep_mass: float, *, layout: str = "NHD",
+                        causal: bool = False, scale: Optional[float] = None,
+                        kv_lens: Optional[torch.Tensor] = None, attn_mask: Optional[torch.Tensor] = None,
+                        always_keep: Optional[tuple[int, int]] = None,
+                        block_mask: Optional[torch.Tensor] = None, backend: str = "auto") -> torch.Tensor:
+    """The block map a call of :func:`nvfp4_dit.attention` with these arguments would use: bool
+    ``[B, H, ceil(Sq/128), ceil(Sk/128)]``, True = visited (to inspect or log it).
+
+    The statistics come from where the call would take them: the CUDA quantiser where ``backend``
+    resolves to the kernel, PyTorch otherwise (which may differ from the kernel's in the last bits
+    of a mean, so a tile on the edge of ``keep_mass`` may differ). ``attn_mask`` must have a
+    per-key form (:mod:`nvfp4_dit.masks`).
+    """
+    from .checks import validate_attention_args
+    from .masks import combine_kv_lens, reduce_key_mask
+    from .planner import resolve_backend
+
+    validate_attention_args(q, k, k, layout, causal, scale, attn_mask, kv_lens, False, backend, False)
+    qh, kh = fmt.to_hnd(q, layout), fmt.to_hnd(k, layout)
+    b, h, sq, d = qh.shape
+    sk = kh.shape[2]
+    if keep_mass is None:
+        raise TypeError("keep_mass must be a float in (0, 1], got None")
+    sparsity = check_sparsity(block_mask, keep_mass, always_keep, batch=b, heads=h, seq_q=sq, seq_k=sk,
+                              device=q.device) or Sparsity(keep_mass=1.0)   # 1.0: every visible tile
+    if kv_lens is not None:
+        kv_lens = kv_lens.to(q.device)
+    key_bias = None
+    if attn_mask is not None:
+        mask = attn_mask[:, None, None, :] if attn_mask.dim() == 2 else attn_mask
+        key_mask = reduce_key_mask(mask, b, h, sq, sk)
+        kv_lens, key_bias = combine_kv_lens(key_mask, kv_lens), key_mask.bias
+    grid = TileGrid(b, h, sq, sk, fmt.default_scale(d) if scale is None else float(scale), causal, kv_lens, key_bias)
+    resolved = None
+    if fmt.padded_head_dim(d) is not None:
+        resolved = resolve_backend(backend, q.device, d, fmt.QK_FORMAT_DEFAULT)[0]
+    if resolved == "cuda":
+        from .cuda import quantize as cuda_quantize
+
+        qq = cuda_quantize.quantize_qkv(q, k, k, layout=layout, kv_lens=kv_lens, balance_qk=False)
+        stats = BlockStatistics.of(qq)
+    else:
+        stats = BlockStatistics.of_inputs(qh, kh, kv_lens)
+    return block_map(stats, sparsity, grid)
