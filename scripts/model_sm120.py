@@ -29,6 +29,14 @@ Assumptions (sm_120, per SM sub-partition (SMSP) unless said; 8 warps per CTA, 1
   * boost clocks from NVIDIA's spec sheets: RTX 5090 2.407 GHz, 170 SMs; RTX PRO 6000 Blackwell
     2.617 GHz, 188 SMs. FP4 peak = SMs x 4 SMSPs x 16x8x64x2 FLOP / 16 clocks x clock.
 
+Block-sparse attention (a block map; the ``_sparse`` kernels) at density d visits d of a row's key
+tiles: modelled as ``d * nk * sparse_clocks_per_tile + LIST_LATENCY_CLOCKS`` per 128-row Q block
+against ``nk * clocks_per_tile`` dense (nk = S / 128 key tiles; ``time_vs_dense`` in the JSON
+rows, with ``density`` and ``seq``), where the sparse tile is the ``_sparse`` kernel's steady tile
+(it reads its tile index from the list) and ``LIST_LATENCY_CLOCKS`` is the row's start: three
+dependent global reads (visiting order, list offsets, the first tile index) at about 800 clocks
+each before its first stage load issues, not hidden by other work of the CTA.
+
 The preparation (quantisation + correction) is modelled separately from its bytes and int8
 operations at the board's memory bandwidth (1.792 TB/s, GDDR7 on both boards) and int8 tensor rate
 (SMs x 4 SMSPs x 16x8x32x2 / 16 clocks x clock), memory and tensor overlapped perfectly; B=1, H=40,
@@ -67,6 +75,9 @@ TOLERANCE = 1.02
 GPUS = {"RTX 5090": (170, 2.407e9), "RTX PRO 6000": (188, 2.617e9)}
 MEMORY_BANDWIDTH = 1.792e12   # bytes/s, both boards
 PREPARATION_SEQS = (32_768, 77_000, 118_800)
+SPARSE_DENSITIES = (0.5, 0.25, 0.1)
+SPARSE_SEQS = (77_000, 118_800)
+LIST_LATENCY_CLOCKS = 3 * 800
 WARPS_PER_SMSP = 2
 WARPS_PER_SM = 8
 BLOCK = 128
@@ -322,10 +333,23 @@ def model(arch: str = "120a") -> list[dict]:
             for d in fmt.SUPPORTED_HEAD_DIMS:
                 stage_bytes = check_sass.dynamic_smem_bytes(d, Path(tmp), "kStageBytes", qk_format)
                 funcs = parse_nvdisasm(disassemble_with_lines(compile_with_lines(units[d], arch, Path(tmp))))
-                name = next(n for n in funcs if n.startswith(check_sass.ATTENTION_PREFIX) and not n.endswith("_lse"))
+                names = [n for n in funcs if n.startswith(check_sass.ATTENTION_PREFIX) and not n.endswith("_lse")]
+                dense = next(n for n in names if "_sparse" not in n)
+                block_sparse = next(n for n in names if n.endswith("_sparse"))
                 for causal in (False, True):
-                    rows.append(model_kernel(funcs[name], d, causal, rescale, stage_bytes, qk_format=qk_format))
+                    row = model_kernel(funcs[dense], d, causal, rescale, stage_bytes, qk_format=qk_format)
+                    sparse_row = model_kernel(funcs[block_sparse], d, causal, rescale, stage_bytes, qk_format=qk_format)
+                    row["sparse_clocks_per_tile"] = sparse_row["clocks_per_tile"]
+                    rows.append(row)
     return rows
+
+
+def time_vs_dense(row: dict, density: float, seq: int) -> float:
+    """Modelled time of the block-sparse kernel at ``density`` over the dense kernel's, one Q block
+    of a ``seq``-key row (module docstring)."""
+    nk = -(-seq // BLOCK)
+    sparse = density * nk * row["sparse_clocks_per_tile"] + LIST_LATENCY_CLOCKS
+    return sparse / (nk * row["clocks_per_tile"])
 
 
 def preparation(seq: int, attention_tflops: float, sms: int, clock: float, heads: int = 40, head_dim: int = 128,
@@ -356,12 +380,16 @@ def preparation_rows(rows: list[dict]) -> list[dict]:
 
 
 def gpu_rows(rows: list[dict]) -> list[dict]:
-    """The rows once per GPU, as the JSON output lists them."""
+    """The rows once per GPU, as the JSON output lists them: each kernel dense (``density`` 1,
+    ``seq`` None) and block-sparse at SPARSE_DENSITIES x SPARSE_SEQS, with ``time_vs_dense``."""
     out = []
     for r in rows:
         for gpu, (sms, clock) in GPUS.items():
             base = {k: v for k, v in r.items() if not k.startswith("tflops ")}
-            out.append({"gpu": gpu, "sms": sms, "boost_ghz": clock / 1e9, **base, "tflops": r[f"tflops {gpu}"]})
+            row = {"gpu": gpu, "sms": sms, "boost_ghz": clock / 1e9, **base, "tflops": r[f"tflops {gpu}"]}
+            out.append({**row, "density": 1.0, "seq": None, "time_vs_dense": 1.0})
+            out += [{**row, "density": d, "seq": s, "time_vs_dense": round(time_vs_dense(r, d, s), 4)}
+                    for d in SPARSE_DENSITIES for s in SPARSE_SEQS]
     return out
 
 
@@ -397,6 +425,13 @@ def main(argv=None) -> int:
         print("|" + "---|" * len(cols))
         for r in rows:
             print("| " + " | ".join(str(r[c]) if not isinstance(r[c], list) else "/".join(r[c]) for c in cols) + " |")
+        print("\nBlock-sparse: modelled time at density d over dense (the same kernel and shape):\n")
+        print("| Q·Kᵀ | D | causal | sparse clocks per tile | " + " | ".join(
+            f"d={d} S={s:,}" for d in SPARSE_DENSITIES for s in SPARSE_SEQS) + " |")
+        print("|" + "---|" * (4 + len(SPARSE_DENSITIES) * len(SPARSE_SEQS)))
+        for r in rows:
+            print(f"| {r['qk_format']} | {r['head_dim']} | {r['causal']} | {r['sparse_clocks_per_tile']} | " + " | ".join(
+                f"{time_vs_dense(r, d, s):.3f}" for d in SPARSE_DENSITIES for s in SPARSE_SEQS) + " |")
         print("\nPreparation (quantise + correction), B=1 H=40 D=128, against the modelled attention:\n")
         print("| GPU | S | quantise ms | correction ms (chunks, GB) | attention ms | preparation / attention |")
         print("|---|---|---|---|---|---|")

@@ -204,7 +204,8 @@ def test_generate_video_says_when_no_call_ran_nvfp4(tmp_path, capsys):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
 @pytest.mark.parametrize("script, args", [("bench_attention", []), ("bench_quantize", ["--smoke"]),
-                                          ("bench_quantize", []), ("bench_launch", ["--profile", "5"])])
+                                          ("bench_quantize", []), ("bench_launch", ["--profile", "5"]),
+                                          ("bench_sparse", ["--estimate-ops"])])
 def test_benchmarks_without_a_gpu_say_so(script, args):
     import subprocess
 
