@@ -324,9 +324,11 @@ def build_lists(rows_map: torch.Tensor, chunk_lengths: Sequence[int]) -> BlockLi
 
     counts = by_chunk.sum(-1, dtype=torch.int32)                     # [C, BH, step]
     offsets = _offsets(counts)
-    entry = torch.cumsum(flat, 1, dtype=torch.int32) - 1            # each listed tile's entry
+    # Each listed tile's entry: its row's offset plus its rank in the row. Scans run along short
+    # rows: torch scans each long row in one thread block.
+    entry = offsets[:, :-1].view(chunks, bh, step, 1) + torch.cumsum(by_chunk, -1, dtype=torch.int32) - 1
     tile_ids = torch.arange(nk, dtype=torch.int32, device=device).repeat(chunks * bh * step)
-    tiles = _pack(flat, entry, tile_ids)
+    tiles = _pack(flat, entry.view(chunks, -1), tile_ids)
 
     # Visiting order: per chunk its real rows, each head's longest first; the padding rows last.
     # (All chunks but the last have `step` blocks: the lengths need no copy to the device.)
@@ -340,10 +342,11 @@ def build_lists(rows_map: torch.Tensor, chunk_lengths: Sequence[int]) -> BlockLi
     by_column = by_chunk.transpose(-1, -2).contiguous()              # [C, BH, nk, step]
     col_flat = by_column.view(chunks, -1)
     col_offsets = _offsets(by_column.sum(-1, dtype=torch.int32))
-    col_slot = torch.cumsum(col_flat, 1, dtype=torch.int32) - 1
+    col_slot = col_offsets[:, :-1].view(chunks, bh, nk, 1) + torch.cumsum(by_column, -1, dtype=torch.int32) - 1
     block_ids = torch.arange(step, dtype=torch.int32, device=device).repeat(chunks * bh * nk)
+    col_slot = col_slot.view(chunks, -1)
     col_rows = _pack(col_flat, col_slot, block_ids)
-    col_entries = _pack(col_flat, col_slot, entry.view(chunks, bh, step, nk).transpose(-1, -2))
+    col_entries = _pack(col_flat, col_slot, entry.transpose(-1, -2))
     return BlockLists(offsets=offsets, tiles=tiles, order=order, col_offsets=col_offsets, col_rows=col_rows,
                       col_entries=col_entries, step=step)
 

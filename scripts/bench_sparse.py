@@ -129,7 +129,7 @@ def bench(seq: int, heads: int, dim: int, densities, reps: int) -> tuple[list[di
     q, k, v = (torch.randn(1, heads, seq, dim, generator=g, device="cuda").to(torch.bfloat16) for _ in range(3))
     nq = sparse.num_blocks(seq)
     rows, dense = [], None
-    for density in densities:
+    for density in densities or ():
         bmap = None if density >= 1.0 else random_map(heads, nq, density, seed=int(density * 1000))
 
         def call(bmap=bmap):
@@ -158,29 +158,31 @@ def main(argv=None) -> int:
     ap.add_argument("--densities", type=float, nargs="+", default=[1.0, 0.5, 0.25, 0.1])
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--json", type=Path, help="also write the rows here")
+    ap.add_argument("--estimate-only", action="store_true", help="time only the estimate (and SDPA)")
     ap.add_argument("--estimate-ops", action="store_true",
                     help="also print the estimate's device time by operator at the last --seq")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_sparse.py needs a CUDA GPU", file=sys.stderr)
         return 2
-    densities = sorted(set(args.densities) | {1.0}, reverse=True)
+    densities = [] if args.estimate_only else sorted(set(args.densities) | {1.0}, reverse=True)
     all_rows, estimates = [], []
     for seq in args.seq:
         rows, est = bench(seq, args.heads, args.dim, densities, args.reps)
         all_rows += rows
         estimates.append(est)
     name = torch.cuda.get_device_name()
-    print(f"Block-sparse NVFP4 attention, {name}, B1 H{args.heads} D{args.dim} bf16, random maps keeping the "
-          f"diagonal; times relative to the dense call of the same run:\n")
-    print("| S | density (map) | call ms | call / dense | attention kernel ms | kernel / dense | correction ms "
-          "| correction / dense | quantiser ms | other ms | peak extra MiB |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for r in all_rows:
-        print(f"| {r['seq']:,} | {r['density']} ({r['map_density']:.3f}) | {r['call_ms']:.1f} | {r['call_vs_dense']:.3f} "
-              f"| {r['attention_ms']:.1f} | {r['attention_vs_dense']:.3f} | {r['correction_ms']:.1f} "
-              f"| {r['correction_vs_dense']:.3f} | {r['quantise_ms']:.1f} | {r['other_ms']:.1f} "
-              f"| {r['peak_extra_mib']:.0f} |")
+    if all_rows:
+        print(f"Block-sparse NVFP4 attention, {name}, B1 H{args.heads} D{args.dim} bf16, random maps keeping the "
+              f"diagonal; times relative to the dense call of the same run:\n")
+        print("| S | density (map) | call ms | call / dense | attention kernel ms | kernel / dense | correction ms "
+              "| correction / dense | quantiser ms | other ms | peak extra MiB |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
+        for r in all_rows:
+            print(f"| {r['seq']:,} | {r['density']} ({r['map_density']:.3f}) | {r['call_ms']:.1f} | {r['call_vs_dense']:.3f} "
+                  f"| {r['attention_ms']:.1f} | {r['attention_vs_dense']:.3f} | {r['correction_ms']:.1f} "
+                  f"| {r['correction_vs_dense']:.3f} | {r['quantise_ms']:.1f} | {r['other_ms']:.1f} "
+                  f"| {r['peak_extra_mib']:.0f} |")
     print("\nThe estimate (keep_mass=0.9: block statistics to the kernels' lists) against cuDNN SDPA:\n")
     print("| S | estimate ms | SDPA cuDNN ms | estimate / SDPA |")
     print("|---|---|---|---|")
