@@ -26,7 +26,9 @@ def test_expected_mma_count_follows_the_warp_layout():
 @pytest.mark.skipif(check_sass.find_tool("nvcc") is None, reason="needs nvcc")
 def test_native_sass_has_fp4_mma_and_no_spills():
     rows, failures = check_sass.check()
-    assert len(rows) == 2 * 2 * 2 * 2   # archs x Q·Kᵀ formats x head dims x (with / without LSE)
+    # archs x Q·Kᵀ formats x head dims x (with / without LSE) x (dense / block-sparse)
+    assert len(rows) == 2 * 2 * 2 * 2 * 2
+    assert sum(r["sparse"] for r in rows) == len(rows) // 2
     assert {r["qk_format"] for r in rows if r["qmma"]} == {"mxfp8"}
     assert not failures, "\n".join(failures)
 
