@@ -30,21 +30,10 @@ import nvfp4_dit  # noqa: E402
 from nvfp4_dit import format as fmt  # noqa: E402
 from nvfp4_dit import sparse  # noqa: E402
 from nvfp4_dit.cuda import quantize  # noqa: E402
+from bench_attention import time_ms  # noqa: E402  (scripts/ is the script's own folder)
 
 KERNEL_GROUPS = {"attention": "nvfp4_dit_attention_fwd", "correction": "nvfp4_dit_correction",
                  "quantise": "nvfp4_dit_"}   # the rest of our kernels: the quantiser's
-
-
-def time_ms(fn, reps: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
 
 
 def kernel_ms(fn) -> dict[str, float]:
