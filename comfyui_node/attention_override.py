@@ -236,7 +236,8 @@ class NVFP4AttentionOverride:
         # Cross-attention (to text or image tokens) is the call whose query and key lengths differ.
         options = extra.get("transformer_options") or {}
         cross = queries != keys
-        step = sampling_step(options) if (any(policy.dense_steps) or policy.per_layer) else None
+        step = sampling_step(options) if (any(policy.dense_steps) or policy.per_layer or (
+            policy.keep_mass is not None and any(policy.sparse_off_steps))) else None
         scale = extra.get("scale")
         call = planner.plan_call(q4, k4, v4, layout=layout, policy=policy, attn_mask=mask, enable_gqa=True,
                                  scale=scale, cross=cross, step=step, layer=layer_name(options, cross))
@@ -259,7 +260,8 @@ class NVFP4AttentionOverride:
         out = ops.run_fp4(plan["q"], plan["k"], plan["v"], layout=plan["layout"], causal=False, scale=plan["scale"],
                           key_mask=call.key_mask, kv_lens=None, return_lse=False, backend=call.backend,
                           balance_qk=call.balance_qk if precision is None else precision.balance_qk,
-                          qk_format=call.qk_format if precision is None else precision.qk_format)
+                          qk_format=call.qk_format if precision is None else precision.qk_format,
+                          sparsity=call.sparsity)
         batch, heads, queries, head_dim = plan["batch"], plan["heads"], plan["queries"], plan["head_dim"]
         if plan["layout"] == "NHD":  # out [B, Lq, H, D]
             if plan["skip_output_reshape"]:

@@ -92,6 +92,21 @@ class NVFP4Attention(io.ComfyNode):
                              "whose attention is sharp (strong QK-norm gains, noisy or washed-out video with "
                              "nvfp4); its Q·Kᵀ runs at half the FP4 rate on RTX 50-series."),
                 ),
+                io.Float.Input(
+                    "keep_mass", default=1.0, min=0.05, max=1.0, step=0.01, optional=True,
+                    tooltip=("Block-sparse NVFP4 for long video: each call estimates, per 128-query block, the key "
+                             "tiles holding this share of the attention mass and skips the rest (nothing is "
+                             "cached between steps). 1.0: dense. 0.9 keeps about a quarter of the tiles on "
+                             "video-structured inputs."),
+                ),
+                io.Int.Input(
+                    "sparse_first_steps", default=_DEFAULTS.sparse_off_steps[0], min=0, max=10000, optional=True,
+                    tooltip="With keep_mass below 1: this many first steps stay dense NVFP4 (they lay the video out).",
+                ),
+                io.Int.Input(
+                    "sparse_min_seq_len", default=_DEFAULTS.sparse_min_seq_len, min=0, max=1 << 24, optional=True,
+                    tooltip="With keep_mass below 1: calls with fewer query or key tokens stay dense NVFP4.",
+                ),
             ],
             outputs=[io.Model.Output()],
         )
@@ -99,13 +114,18 @@ class NVFP4Attention(io.ComfyNode):
     @classmethod
     def execute(cls, model, enabled, backend, cross_attention_dense, dense_first_steps, dense_last_steps,
                 min_seq_len, balance_qk=_DEFAULTS.balance_qk, policy_file="", calibrate=False,
-                calibration_budget=DEFAULT_BUDGET, qk_format=_DEFAULTS.qk_format) -> io.NodeOutput:
+                calibration_budget=DEFAULT_BUDGET, qk_format=_DEFAULTS.qk_format, keep_mass=1.0,
+                sparse_first_steps=_DEFAULTS.sparse_off_steps[0],
+                sparse_min_seq_len=_DEFAULTS.sparse_min_seq_len) -> io.NodeOutput:
         if not enabled:
             return io.NodeOutput(model)
         policy = AttentionPolicy(
             backend=backend, cross_attention=not cross_attention_dense,
             dense_steps=(int(dense_first_steps), int(dense_last_steps)), min_seq_len=int(min_seq_len),
             balance_qk=bool(balance_qk), qk_format=qk_format,
+            keep_mass=None if float(keep_mass) >= 1.0 else float(keep_mass),
+            sparse_off_steps=(int(sparse_first_steps), _DEFAULTS.sparse_off_steps[1]),
+            sparse_min_seq_len=int(sparse_min_seq_len),
         )
         path = (policy_file or "").strip()
         if calibrate:

@@ -32,6 +32,7 @@ from typing import Optional
 import torch
 
 from . import format as fmt
+from . import sparse
 from .masks import KeyMask, NotPerKeyMask, reduce_key_mask
 from .policy import AttentionPolicy, Precision
 
@@ -43,25 +44,33 @@ class CallPlan:
 
     ``run_op``: run :func:`nvfp4_dit.ops.run_fp4` with ``backend`` ("cuda" or "reference": FP4;
     "sdpa": the op's exact attention, e.g. to compare through the same wrapper), ``balance_qk``,
-    ``qk_format`` and ``key_mask``; else the caller's own exact attention, for ``reason``, worth one
-    warning when ``warn``. ``fp4``: whether the call runs in FP4.
+    ``qk_format``, ``key_mask`` and ``sparsity`` (from ``keep_mass``: block-sparse, None: dense);
+    else the caller's own exact attention, for ``reason``, worth one warning when ``warn``.
+    ``fp4``: whether the call runs in FP4.
     """
 
-    __slots__ = ("run_op", "reason", "warn", "backend", "balance_qk", "qk_format", "key_mask")
+    __slots__ = ("run_op", "reason", "warn", "backend", "balance_qk", "qk_format", "key_mask", "keep_mass")
 
     def __init__(self, run_op: bool, reason: Optional[str] = None, warn: bool = False, backend: str = "sdpa",
                  balance_qk: bool = fmt.BALANCE_QK_DEFAULT, qk_format: str = fmt.QK_FORMAT_DEFAULT,
-                 key_mask: Optional[KeyMask] = None):
+                 key_mask: Optional[KeyMask] = None, keep_mass: Optional[float] = None):
         self.run_op, self.reason, self.warn = run_op, reason, warn
         self.backend, self.balance_qk, self.qk_format, self.key_mask = backend, balance_qk, qk_format, key_mask
+        self.keep_mass = keep_mass
 
     @property
     def fp4(self) -> bool:
         return self.run_op and self.backend != "sdpa"
 
+    @property
+    def sparsity(self) -> Optional[sparse.Sparsity]:
+        """The block-sparse call of ``keep_mass`` (estimated per call), or None for dense."""
+        return None if self.keep_mass is None else sparse.Sparsity(keep_mass=self.keep_mass)
+
     def __repr__(self) -> str:
         if self.run_op:
-            return f"CallPlan(op, backend={self.backend}, qk_format={self.qk_format}, balance_qk={self.balance_qk})"
+            return (f"CallPlan(op, backend={self.backend}, qk_format={self.qk_format}, balance_qk={self.balance_qk}"
+                    + ("" if self.keep_mass is None else f", keep_mass={self.keep_mass}") + ")")
         return f"CallPlan(exact: {self.reason})"
 
 
@@ -164,11 +173,14 @@ def policy_reason(policy: AttentionPolicy, *, cross: Optional[bool] = None, step
 def plan_call(q, k, v, *, layout: str, policy: AttentionPolicy, attn_mask: Optional[torch.Tensor] = None,
               is_causal: bool = False, dropout_p: float = 0.0, enable_gqa: bool = True,
               scale: Optional[float] = None, cross: Optional[bool] = None, step: Optional[tuple[int, int]] = None,
-              layer: Optional[str] = None, check_layer: bool = True) -> CallPlan:
+              layer: Optional[str] = None, check_layer: bool = True, check_step: bool = True) -> CallPlan:
     """The plan of one attention call given SDPA's arguments (``attn_mask`` with SDPA's semantics,
     broadcastable to [B, H, Sq, Sk]; ``layout`` "NHD" or "HND") and what the caller knows of it:
-    its ``cross``-attention role, denoising ``step`` ``(index, total)`` and ``layer`` name."""
-    reason, precision = policy_reason(policy, cross=cross, step=step, layer=layer, check_layer=check_layer)
+    its ``cross``-attention role, denoising ``step`` ``(index, total)`` and ``layer`` name. A caller
+    that applied the layer and step rules itself passes ``check_layer`` / ``check_step`` False (the
+    step still chooses between sparse and dense NVFP4)."""
+    reason, precision = policy_reason(policy, cross=cross, step=step if check_step else None, layer=layer,
+                                      check_layer=check_layer)
     if reason is not None:
         return exact(reason)
     reason = ineligible_reason(q, k, v, layout=layout, attn_mask=attn_mask, is_causal=is_causal, dropout_p=dropout_p,
@@ -191,4 +203,5 @@ def plan_call(q, k, v, *, layout: str, policy: AttentionPolicy, attn_mask: Optio
             key_mask = reduce_key_mask(attn_mask, b, h, sq, sk)
         except NotPerKeyMask as e:
             return exact(str(e), warn=True)
-    return CallPlan(True, backend=backend, balance_qk=balance_qk, qk_format=qk_format, key_mask=key_mask)
+    return CallPlan(True, backend=backend, balance_qk=balance_qk, qk_format=qk_format, key_mask=key_mask,
+                    keep_mass=policy.keep_mass_for(step, sq, sk))

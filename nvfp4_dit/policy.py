@@ -35,6 +35,8 @@ from .format import BALANCE_QK_DEFAULT, QK_FORMAT_DEFAULT, QK_FORMATS
 
 DEFAULT_DENSE_STEPS = (1, 1)
 DEFAULT_MIN_SEQ_LEN = 1024
+DEFAULT_SPARSE_OFF_STEPS = (2, 0)
+DEFAULT_SPARSE_MIN_SEQ_LEN = 16384
 
 LayerSpec = Union[str, int]
 _BLOCK_INDEX = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
@@ -161,13 +163,23 @@ def _check_per_layer(entries) -> Optional[tuple[LayerPrecision, ...]]:
     return out
 
 
-def _check_dense_steps(dense_steps) -> tuple[int, int]:
+def _check_dense_steps(dense_steps, name: str = "dense_steps") -> tuple[int, int]:
     if dense_steps is None:
         return (0, 0)
     if (not isinstance(dense_steps, (tuple, list)) or len(dense_steps) != 2
             or any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in dense_steps)):
-        raise ValueError(f"dense_steps must be a pair (first, last) of non-negative ints, got {dense_steps!r}")
+        raise ValueError(f"{name} must be a pair (first, last) of non-negative ints, got {dense_steps!r}")
     return int(dense_steps[0]), int(dense_steps[1])
+
+
+def _check_keep_mass(keep_mass) -> Optional[float]:
+    if keep_mass is None:
+        return None
+    if isinstance(keep_mass, bool) or not isinstance(keep_mass, (int, float)):
+        raise TypeError(f"keep_mass must be a float in (0, 1] or None, got {type(keep_mass).__name__}")
+    if not 0.0 < keep_mass <= 1.0:
+        raise ValueError(f"keep_mass must be in (0, 1], got {keep_mass!r}")
+    return float(keep_mass)
 
 
 def _check_layers(layers) -> Optional[tuple[LayerSpec, ...]]:
@@ -205,6 +217,13 @@ class AttentionPolicy:
             Applied by :func:`nvfp4_dit.apply`, which checks they name the model's modules.
         model_class: the class name of the model ``per_layer`` was calibrated on.
         budget: the error budget ``per_layer`` was chosen for (informational).
+        keep_mass: block-sparse NVFP4 (:func:`nvfp4_dit.attention`'s ``keep_mass``: each call
+            estimates its own block map and keeps, per 128-query block, the key tiles holding this
+            share of the estimated attention mass); None (the default) = dense.
+        sparse_off_steps: ``(first, last)`` denoising steps that run dense NVFP4 even with
+            ``keep_mass`` (the first steps lay the video out; default (2, 0)).
+        sparse_min_seq_len: calls whose query or key sequence is shorter run dense NVFP4 even
+            with ``keep_mass`` (default 16384: shorter calls have few tiles to skip).
     """
 
     backend: str = "auto"
@@ -218,6 +237,9 @@ class AttentionPolicy:
     per_layer: Optional[tuple[LayerPrecision, ...]] = None
     model_class: Optional[str] = None
     budget: Optional[float] = None
+    keep_mass: Optional[float] = None
+    sparse_off_steps: tuple[int, int] = DEFAULT_SPARSE_OFF_STEPS
+    sparse_min_seq_len: int = DEFAULT_SPARSE_MIN_SEQ_LEN
 
     def __post_init__(self):
         if not isinstance(self.backend, str) or self.backend not in BACKENDS:
@@ -237,6 +259,11 @@ class AttentionPolicy:
         if self.budget is not None and (isinstance(self.budget, bool) or not isinstance(self.budget, (int, float))
                                         or not self.budget > 0):
             raise ValueError(f"budget must be a positive number, got {self.budget!r}")
+        object.__setattr__(self, "keep_mass", _check_keep_mass(self.keep_mass))
+        object.__setattr__(self, "sparse_off_steps", _check_dense_steps(self.sparse_off_steps, "sparse_off_steps"))
+        if (isinstance(self.sparse_min_seq_len, bool) or not isinstance(self.sparse_min_seq_len, int)
+                or self.sparse_min_seq_len < 0):
+            raise ValueError(f"sparse_min_seq_len must be a non-negative int, got {self.sparse_min_seq_len!r}")
 
     def replace(self, **changes) -> "AttentionPolicy":
         """A copy with some settings changed (checked like the constructor's)."""
@@ -269,6 +296,18 @@ class AttentionPolicy:
         index, total = step
         first, last = self.dense_steps
         return index < first or index >= total - last
+
+    def keep_mass_for(self, step: Optional[tuple[int, int]], seq_q: int, seq_k: int) -> Optional[float]:
+        """The ``keep_mass`` of an NVFP4 call at ``step`` (None: unknown) with these lengths: None
+        (dense) without ``keep_mass``, on the ``sparse_off_steps`` and below ``sparse_min_seq_len``."""
+        if self.keep_mass is None or self.keep_mass == 1.0 or min(seq_q, seq_k) < self.sparse_min_seq_len:
+            return None
+        if step is not None:
+            index, total = step
+            first, last = self.sparse_off_steps
+            if index < first or index >= total - last:
+                return None
+        return self.keep_mass
 
     def dense_reason(self, *, cross: Optional[bool] = None, step: Optional[tuple[int, int]] = None,
                      seq_q: Optional[int] = None, seq_k: Optional[int] = None) -> Optional[str]:
@@ -335,6 +374,9 @@ class AttentionPolicy:
                 f"cross-attention {'NVFP4' if self.cross_attention else 'exact'}, dense steps {first},{last}, "
                 f"min_seq_len {self.min_seq_len}, balance_qk {self.balance_qk}, Q·Kᵀ {self.qk_format}"
                 + ("" if self.layers is None else f", layers {list(self.layers)}"))
+        if self.keep_mass is not None:
+            text += (f", block-sparse keep_mass {self.keep_mass} (dense NVFP4 on steps "
+                     f"{self.sparse_off_steps[0]},{self.sparse_off_steps[1]} and below {self.sparse_min_seq_len} tokens)")
         if self.per_layer is not None:
             counts = {p: sum(e.precision == p for e in self.per_layer) for p in PRECISIONS}
             text += (f", calibrated on {self.model_class} (budget {self.budget}): "
@@ -366,8 +408,9 @@ class AttentionPolicy:
         if unknown:
             raise ValueError(f"policy has unknown fields {unknown}")
         kw = {k: v for k, v in d.items() if k in names}
-        if kw.get("dense_steps") is not None:
-            kw["dense_steps"] = tuple(kw["dense_steps"])
+        for pair in ("dense_steps", "sparse_off_steps"):
+            if kw.get(pair) is not None:
+                kw[pair] = tuple(kw[pair])
         if kw.get("per_layer") is not None:
             kw["per_layer"] = tuple(LayerPrecision.from_dict(e, version) for e in kw["per_layer"])
         return cls(**kw)

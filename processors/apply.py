@@ -24,7 +24,8 @@ from typing import Iterable, Optional, Sequence, Union
 import torch
 
 from nvfp4_dit.format import BALANCE_QK_DEFAULT, QK_FORMAT_DEFAULT
-from nvfp4_dit.policy import DEFAULT_DENSE_STEPS, DEFAULT_MIN_SEQ_LEN, AttentionPolicy, LayerSpec
+from nvfp4_dit.policy import (DEFAULT_DENSE_STEPS, DEFAULT_MIN_SEQ_LEN, DEFAULT_SPARSE_MIN_SEQ_LEN,
+                             DEFAULT_SPARSE_OFF_STEPS, AttentionPolicy, LayerSpec)
 
 from .steps import StepTracker
 
@@ -145,6 +146,9 @@ def apply(
     balance_qk: bool = BALANCE_QK_DEFAULT,
     qk_format: str = QK_FORMAT_DEFAULT,
     policy: Union[AttentionPolicy, str, os.PathLike, None] = None,
+    keep_mass: Optional[float] = None,
+    sparse_off_steps: Optional[Sequence[int]] = DEFAULT_SPARSE_OFF_STEPS,
+    sparse_min_seq_len: int = DEFAULT_SPARSE_MIN_SEQ_LEN,
 ) -> NVFP4Handle:
     """Swap NVFP4 attention into a diffusers pipeline or model.
 
@@ -164,6 +168,10 @@ def apply(
         timesteps: the sampling schedule, for ``dense_steps`` with a bare model.
         balance_qk: balance Q and K per channel before quantising (:func:`nvfp4_dit.attention`).
         qk_format: "nvfp4" (default) or "mxfp8": the format of Q and K (:func:`nvfp4_dit.attention`).
+        keep_mass: block-sparse NVFP4 (``nvfp4_dit.attention``'s ``keep_mass``, estimated in every
+            call); None (default) = dense. ``sparse_off_steps`` ``(first, last)`` steps (default
+            (2, 0)) and calls shorter than ``sparse_min_seq_len`` tokens (default 16384) stay dense
+            NVFP4 (:class:`~nvfp4_dit.policy.AttentionPolicy`).
         observe_only: compute every selected call exactly as the unmodified model but route it
             through the processors, so :func:`~nvfp4_dit.processors.routing.add_observer`
             observers see it (dense baselines for timing and attention capture).
@@ -186,7 +194,8 @@ def apply(
 
     settings = dict(backend=backend, self_attention=self_attention, cross_attention=cross_attention,
                     dense_steps=dense_steps, min_seq_len=min_seq_len, layers=layers, balance_qk=balance_qk,
-                    qk_format=qk_format)
+                    qk_format=qk_format, keep_mass=keep_mass, sparse_off_steps=sparse_off_steps,
+                    sparse_min_seq_len=sparse_min_seq_len)
     if policy is None:
         policy = AttentionPolicy(**settings)
     else:

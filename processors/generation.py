@@ -58,11 +58,23 @@ def parse_pair(text: str) -> tuple[int, int]:
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected FIRST,LAST (two ints), got {text!r}") from None
     if a < 0 or b < 0:
-        raise argparse.ArgumentTypeError(f"dense steps must be >= 0, got {text!r}")
+        raise argparse.ArgumentTypeError(f"steps must be >= 0, got {text!r}")
     return a, b
 
 
-PAIR_OPTIONS = ("--dense-steps",)
+def keep_mass_arg(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text!r}")
+    return value
+
+
+keep_mass_arg.__name__ = "float"   # argparse names the type in its error messages
+
+PAIR_OPTIONS = ("--dense-steps", "--sparse-off-steps")
 
 
 def join_pair_values(argv: list) -> list:
@@ -115,6 +127,16 @@ def add_generation_args(ap: argparse.ArgumentParser) -> None:
                    help="balance Q and K per channel before FP4 quantisation (default: on)")
     a.add_argument("--qk-format", choices=QK_FORMATS, default=AttentionPolicy().qk_format,
                    help="Q·Kᵀ format: nvfp4 (default) or mxfp8 (8-bit Q·Kᵀ for sharp attention; P·V stays NVFP4)")
+    default = AttentionPolicy()
+    a.add_argument("--keep-mass", type=keep_mass_arg, default=None, metavar="MASS",
+                   help="block-sparse NVFP4: each call keeps, per 128-query block, the key tiles holding this "
+                        "share of the estimated attention mass, e.g. 0.9 (default: dense)")
+    a.add_argument("--sparse-off-steps", type=parse_pair, default=default.sparse_off_steps, metavar="FIRST,LAST",
+                   help="first/last denoising steps that stay dense NVFP4 with --keep-mass "
+                        f"(default {default.sparse_off_steps[0]},{default.sparse_off_steps[1]})")
+    a.add_argument("--sparse-min-seq-len", type=non_negative_int, default=default.sparse_min_seq_len,
+                   help=f"calls with fewer query or key tokens stay dense NVFP4 with --keep-mass "
+                        f"(default {default.sparse_min_seq_len})")
     a.add_argument("--policy", default=None, metavar="FILE",
                    help="a saved policy JSON (e.g. from --calibrate) instead of the policy arguments above")
 
@@ -458,7 +480,8 @@ def policy_kwargs(args, backend: str, defaults: dict, ring_shards: int = 1) -> d
     layers = [s.strip() for s in args.layers.split(",")] if args.layers else None
     return dict(backend=backend, dense_steps=tuple(args.dense_steps), cross_attention=args.cross_attention,
                 min_seq_len=min_seq_len(args, defaults, ring_shards), layers=layers, balance_qk=args.balance_qk,
-                qk_format=args.qk_format)
+                qk_format=args.qk_format, keep_mass=args.keep_mass, sparse_off_steps=tuple(args.sparse_off_steps),
+                sparse_min_seq_len=args.sparse_min_seq_len)
 
 
 def run_once(pipe, args, defaults: dict, mode: str, policy: AttentionPolicy,

@@ -211,7 +211,7 @@ def _route(query, key, value, layout, attn_mask, dropout_p, is_causal, scale, en
     else:
         plan = planner.plan_call(query, key, value, layout=layout, policy=policy, attn_mask=attn_mask,
                                  is_causal=is_causal, dropout_p=dropout_p, enable_gqa=enable_gqa, scale=scale,
-                                 check_layer=False)
+                                 step=_STATE.step, check_layer=False, check_step=False)
     if not plan.run_op:
         if plan.warn:
             _warn_once(plan.reason)
@@ -219,7 +219,7 @@ def _route(query, key, value, layout, attn_mask, dropout_p, is_causal, scale, en
         return res, "exact", plan.reason, "sdpa"
     res = ops.run_fp4(query, key, value, layout=layout, causal=bool(is_causal), scale=scale,
                             key_mask=plan.key_mask, kv_lens=None, return_lse=return_lse, backend=plan.backend,
-                            balance_qk=plan.balance_qk, qk_format=plan.qk_format)
+                            balance_qk=plan.balance_qk, qk_format=plan.qk_format, sparsity=plan.sparsity)
     return res, ("fp4" if plan.fp4 else "exact"), None, plan.backend
 
 

@@ -627,6 +627,23 @@ def test_dense_steps_follow_the_schedule_comfyui_passes(comfyui, tiny_cases, unp
 
 
 @pytest.mark.comfyui
+def test_keep_mass_runs_block_sparse_after_the_sparse_first_steps(comfyui, tiny_cases, unpatched, op_calls):
+    case = tiny_cases["wan"]
+    _, reference_calls = unpatched[case.name]
+    per_step = len([c for c in reference_calls if c["lq"] == c["lk"]]) // 3
+    patched = _patch_with_node(comfyui, case.patcher, backend="reference", keep_mass=0.9, sparse_first_steps=1,
+                               sparse_min_seq_len=0)
+    out = comfyui_env.sample(comfyui, patched, case)
+    assert torch.isfinite(out).all() and len(op_calls) == 3 * per_step
+    sparsity = [c["sparsity"] for c in op_calls]
+    assert all(s is None for s in sparsity[:per_step])                        # step 0: dense NVFP4
+    assert all(s is not None and s.keep_mass == 0.9 for s in sparsity[per_step:])
+    op_calls.clear()
+    comfyui_env.sample(comfyui, _patch_with_node(comfyui, case.patcher, backend="reference"), case)
+    assert op_calls and all(c["sparsity"] is None for c in op_calls)        # keep_mass 1.0 (default): dense
+
+
+@pytest.mark.comfyui
 def test_chains_an_override_already_on_the_model(comfyui, tiny_cases, unpatched, op_calls):
     case = tiny_cases["wan"]
     expected, reference_calls = unpatched[case.name]
@@ -699,7 +716,8 @@ def test_node_schema_and_disabled_passthrough(comfyui, tiny_cases):
     # Inputs added later are optional and come last, so saved workflows (widget values by position,
     # API graphs by name) keep loading.
     assert list(node.INPUT_TYPES().get("optional", {})) == ["balance_qk", "policy_file", "calibrate",
-                                                            "calibration_budget", "qk_format"]
+                                                            "calibration_budget", "qk_format", "keep_mass",
+                                                            "sparse_first_steps", "sparse_min_seq_len"]
     assert inputs["backend"][0] == list(nvfp4_dit.BACKENDS) or inputs["backend"][1]["options"] == list(nvfp4_dit.BACKENDS)
     assert all(spec[1].get("tooltip") for name, spec in inputs.items() if name != "model")
     patcher = tiny_cases["wan"].patcher

@@ -95,3 +95,24 @@ def test_a_key_mask_is_reduced_once_on_its_device():
     additive = torch.where(keep, 0.0, -math.inf)
     same = planner.plan_call(q, k, v, layout="NHD", policy=OPEN, attn_mask=additive)
     assert torch.equal(same.key_mask.kv_lens, plan.key_mask.kv_lens)
+
+
+def test_keep_mass_makes_long_calls_sparse_outside_the_sparse_off_steps():
+    q, k, v = _qkv()
+    policy = OPEN.replace(keep_mass=0.9, sparse_off_steps=(2, 1), sparse_min_seq_len=128)
+    middle = planner.plan_call(q, k, v, layout="NHD", policy=policy, step=(4, 10))
+    assert middle.keep_mass == 0.9 and middle.sparsity.keep_mass == 0.9 and middle.sparsity.block_mask is None
+    for step in ((0, 10), (1, 10), (9, 10)):   # the first two and the last step stay dense NVFP4
+        plan = planner.plan_call(q, k, v, layout="NHD", policy=policy, step=step)
+        assert plan.fp4 and plan.keep_mass is None and plan.sparsity is None
+    short = planner.plan_call(q, k, v, layout="NHD", policy=policy.replace(sparse_min_seq_len=161), step=(4, 10))
+    assert short.fp4 and short.sparsity is None
+    dense = planner.plan_call(q, k, v, layout="NHD", policy=OPEN, step=(4, 10))
+    assert dense.sparsity is None
+    # A caller that applied the step rules itself (the diffusers router) still gets the sparse choice.
+    routed = planner.plan_call(q, k, v, layout="NHD", policy=policy.replace(dense_steps=(5, 0)), step=(1, 10),
+                               check_step=False)
+    assert routed.fp4 and routed.sparsity is None
+    routed = planner.plan_call(q, k, v, layout="NHD", policy=policy.replace(dense_steps=(5, 0)), step=(4, 10),
+                               check_step=False)
+    assert routed.fp4 and routed.keep_mass == 0.9

@@ -54,7 +54,10 @@ def test_layers_allow_list():
     (dict(cross_attention=1), TypeError, "cross_attention"), (dict(dense_steps=(1,)), ValueError, "dense_steps"),
     (dict(dense_steps=(-1, 0)), ValueError, "dense_steps"), (dict(min_seq_len=-1), ValueError, "min_seq_len"),
     (dict(min_seq_len=True), ValueError, "min_seq_len"), (dict(layers=[-3]), ValueError, "layers"),
-    (dict(layers=[1.5]), TypeError, "layers"),
+    (dict(layers=[1.5]), TypeError, "layers"), (dict(keep_mass=0.0), ValueError, "keep_mass"),
+    (dict(keep_mass=1.5), ValueError, "keep_mass"), (dict(keep_mass="0.9"), TypeError, "keep_mass"),
+    (dict(keep_mass=True), TypeError, "keep_mass"), (dict(sparse_off_steps=(1,)), ValueError, "sparse_off_steps"),
+    (dict(sparse_min_seq_len=-1), ValueError, "sparse_min_seq_len"),
 ])
 def test_bad_settings_name_the_argument(kwargs, error, match):
     with pytest.raises(error, match=match):
@@ -66,3 +69,16 @@ def test_policy_is_immutable_and_holds_no_state():
     with pytest.raises(Exception):
         p.min_seq_len = 0  # frozen: processors of one apply() share it
     assert p == AttentionPolicy() and hash(p) == hash(AttentionPolicy())
+
+
+def test_keep_mass_rules_and_the_saved_file(tmp_path):
+    p = AttentionPolicy(keep_mass=0.9, sparse_off_steps=(2, 1), sparse_min_seq_len=1000)
+    assert p.keep_mass_for((5, 10), 4096, 4096) == 0.9 and p.keep_mass_for(None, 4096, 4096) == 0.9
+    assert p.keep_mass_for((1, 10), 4096, 4096) is None and p.keep_mass_for((9, 10), 4096, 4096) is None
+    assert p.keep_mass_for((5, 10), 999, 4096) is None
+    assert AttentionPolicy().keep_mass_for((5, 10), 1 << 20, 1 << 20) is None            # dense by default
+    assert AttentionPolicy(keep_mass=1.0, sparse_min_seq_len=0).keep_mass_for((5, 10), 10, 10) is None
+    assert "keep_mass 0.9" in p.describe()
+    path = tmp_path / "sparse.json"
+    p.save(path)
+    assert AttentionPolicy.load(path) == p

@@ -564,3 +564,28 @@ def test_a_denoising_step_is_captured_and_replays_bit_equal(mode, monkeypatch):
             assert torch.equal(outs[2], outs[3]) and torch.equal(outs[1], outs[3])
             cos = torch.nn.functional.cosine_similarity(outs[3].double().flatten(), eager.double().flatten(), dim=0)
             assert cos >= 0.9999, cos
+
+
+def test_keep_mass_reaches_the_op_outside_the_sparse_off_steps(monkeypatch):
+    """apply(keep_mass=...) runs block-sparse NVFP4 (the estimate in each call) on the steps and
+    lengths the policy allows, dense NVFP4 on the others."""
+    case = build("wan", head_dim=64)
+    seen = []
+    real = ops.run_fp4
+
+    def recording(q, k, v, **kw):
+        seen.append(kw.get("sparsity"))
+        return real(q, k, v, **kw)
+
+    monkeypatch.setattr(ops, "run_fp4", recording)
+    with apply(case.model, backend="reference", min_seq_len=0, dense_steps=(0, 0), keep_mass=0.9,
+               sparse_off_steps=(1, 0), sparse_min_seq_len=0) as handle, torch.no_grad():
+        handle.set_step(0, 4)
+        first = case.run()
+        on_first = list(seen)
+        seen.clear()
+        handle.set_step(2, 4)
+        middle = case.run()
+    assert on_first and all(s is None for s in on_first)
+    assert seen and all(s is not None and s.keep_mass == 0.9 for s in seen)
+    assert all(torch.isfinite(t).all() for t in (*first, *middle))

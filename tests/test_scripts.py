@@ -133,6 +133,9 @@ def test_report_writes_markdown_with_figures(tmp_path):
     (["--height", "100"], "multiples of 16"),
     (["--frames", "0"], "argument --frames: must be at least 1"),
     (["--steps", "two"], "argument --steps: expected an integer"),
+    (["--keep-mass", "1.5"], "argument --keep-mass: must be in (0, 1]"),
+    (["--keep-mass", "most"], "argument --keep-mass: expected a number in (0, 1]"),
+    (["--sparse-off-steps", "-1,0"], "steps must be >= 0"),
 ])
 def test_generate_video_rejects_bad_arguments_before_running(args, message, capsys):
     with pytest.raises(SystemExit) as e:
@@ -240,7 +243,7 @@ def test_figures_without_matplotlib_say_what_to_install(monkeypatch, tmp_path, c
 def test_generate_video_usage_errors_are_one_line(capsys):
     with pytest.raises(SystemExit):
         generate_video.main(["--dense-steps", "-1,1"])
-    assert "dense steps must be >= 0" in capsys.readouterr().err
+    assert "steps must be >= 0" in capsys.readouterr().err
     for argv, words in ((["--model", "/no/such/folder"], "no such folder"),
                         (["--model", str(Path(__file__).parent)], "no model_index.json")):
         with pytest.raises(SystemExit, match=words):
@@ -248,3 +251,19 @@ def test_generate_video_usage_errors_are_one_line(capsys):
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit, match="no CUDA GPU"):
             generate_video.main(["--device", "cuda", "--no-video"])
+
+
+def test_generate_video_runs_block_sparse_with_keep_mass(tmp_path, monkeypatch):
+    from nvfp4_dit import ops
+
+    seen = []
+    real = ops.run_fp4
+    monkeypatch.setattr(ops, "run_fp4", lambda *a, **kw: seen.append(kw.get("sparsity")) or real(*a, **kw))
+    out = tmp_path / "r.json"
+    assert generate_video.main(["--steps", "3", "--dense-steps", "0,0", "--keep-mass", "0.9", "--sparse-off-steps",
+                                "1,0", "--sparse-min-seq-len", "0", "--no-video", "--device", "cpu",
+                                "--json", str(out)]) == 0
+    policy = json.loads(out.read_text())["policy"]
+    assert policy["keep_mass"] == 0.9 and policy["sparse_off_steps"] == [1, 0]
+    per_step = len(seen) // 3
+    assert all(s is None for s in seen[:per_step]) and all(s.keep_mass == 0.9 for s in seen[per_step:])
