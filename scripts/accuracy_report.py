@@ -15,7 +15,8 @@ compiled kernel the same way.
 estimated in the call): cos, relative L2 and LSE error to exact fp64 attention over all keys, and
 the density of the map chosen, on iid inputs (diffuse attention: the estimate must keep nearly
 every tile) and on video-structured inputs (``scripts/video_inputs.py``: a 21-frame latent grid,
-3D RoPE, smooth content plus noise), at ``--sparse-seq`` tokens (default 16,384).
+3D RoPE, smooth content plus noise) in raster order and regrouped into 2x8x8 (t, h, w) tiles of
+128 tokens, at ``--sparse-seq`` tokens (default 16,384).
 """
 
 from __future__ import annotations
@@ -129,9 +130,12 @@ def sparse_report(args) -> list[dict]:
     s, h, d = args.sparse_seq, args.heads, args.head_dim
     g = torch.Generator().manual_seed(args.seed)
     grid = video_inputs.grid_for(s)
+    video = video_inputs.video_qkv(grid, h, d, seed=args.seed, dtype=torch.float32)
+    order = video_inputs.tile_order(grid, (2, 8, 8))
     families = {"iid": tuple(torch.randn(1, s, h, d, generator=g) for _ in range(3)),
-                f"video {grid[0]}x{grid[1]}x{grid[2]}": video_inputs.video_qkv(grid, h, d, seed=args.seed,
-                                                                           dtype=torch.float32)}
+                f"video {grid[0]}x{grid[1]}x{grid[2]}": video,
+                # The same tokens regrouped into 2x8x8 (t, h, w) tiles of 128: each Q block a small cube.
+                f"video {grid[0]}x{grid[1]}x{grid[2]}, 2x8x8 tiles": tuple(x[:, order] for x in video)}
     rows = []
     print(f"Block-sparse NVFP4 attention ({args.backend}, {str(dtype).replace('torch.', '')} inputs) vs exact fp64 "
           f"attention over all keys: S={s} H={h} D={d}, seed {args.seed}; the map estimated in each call\n")
