@@ -7,6 +7,7 @@ A leaf module (it imports nothing of nvfp4_dit but the format), shared by the op
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 
@@ -20,6 +21,17 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 def check_tensor(name: str, t) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+
+
+def check_keep_mass(keep_mass) -> Optional[float]:
+    """``keep_mass`` as a float in (0, 1], or None; TypeError / ValueError naming it."""
+    if keep_mass is None:
+        return None
+    if isinstance(keep_mass, bool) or not isinstance(keep_mass, (int, float)):
+        raise TypeError(f"keep_mass must be a float in (0, 1] or None, got {type(keep_mass).__name__}")
+    if not (0.0 < keep_mass <= 1.0):
+        raise ValueError(f"keep_mass must lie in (0, 1], got {keep_mass}")
+    return float(keep_mass)
 
 
 def validate_attention_args(q, k, v, layout, causal, scale, attn_mask, kv_lens, return_lse, backend, balance_qk,

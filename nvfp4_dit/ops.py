@@ -156,20 +156,25 @@ def _tile_grid(q, k, layout, causal, scale, kv_lens, key_bias) -> sparse.TileGri
     return sparse.TileGrid(b, h, sq, sk, fmt.default_scale(d) if scale is None else scale, causal, kv_lens, key_bias)
 
 
+def _inputs_block_map(q, k, layout, causal, scale, kv_lens, key_bias, sparsity: sparse.Sparsity) -> torch.Tensor:
+    """The block map the exact paths attend (the statistics from the inputs, in PyTorch)."""
+    return sparse.inputs_block_map(fmt.to_hnd(q, layout), fmt.to_hnd(k, layout), sparsity,
+                                   _tile_grid(q, k, layout, causal, scale, kv_lens, key_bias))
+
+
 def _fp4(q, k, v, key_bias, kv_lens, mask_nonfinite, layout, causal, scale, return_lse, backend, balance_qk,
-         qk_format, block_mask=None, keep_mass=None, always_keep=None):
-    """The back-ends on checked arguments with a reduced mask: ``(out, lse or None)``. ``block_mask``,
-    ``keep_mass``, ``always_keep``: a block-sparse call (checked by :func:`nvfp4_dit.sparse.check_sparsity`)."""
+         qk_format, sparsity: Optional[sparse.Sparsity] = None):
+    """The back-ends on checked arguments with a reduced mask: ``(out, lse or None)``. ``sparsity``: a
+    block-sparse call (:func:`nvfp4_dit.sparse.check_sparsity`), None for dense."""
     if q.numel() == 0 or fmt.hnd_shape(k, layout)[2] == 0:
         # Empty query, or no keys at all: nothing to attend (0 output, -inf LSE).
         b, h, sq, _ = fmt.hnd_shape(q, layout)
         out = q.new_zeros(_out_shape(q, v, layout))
         return out, (q.new_full((b, h, sq), -math.inf, dtype=torch.float32) if return_lse else None)
-    sparsity = _sparsity_of(block_mask, keep_mass, always_keep)
     if backend == "sdpa":
         mask = None if key_bias is None else key_bias[:, :, None, :]
-        block_map = None if sparsity is None else sparse.inputs_block_map(
-            fmt.to_hnd(q, layout), fmt.to_hnd(k, layout), sparsity, _tile_grid(q, k, layout, causal, scale, kv_lens, key_bias))
+        block_map = None if sparsity is None else _inputs_block_map(q, k, layout, causal, scale, kv_lens, key_bias,
+                                                                   sparsity)
         return _attention_sdpa(q, k, v, layout, causal, scale, mask, kv_lens, return_lse, block_map)
     if backend == "cuda":
         from .cuda import attention as cuda_attention
@@ -219,7 +224,7 @@ def _attention_op(
     always_keep: Optional[list[int]] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     out, lse = _fp4(q, k, v, key_bias, kv_lens, mask_nonfinite, layout, causal, scale, return_lse, backend,
-                    balance_qk, qk_format, block_mask, keep_mass, always_keep)
+                    balance_qk, qk_format, _sparsity_of(block_mask, keep_mass, always_keep))
     return out, (lse.float().contiguous() if return_lse else q.new_empty(0, dtype=torch.float32))
 
 
@@ -249,15 +254,16 @@ def run_fp4(q, k, v, *, layout: str, causal: bool, scale: Optional[float], key_m
     lens = combine_kv_lens(key_mask, kv_lens)
     key_bias = None if key_mask is None else key_mask.bias
     nonfinite = None if key_mask is None else key_mask.nonfinite
-    block_mask, keep_mass, always_keep = (None, None, None) if sparsity is None else (
-        sparsity.block_mask, sparsity.keep_mass, None if sparsity.always_keep is None else list(sparsity.always_keep))
     if _through_custom_op(q, k, v):
+        block_mask, keep_mass, always_keep = (None, None, None) if sparsity is None else (
+            sparsity.block_mask, sparsity.keep_mass,
+            None if sparsity.always_keep is None else list(sparsity.always_keep))
         out, lse = torch.ops.nvfp4_dit.attention(q, k, v, key_bias, lens, nonfinite, layout, causal, scale,
                                                   return_lse, backend, balance_qk, qk_format, block_mask, keep_mass,
                                                   always_keep)
     else:
         out, lse = _fp4(q, k, v, key_bias, lens, nonfinite, layout, causal, scale, return_lse, backend, balance_qk,
-                        qk_format, block_mask, keep_mass, always_keep)
+                        qk_format, sparsity)
     return (out, lse) if return_lse else out
 
 
@@ -368,28 +374,26 @@ def attention(
         if backend != "auto" and hard:
             raise BackendUnavailableError(f"backend={backend!r} cannot run this call: {reason}")
         _warn_fallback(reason)
-        return _exact(q, k, v, layout, causal, scale, attn_mask, kv_lens, return_lse, sparsity)
+        return _exact(q, k, v, layout, causal, scale, attn_mask, kv_lens, return_lse, sparsity, key_mask)
     return run_fp4(q, k, v, layout=layout, causal=causal, scale=scale, key_mask=key_mask, kv_lens=kv_lens,
                    return_lse=return_lse, backend=resolved, balance_qk=balance_qk, qk_format=qk_format,
                    sparsity=sparsity)
 
 
-def _exact(q, k, v, layout, causal, scale, attn_mask, kv_lens, return_lse, sparsity=None):
+def _exact(q, k, v, layout, causal, scale, attn_mask, kv_lens, return_lse, sparsity=None, key_mask=None):
+    """Exact attention; with ``sparsity``, of the block map the FP4 paths would use. ``key_mask``:
+    ``attn_mask`` reduced already (the op's fallback), else reduced here when a map needs it."""
     block_map = None
     if sparsity is not None:
-        b, h, sq, _ = fmt.hnd_shape(q, layout)
-        sk = fmt.hnd_shape(k, layout)[2]
-        key_bias = None
-        lens = kv_lens
-        if attn_mask is not None:
+        if key_mask is None and attn_mask is not None:
+            b, h, sq, _ = fmt.hnd_shape(q, layout)
             try:
                 key_mask = reduce_key_mask(attn_mask[:, None, None, :] if attn_mask.dim() == 2 else attn_mask,
-                                           b, h, sq, sk)
-                lens, key_bias = combine_kv_lens(key_mask, kv_lens), key_mask.bias
+                                           b, h, sq, fmt.hnd_shape(k, layout)[2])
             except NotPerKeyMask:
                 pass   # the estimate weighs tiles by their unmasked keys; the mask still applies in SDPA
-        grid = _tile_grid(q, k, layout, causal, scale, lens, key_bias)
-        block_map = sparse.inputs_block_map(fmt.to_hnd(q, layout), fmt.to_hnd(k, layout), sparsity, grid)
+        lens, key_bias = combine_kv_lens(key_mask, kv_lens), None if key_mask is None else key_mask.bias
+        block_map = _inputs_block_map(q, k, layout, causal, scale, lens, key_bias, sparsity)
     out, lse = _attention_sdpa(q, k, v, layout, causal, scale, attn_mask, kv_lens, return_lse, block_map)
     return (out, lse) if return_lse else out
 

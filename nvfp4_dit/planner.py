@@ -78,15 +78,6 @@ def exact(reason: str, warn: bool = False) -> CallPlan:
     return CallPlan(False, reason, warn)
 
 
-def dims(t: torch.Tensor, layout: str) -> tuple[int, int, int, int]:
-    """(B, H, S, D) of a 4-D tensor in ``layout``."""
-    if layout == "NHD":
-        b, s, h, d = t.shape
-    else:
-        b, h, s, d = t.shape
-    return b, h, s, d
-
-
 def ineligible_reason(q, k, v, *, layout: str, attn_mask=None, is_causal: bool = False, dropout_p: float = 0.0,
                       enable_gqa: bool = True, scale: Optional[float] = None) -> Optional[str]:
     """Why valid SDPA arguments cannot run in FP4 (a sentence), or None."""
@@ -102,8 +93,8 @@ def ineligible_reason(q, k, v, *, layout: str, attn_mask=None, is_causal: bool =
         return f"softmax scale {scale!r} (not a positive finite number)"
     if attn_mask is not None and is_causal:
         return "attn_mask together with is_causal"
-    b, h, _, d = dims(q, layout)
-    bk, hkv, _, dk = dims(k, layout)
+    b, h, _, d = fmt.hnd_shape(q, layout)
+    bk, hkv, _, dk = fmt.hnd_shape(k, layout)
     if k.shape != v.shape or bk != b or dk != d:
         return "q/k/v shapes that SDPA would broadcast or reject"
     if h != hkv and (not enable_gqa or hkv == 0 or h % hkv):
@@ -187,8 +178,8 @@ def plan_call(q, k, v, *, layout: str, policy: AttentionPolicy, attn_mask: Optio
                                enable_gqa=enable_gqa, scale=scale)
     if reason is not None:
         return exact(reason, warn=True)
-    b, h, sq, d = dims(q, layout)
-    sk = dims(k, layout)[2]
+    b, h, sq, d = fmt.hnd_shape(q, layout)
+    sk = fmt.hnd_shape(k, layout)[2]
     reason = policy.dense_reason(seq_q=sq, seq_k=sk)
     if reason is not None:
         return exact(reason)

@@ -30,7 +30,7 @@ import os
 import re
 from typing import Iterable, Optional, Union
 
-from .checks import BACKENDS
+from .checks import BACKENDS, check_keep_mass
 from .format import BALANCE_QK_DEFAULT, QK_FORMAT_DEFAULT, QK_FORMATS
 
 DEFAULT_DENSE_STEPS = (1, 1)
@@ -163,6 +163,16 @@ def _check_per_layer(entries) -> Optional[tuple[LayerPrecision, ...]]:
     return out
 
 
+def _in_edge_steps(step: Optional[tuple[int, int]], edges: tuple[int, int]) -> bool:
+    """Whether step ``(index, total)`` (0-based) is one of the ``(first, last)`` steps; an unknown
+    step (None) is not."""
+    if step is None:
+        return False
+    index, total = step
+    first, last = edges
+    return index < first or index >= total - last
+
+
 def _check_dense_steps(dense_steps, name: str = "dense_steps") -> tuple[int, int]:
     if dense_steps is None:
         return (0, 0)
@@ -170,16 +180,6 @@ def _check_dense_steps(dense_steps, name: str = "dense_steps") -> tuple[int, int
             or any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in dense_steps)):
         raise ValueError(f"{name} must be a pair (first, last) of non-negative ints, got {dense_steps!r}")
     return int(dense_steps[0]), int(dense_steps[1])
-
-
-def _check_keep_mass(keep_mass) -> Optional[float]:
-    if keep_mass is None:
-        return None
-    if isinstance(keep_mass, bool) or not isinstance(keep_mass, (int, float)):
-        raise TypeError(f"keep_mass must be a float in (0, 1] or None, got {type(keep_mass).__name__}")
-    if not 0.0 < keep_mass <= 1.0:
-        raise ValueError(f"keep_mass must be in (0, 1], got {keep_mass!r}")
-    return float(keep_mass)
 
 
 def _check_layers(layers) -> Optional[tuple[LayerSpec, ...]]:
@@ -259,7 +259,7 @@ class AttentionPolicy:
         if self.budget is not None and (isinstance(self.budget, bool) or not isinstance(self.budget, (int, float))
                                         or not self.budget > 0):
             raise ValueError(f"budget must be a positive number, got {self.budget!r}")
-        object.__setattr__(self, "keep_mass", _check_keep_mass(self.keep_mass))
+        object.__setattr__(self, "keep_mass", check_keep_mass(self.keep_mass))
         object.__setattr__(self, "sparse_off_steps", _check_dense_steps(self.sparse_off_steps, "sparse_off_steps"))
         if (isinstance(self.sparse_min_seq_len, bool) or not isinstance(self.sparse_min_seq_len, int)
                 or self.sparse_min_seq_len < 0):
@@ -291,23 +291,14 @@ class AttentionPolicy:
     def step_is_dense(self, step: Optional[tuple[int, int]]) -> bool:
         """Whether step ``(index, total)`` (0-based) is one of the dense first/last steps; an
         unknown step (None) is not."""
-        if step is None:
-            return False
-        index, total = step
-        first, last = self.dense_steps
-        return index < first or index >= total - last
+        return _in_edge_steps(step, self.dense_steps)
 
     def keep_mass_for(self, step: Optional[tuple[int, int]], seq_q: int, seq_k: int) -> Optional[float]:
         """The ``keep_mass`` of an NVFP4 call at ``step`` (None: unknown) with these lengths: None
         (dense) without ``keep_mass``, on the ``sparse_off_steps`` and below ``sparse_min_seq_len``."""
         if self.keep_mass is None or self.keep_mass == 1.0 or min(seq_q, seq_k) < self.sparse_min_seq_len:
             return None
-        if step is not None:
-            index, total = step
-            first, last = self.sparse_off_steps
-            if index < first or index >= total - last:
-                return None
-        return self.keep_mass
+        return None if _in_edge_steps(step, self.sparse_off_steps) else self.keep_mass
 
     def dense_reason(self, *, cross: Optional[bool] = None, step: Optional[tuple[int, int]] = None,
                      seq_q: Optional[int] = None, seq_k: Optional[int] = None) -> Optional[str]:

@@ -46,6 +46,7 @@ import torch
 
 from . import format as fmt
 from . import preprocess
+from .checks import check_keep_mass
 
 SIMILARITY_THRESHOLD = 0.02
 """A Q block whose mean pairwise cosine is below this keeps every tile. Measured on 128-row blocks
@@ -81,12 +82,7 @@ def check_sparsity(block_mask, keep_mass, always_keep, *, batch: int, heads: int
     """The checked :class:`Sparsity` of a call, or None for dense attention (no map, or
     ``keep_mass=1.0`` alone). Raises TypeError for a wrong type or dtype and ValueError for a wrong
     shape, device or value, naming the argument."""
-    if keep_mass is not None:
-        if isinstance(keep_mass, bool) or not isinstance(keep_mass, (int, float)):
-            raise TypeError(f"keep_mass must be a float in (0, 1] or None, got {type(keep_mass).__name__}")
-        keep_mass = float(keep_mass)
-        if not (0.0 < keep_mass <= 1.0):
-            raise ValueError(f"keep_mass must lie in (0, 1], got {keep_mass}")
+    keep_mass = check_keep_mass(keep_mass)
     if block_mask is not None:
         if not isinstance(block_mask, torch.Tensor):
             raise TypeError(f"block_mask must be a torch.Tensor, got {type(block_mask).__name__}")
@@ -375,6 +371,18 @@ def chunk_groups(chunks: Sequence[tuple[int, int]], bh: int, nk: int,
     if current:
         groups.append(current)
     return groups
+
+
+def lists_by_group(stats: Optional[BlockStatistics], sparsity: Sparsity, grid: TileGrid,
+                   chunks: Sequence[tuple[int, int]]):
+    """Per group of consecutive correction ``chunks`` (:func:`chunk_groups`): ``(group, rows_map,
+    lists)``, the group's block map (:func:`map_rows`) and its lists (:func:`build_lists`), made
+    on the device when the group is reached."""
+    device = sparsity.block_mask.device if stats is None else stats.q_mean.device
+    weights = grid.tile_log_weights(device) if sparsity.estimated else None
+    for group in chunk_groups(chunks, grid.batch * grid.heads, grid.nk):
+        rows_map = map_rows(stats, sparsity, grid, group[0][0], group[-1][1], weights)
+        yield group, rows_map, build_lists(rows_map, [c1 - c0 for c0, c1 in group])
 
 
 # ---------------------------------------------------------------------------------------------

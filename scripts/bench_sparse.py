@@ -74,18 +74,15 @@ def estimate_fn(q, k, keep_mass: float):
     """The estimate as a call runs it: per group of correction chunks, the map of its rows from the
     quantiser's statistics, listed for the kernels."""
     b, h, sq, d = q.shape
-    qq = quantize.quantize_qkv(q, k, k, layout="HND")
-    stats = sparse.BlockStatistics.of(qq)
+    stats = sparse.BlockStatistics.of(quantize.quantize_qkv(q, k, k, layout="HND"))
     grid = sparse.TileGrid(b, h, sq, sq, fmt.default_scale(d))
     spec = sparse.Sparsity(keep_mass=keep_mass)
     nk = sparse.num_blocks(sq)
     chunks = quantize.correction_chunks(nk, b, h, nk * fmt.SEQ_TILE)
 
     def run():
-        weights = grid.tile_log_weights(q.device)
-        for group in sparse.chunk_groups(chunks, b * h, nk):
-            rows = sparse.map_rows(stats, spec, grid, group[0][0], group[-1][1], weights)
-            sparse.build_lists(rows, [c1 - c0 for c0, c1 in group])
+        for _ in sparse.lists_by_group(stats, spec, grid, chunks):
+            pass
     return run
 
 

@@ -164,38 +164,10 @@ struct SharedStorage {
   float factor[DP + DP / 4];  // a power of two: the balance over the tensor scale
   float km[DP + DP / 4];      // Q tiles: km of the tile's kv head (q . km)
   float mean[DP + DP / 4];    // Q tiles: the tile's column means qm
-  float warp_max[kWarps];
+  float warp_partial[kWarps];
   ScaleTables tables;
   uint32_t last_arrival;  // this CTA added a head's last statistics chunk
 };
-
-// NaN-propagating max of x over the CTA; every thread calls it (two barriers).
-template <int DP>
-__device__ __forceinline__ float cta_max(float x, SharedStorage<DP>& sm) {
-#pragma unroll
-  for (int off = 16; off; off >>= 1) x = max_nan(x, __shfl_xor_sync(0xFFFFFFFFu, x, off));
-  __syncthreads();  // earlier readers of warp_max are done
-  if ((threadIdx.x & 31) == 0) sm.warp_max[threadIdx.x / 32] = x;
-  __syncthreads();
-  float r = sm.warp_max[0];
-#pragma unroll
-  for (int w = 1; w < kWarps; ++w) r = max_nan(r, sm.warp_max[w]);
-  return r;
-}
-
-// Sum of x over the CTA in a fixed order (deterministic); every thread calls it (two barriers).
-template <int DP>
-__device__ __forceinline__ float cta_sum(float x, SharedStorage<DP>& sm) {
-#pragma unroll
-  for (int off = 16; off; off >>= 1) x += __shfl_xor_sync(0xFFFFFFFFu, x, off);
-  __syncthreads();  // earlier readers of warp_max are done
-  if ((threadIdx.x & 31) == 0) sm.warp_max[threadIdx.x / 32] = x;
-  __syncthreads();
-  float r = sm.warp_max[0];
-#pragma unroll
-  for (int w = 1; w < kWarps; ++w) r += sm.warp_max[w];
-  return r;
-}
 
 // Column statistics: per column, a sum, a minimum or a maximum over rows (NaN-propagating).
 enum ColumnStat { kColumnSum, kColumnMin, kColumnMax };
@@ -206,6 +178,21 @@ __device__ __forceinline__ float combine_stat(ColumnStat kind, float a, float b)
 
 __device__ __forceinline__ float stat_identity(ColumnStat kind) {
   return kind == kColumnSum ? 0.0f : kind == kColumnMin ? INFINITY : -INFINITY;
+}
+
+// x combined over the CTA (a sum in a fixed warp order, deterministic; or a NaN-propagating min or
+// max); every thread calls it (two barriers).
+template <int DP>
+__device__ __forceinline__ float cta_reduce(ColumnStat kind, float x, SharedStorage<DP>& sm) {
+#pragma unroll
+  for (int off = 16; off; off >>= 1) x = combine_stat(kind, x, __shfl_xor_sync(0xFFFFFFFFu, x, off));
+  __syncthreads();  // earlier readers of warp_partial are done
+  if ((threadIdx.x & 31) == 0) sm.warp_partial[threadIdx.x / 32] = x;
+  __syncthreads();
+  float r = sm.warp_partial[0];
+#pragma unroll
+  for (int w = 1; w < kWarps; ++w) r = combine_stat(kind, r, sm.warp_partial[w]);
+  return r;
 }
 
 template <int kStats>
@@ -329,7 +316,7 @@ __device__ __forceinline__ void key_stats_item(const QuantizeQkvParams& p, Share
       thi[t][0] = max_nan(thi[t][0], __ldcg(st + 2 * DP + c));
     }
   }
-  finish_head_statistics<1>(p, bh, c, active, DP, tsum, tlo, thi, [&sm](float x) { return cta_max(x, sm); });
+  finish_head_statistics<1>(p, bh, c, active, DP, tsum, tlo, thi, [&sm](float x) { return cta_reduce(kColumnMax, x, sm); });
 }
 
 ////////////////////////////////////////////////////////////////////////////////////////////////
@@ -383,6 +370,26 @@ struct RowTile {
   }
 };
 
+// Column c's sum over a row tile's registers (rows past valid_rows hold zeros) for thread c < DP,
+// 0 for the others; every thread calls it (one barrier, after which the staged partials may be
+// read).
+template <int DP, InputDtype DT>
+__device__ __forceinline__ float tile_column_sum(SharedStorage<DP>& sm, const Block16<DT> (&x)[RowTileMap<DP>::kPasses]) {
+  using Map = RowTileMap<DP>;
+  constexpr ColumnStat kKinds[1] = {kColumnSum};
+  float st[1][16];
+  init_column_stats(kKinds, st);
+#pragma unroll
+  for (int ps = 0; ps < Map::kPasses; ++ps)
+#pragma unroll
+    for (int e = 0; e < 16; ++e) st[0][e] += x[ps].get(e);
+  stage_column_stats<Map::kColBlocks>(sm, kKinds, st);
+  __syncthreads();
+  float sum[1] = {0.0f};
+  if (threadIdx.x < DP) cta_column_stats(sm, kKinds, threadIdx.x, sum);
+  return sum[0];
+}
+
 // Loads 128-row Q tile `tile` (of [B, H, Sqp/128] tiles) into registers and its column means over
 // the valid rows into sm.mean; thread c < DP also returns qm_c. Ends with a barrier. Shared by the
 // Q tiles and the balance statistics, which then take max |fl(q - qm)| from the registers: two
@@ -392,20 +399,10 @@ __device__ __forceinline__ float q_tile_load(const QuantizeQkvParams& p, SharedS
                                              const RowTile<DP>& t, Block16<DT> (&x)[RowTileMap<DP>::kPasses]) {
   using Map = RowTileMap<DP>;
   t.template load<DT, VEC>(p, p.q, x);
-  constexpr ColumnStat kKinds[1] = {kColumnSum};
-  float st[1][16];
-  init_column_stats(kKinds, st);
-#pragma unroll
-  for (int ps = 0; ps < Map::kPasses; ++ps)  // rows past valid_rows hold zeros
-#pragma unroll
-    for (int e = 0; e < 16; ++e) st[0][e] += x[ps].get(e);
-  stage_column_stats<Map::kColBlocks>(sm, kKinds, st);
-  __syncthreads();
+  const float sum = tile_column_sum(sm, x);
   float qm = 0.0f;
   if (threadIdx.x < DP) {
-    float sum[1];
-    cta_column_stats(sm, kKinds, threadIdx.x, sum);
-    qm = __fdiv_rn(sum[0], float(t.valid_rows > 0 ? t.valid_rows : 1));
+    qm = __fdiv_rn(sum, float(t.valid_rows > 0 ? t.valid_rows : 1));
     sm.mean[padded_column(threadIdx.x)] = qm;
   }
   __syncthreads();
@@ -448,6 +445,7 @@ __device__ __forceinline__ void q_tile_similarity(const QuantizeQkvParams& p, Sh
   float st[1][16];
   init_column_stats(kKinds, st);
   float nonzero = 0.0f;
+  // One pass over the registers: each row's norm, then its unit row into the column sums.
 #pragma unroll
   for (int ps = 0; ps < Map::kPasses; ++ps) {
     float n2 = 0.0f;
@@ -470,8 +468,8 @@ __device__ __forceinline__ void q_tile_similarity(const QuantizeQkvParams& p, Sh
     cta_column_stats(sm, kKinds, threadIdx.x, col);
     s2 = col[0] * col[0];
   }
-  s2 = cta_sum(s2, sm);
-  const float n = cta_sum(nonzero, sm);
+  s2 = cta_reduce(kColumnSum, s2, sm);
+  const float n = cta_reduce(kColumnSum, nonzero, sm);
   if (threadIdx.x == 0) p.q_similarity[tile] = n >= 2.0f ? (s2 - n) / (n * (n - 1.0f)) : 1.0f;
 }
 
@@ -525,7 +523,7 @@ __device__ __forceinline__ void q_tile(const QuantizeQkvParams& p, SharedStorage
   __syncthreads();
   float dev[1];
   q_tile_deviation<false>(sm, t, x, sm.factor, dev);
-  const float q_scale = tensor_scale(cta_max(dev[0], sm));  // powers of two: exact
+  const float q_scale = tensor_scale(cta_reduce(kColumnMax, dev[0], sm));  // powers of two: exact
   if (c < DP) {
     const float f = __fdiv_rn(s, q_scale);
     sm.factor[padded_column(c)] = f;
@@ -595,24 +593,10 @@ __device__ __forceinline__ void k_tile(const QuantizeQkvParams& p, SharedStorage
   // While the loads are in flight: km and the scales (written by the previous launch), the tables.
   key_tile_columns(p, sm, bh, false);
   fill_scale_tables(sm.tables);
-  // The tile's mean of the raw keys (rows past valid_rows hold zeros), for the block-sparse estimate.
-  {
-    constexpr ColumnStat kKinds[1] = {kColumnSum};
-    float st[1][16];
-    init_column_stats(kKinds, st);
-#pragma unroll
-    for (int ps = 0; ps < Map::kPasses; ++ps)
-#pragma unroll
-      for (int e = 0; e < 16; ++e) st[0][e] += x[ps].get(e);
-    stage_column_stats<Map::kColBlocks>(sm, kKinds, st);
-  }
-  __syncthreads();
-  if (threadIdx.x < DP) {
-    constexpr ColumnStat kKinds[1] = {kColumnSum};
-    float sum[1];
-    cta_column_stats(sm, kKinds, threadIdx.x, sum);
-    p.k_tile_mean[tile * DP + threadIdx.x] = valid_rows > 0 ? __fdiv_rn(sum[0], float(valid_rows)) : 0.0f;
-  }
+  // The tile's mean of the raw keys, for the block-sparse estimate (its barrier also publishes the
+  // tables and columns above).
+  const float key_sum = tile_column_sum(sm, x);
+  if (threadIdx.x < DP) p.k_tile_mean[tile * DP + threadIdx.x] = valid_rows > 0 ? __fdiv_rn(key_sum, float(valid_rows)) : 0.0f;
 
   // This thread's outputs of pass 0, rows permuted; pass ps writes kRowsPerPass * ps rows further
   // (the permutation stays inside 32-row groups).

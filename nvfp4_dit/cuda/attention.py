@@ -150,18 +150,13 @@ def attention(q, k, v, *, layout: str, causal: bool, scale: Optional[float], kv_
     lse = torch.empty(b, h, sq, dtype=torch.float32, device=q.device) if return_lse else None
     bias = quantize.checked_key_bias(key_bias, b, h, sk, q.device)
     if sparsity is None:
-        groups, lists = [chunks], None
+        groups = [(chunks, None, None)]
     else:
         stats = sp.BlockStatistics(ws.view("q_mean"), ws.view("k_tile_mean"), ws.view("q_similarity")) \
             if quantizer == "cuda" else sp.BlockStatistics.of(qq)
-        grid = sp.TileGrid(b, h, sq, sk, scale, causal, lens, bias)
-        weights = grid.tile_log_weights(q.device) if sparsity.estimated else None
-        groups = sp.chunk_groups(chunks, b * h, skp // fmt.SEQ_TILE)
-    for group in groups:
-        if sparsity is not None:
-            g0, g1 = group[0][0], group[-1][1]
-            rows_map = sp.map_rows(stats, sparsity, grid, g0, g1, weights)
-            lists = sp.build_lists(rows_map, [c1 - c0 for c0, c1 in group])
+        groups = sp.lists_by_group(stats, sparsity, sp.TileGrid(b, h, sq, sk, scale, causal, lens, bias), chunks)
+    for group, rows_map, lists in groups:
+        g0 = group[0][0]
         for c, (b0, b1) in enumerate(group):
             chunk_lists = None if lists is None else lists.chunk(c)
             if k_input is not None:
