@@ -41,9 +41,15 @@ The preparation (quantisation + correction) is modelled separately from its byte
 operations at the board's memory bandwidth (1.792 TB/s, GDDR7 on both boards) and int8 tensor rate
 (SMs x 4 SMSPs x 16x8x32x2 / 16 clocks x clock), memory and tensor overlapped perfectly; B=1, H=40,
 D=128 bf16 NHD inputs, balance_qk on, the default 1 GiB correction budget. Quantisation reads Q, K
-and V twice each (statistics, then quantisation) and writes codes, scales, means and q . km; each
-correction chunk reads K once and writes its rows of delta. Its share is against the modelled
-attention time at the nvfp4 D=128 non-causal TFLOP/s above.
+and V twice each (statistics, then quantisation) and writes codes, scales, means, q . km and the
+block statistics (key tile means, Q block similarity); each correction chunk reads K once and
+writes its rows of delta. Its share is against the modelled attention time at the nvfp4 D=128
+non-causal TFLOP/s above. A block-sparse call at density d (``--json`` rows with ``seq_len``,
+``density``, ``prep_share``) adds the estimate (the pooled scores written and read back, the map's
+bit words and word counts, the three int32 lists of its d * nq * nk entries written) and computes
+and writes d of the correction (work in proportion to listed rows; the correction kernel skips a
+warp's 16 rows only when none is listed, which this ignores); its attention time is the dense
+time x ``time_vs_dense`` of the block-sparse kernel.
 
     python scripts/model_sm120.py            # table
     python scripts/model_sm120.py --json     # rows as JSON
@@ -75,6 +81,7 @@ TOLERANCE = 1.02
 GPUS = {"RTX 5090": (170, 2.407e9), "RTX PRO 6000": (188, 2.617e9)}
 MEMORY_BANDWIDTH = 1.792e12   # bytes/s, both boards
 PREPARATION_SEQS = (32_768, 77_000, 118_800)
+PREPARATION_DENSITIES = (1.0, 0.25)
 SPARSE_DENSITIES = (0.5, 0.25, 0.1)
 SPARSE_SEQS = (77_000, 118_800)
 LIST_LATENCY_CLOCKS = 3 * 800
@@ -353,30 +360,42 @@ def time_vs_dense(row: dict, density: float, seq: int) -> float:
 
 
 def preparation(seq: int, attention_tflops: float, sms: int, clock: float, heads: int = 40, head_dim: int = 128,
-                budget: int = 1 << 30) -> dict:
-    """Modelled time of quantise + correction at B=1 (module docstring) and its share of attention."""
+                budget: int = 1 << 30, density: float = 1.0, attention_vs_dense: float = 1.0) -> dict:
+    """Modelled time of quantise + correction (+ the estimate of a block-sparse call at ``density``
+    < 1) at B=1 (module docstring) and its share of attention (dense time x ``attention_vs_dense``)."""
     from nvfp4_dit.cuda import quantize
 
     elems = seq * heads * head_dim
-    quant_bytes = 6 * 2 * elems + 3 * elems // 2 + 3 * elems // 16 + (seq // 128 + 1) * heads * head_dim * 4 + seq * heads * 4
     skp = -(-seq // fmt.SEQ_TILE) * fmt.SEQ_TILE
     nblk = skp // fmt.SEQ_TILE
+    block_stats = nblk * heads * head_dim * 4 + nblk * heads * 4           # key tile means, Q similarity
+    quant_bytes = (6 * 2 * elems + 3 * elems // 2 + 3 * elems // 16 + (seq // 128 + 1) * heads * head_dim * 4
+                   + seq * heads * 4 + block_stats)
     chunks = len(quantize.correction_chunks(nblk, 1, heads, skp, budget))
-    corr_bytes = chunks * 2 * skp * heads * head_dim + nblk * skp * heads * 4
-    corr_ops = 8 * 2 * nblk * skp * head_dim * heads   # eight int8 limb products per multiply-add
+    corr_bytes = chunks * 2 * skp * heads * head_dim + density * nblk * skp * heads * 4
+    corr_ops = density * 8 * 2 * nblk * skp * head_dim * heads   # eight int8 limb products per multiply-add
+    map_elems = nblk * nblk * heads
+    words = -(-nblk // 32)
+    estimate_bytes = 0.0 if density >= 1.0 else (
+        2 * map_elems * 4                       # pooled scores: the matmul writes them, the map kernel reads
+        + 3 * nblk * heads * words * 4 * 2      # bit words and word counts, written and read by the lists
+        + 3 * density * map_elems * 4)          # tiles, column rows, column entries
     int8_rate = sms * 4 * (16 * 8 * 32 * 2) / 16 * clock
     t_quant = quant_bytes / MEMORY_BANDWIDTH
     t_corr = max(corr_bytes / MEMORY_BANDWIDTH, corr_ops / int8_rate)
-    t_attention = 4 * seq * seq * head_dim * heads / (attention_tflops * 1e12)
-    return dict(seq=seq, quantize_ms=t_quant * 1e3, correction_ms=t_corr * 1e3, correction_chunks=chunks,
-                correction_gb=corr_bytes / 1e9, attention_ms=t_attention * 1e3,
-                share=(t_quant + t_corr) / t_attention)
+    t_estimate = estimate_bytes / MEMORY_BANDWIDTH
+    t_attention = 4 * seq * seq * head_dim * heads / (attention_tflops * 1e12) * attention_vs_dense
+    return dict(seq=seq, density=density, quantize_ms=t_quant * 1e3, correction_ms=t_corr * 1e3,
+                correction_chunks=chunks, correction_gb=corr_bytes / 1e9, estimate_ms=t_estimate * 1e3,
+                attention_ms=t_attention * 1e3, share=(t_quant + t_corr + t_estimate) / t_attention)
 
 
 def preparation_rows(rows: list[dict]) -> list[dict]:
+    """Per GPU, length and density (PREPARATION_DENSITIES) the modelled preparation, B1 H40 D128."""
     base = next(r for r in rows if r["qk_format"] == "nvfp4" and r["head_dim"] == 128 and not r["causal"])
-    return [{"gpu": gpu, **preparation(s, base[f"tflops {gpu}"], sms, clock)}
-            for gpu, (sms, clock) in GPUS.items() for s in PREPARATION_SEQS]
+    return [{"gpu": gpu, **preparation(s, base[f"tflops {gpu}"], sms, clock, density=d,
+                                       attention_vs_dense=time_vs_dense(base, d, s) if d < 1 else 1.0)}
+            for gpu, (sms, clock) in GPUS.items() for s in PREPARATION_SEQS for d in PREPARATION_DENSITIES]
 
 
 def gpu_rows(rows: list[dict]) -> list[dict]:
@@ -414,7 +433,10 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     rows = model()
     if args.json:
-        print(json.dumps(gpu_rows(rows), indent=1))
+        prep = [{"gpu": r["gpu"], "seq_len": r["seq"], "density": r["density"], "prep_share": round(r["share"], 4),
+                 **{k: round(r[k], 3) for k in ("quantize_ms", "correction_ms", "estimate_ms", "attention_ms")}}
+                for r in preparation_rows(rows)]
+        print(json.dumps(gpu_rows(rows) + prep, indent=1))
     else:
         print(ASSUMPTIONS)
         cols = ["qk_format", "head_dim", "causal", "instructions", "tensor", "mufu", "fma", "alu", "smem_wavefronts",
@@ -432,12 +454,15 @@ def main(argv=None) -> int:
         for r in rows:
             print(f"| {r['qk_format']} | {r['head_dim']} | {r['causal']} | {r['sparse_clocks_per_tile']} | " + " | ".join(
                 f"{time_vs_dense(r, d, s):.3f}" for d in SPARSE_DENSITIES for s in SPARSE_SEQS) + " |")
-        print("\nPreparation (quantise + correction), B=1 H=40 D=128, against the modelled attention:\n")
-        print("| GPU | S | quantise ms | correction ms (chunks, GB) | attention ms | preparation / attention |")
-        print("|---|---|---|---|---|---|")
+        print("\nPreparation (quantise + correction + a sparse call's estimate), B=1 H=40 D=128, against the "
+              "modelled attention at the same density:\n")
+        print("| GPU | S | density | quantise ms | correction ms (chunks, GB) | estimate ms | attention ms "
+              "| preparation / attention |")
+        print("|---|---|---|---|---|---|---|---|")
         for r in preparation_rows(rows):
-            print(f"| {r['gpu']} | {r['seq']:,} | {r['quantize_ms']:.2f} | {r['correction_ms']:.2f} "
-                  f"({r['correction_chunks']}, {r['correction_gb']:.1f}) | {r['attention_ms']:.1f} | {r['share']:.1%} |")
+            print(f"| {r['gpu']} | {r['seq']:,} | {r['density']} | {r['quantize_ms']:.2f} | {r['correction_ms']:.2f} "
+                  f"({r['correction_chunks']}, {r['correction_gb']:.1f}) | {r['estimate_ms']:.2f} "
+                  f"| {r['attention_ms']:.1f} | {r['share']:.1%} |")
     if args.write_baseline:
         BASELINE.write_text(json.dumps([{k: r[k] for k in ("head_dim", "causal", "qk_format", "clocks_per_tile")}
                                         for r in rows], indent=1) + "\n")

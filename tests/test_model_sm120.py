@@ -109,3 +109,26 @@ def test_preparation_model_counts_bytes_and_int8_operations():
     ops_ms = 8 * 2 * 256 * 32_768 * 128 * 40 / (sms * 2048 * clock) * 1e3
     assert ops_ms < r["correction_ms"] == pytest.approx(r["correction_gb"] * 1e9 / model_sm120.MEMORY_BANDWIDTH * 1e3)
     assert r["share"] == pytest.approx((r["quantize_ms"] + r["correction_ms"]) / r["attention_ms"])
+    assert r["estimate_ms"] == 0.0
+    # At density 0.25 the correction writes a quarter of delta, the estimate adds its scores and
+    # lists, and the share is against the sparse attention time.
+    q = model_sm120.preparation(32_768, 1000.0, sms, clock, density=0.25, attention_vs_dense=0.26)
+    assert q["quantize_ms"] == r["quantize_ms"]
+    assert q["correction_gb"] == pytest.approx((2 * 2 * elems + delta / 4) / 1e9)
+    nq = 256
+    lists = 2 * nq * nq * 40 * 4 + 3 * nq * 40 * 8 * 4 * 2 + 3 * 0.25 * nq * nq * 40 * 4
+    assert q["estimate_ms"] == pytest.approx(lists / model_sm120.MEMORY_BANDWIDTH * 1e3)
+    assert q["attention_ms"] == pytest.approx(0.26 * r["attention_ms"])
+    assert q["share"] == pytest.approx((q["quantize_ms"] + q["correction_ms"] + q["estimate_ms"]) / q["attention_ms"])
+
+
+def test_preparation_rows_cover_the_lengths_and_densities():
+    base = {"qk_format": "nvfp4", "head_dim": 128, "causal": False, "clocks_per_tile": 1000,
+            "sparse_clocks_per_tile": 1001, **{f"tflops {g}": 1000.0 for g in model_sm120.GPUS}}
+    rows = model_sm120.preparation_rows([base])
+    assert {(r["gpu"], r["seq"], r["density"]) for r in rows} == {
+        (g, s, d) for g in model_sm120.GPUS for s in (32_768, 77_000, 118_800) for d in (1.0, 0.25)}
+    for r in rows:
+        if r["density"] < 1:
+            dense = next(x for x in rows if (x["gpu"], x["seq"], x["density"]) == (r["gpu"], r["seq"], 1.0))
+            assert r["share"] > dense["share"] and r["estimate_ms"] > 0
