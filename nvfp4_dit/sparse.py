@@ -33,7 +33,9 @@ exact paths compute the same statistics in PyTorch.
 tile indices, and a visiting order: each head's rows longest first) and as CSC columns (per key tile
 the Q blocks that read its correction); :func:`build_lists` makes both on the device for a group of
 correction chunks, sized for the worst case (every tile), so a sparse call never waits for the GPU
-and stays capturable in a CUDA graph.
+and stays capturable in a CUDA graph. On the GPU the block-list kernels
+(:mod:`nvfp4_dit.cuda.block_lists`) make the same map and lists in a few launches; the functions
+here are their PyTorch twin, which the reference, the ``torch`` quantiser path and the tests use.
 """
 
 from __future__ import annotations
@@ -189,6 +191,16 @@ def _kept_by_mass(scores: torch.Tensor, keep_mass: float) -> torch.Tensor:
     return torch.zeros_like(p, dtype=torch.bool).scatter_(-1, order, (before < keep_mass) & (ranked > 0))
 
 
+def pooled_scores(stats: BlockStatistics, i0: int, i1: int) -> torch.Tensor:
+    """fp32 [B, H, i1 - i0, nk] (contiguous): ``mean(q_i) . mean(k_j)`` for Q blocks [i0, i1), each
+    query head against its kv head's tiles."""
+    qm, km = stats.q_mean, stats.k_tile_mean
+    b, h, rows = qm.shape[0], qm.shape[1], i1 - i0
+    hkv, nk, d = km.shape[1], km.shape[2], min(qm.shape[-1], km.shape[-1])
+    q_rows = qm[:, :, i0:i1, :d].float().reshape(b, hkv, (h // hkv) * rows, d)
+    return torch.matmul(q_rows, km[..., :d].float().transpose(-1, -2)).view(b, h, rows, nk)
+
+
 def map_rows(stats: Optional[BlockStatistics], sparsity: Sparsity, grid: TileGrid, i0: int, i1: int,
              log_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The block map of Q blocks [i0, i1): bool [B, H, i1 - i0, nk] (contiguous).
@@ -203,11 +215,7 @@ def map_rows(stats: Optional[BlockStatistics], sparsity: Sparsity, grid: TileGri
     allowed = allowed.expand(b, h, rows, nk)
     if not sparsity.estimated:
         return allowed.contiguous()
-    qm, km = stats.q_mean, stats.k_tile_mean
-    hkv, d = km.shape[1], min(qm.shape[-1], km.shape[-1])
-    group = h // hkv
-    q_rows = qm[:, :, i0:i1, :d].float().reshape(b, hkv, group * rows, d)
-    scores = torch.matmul(q_rows, km[..., :d].float().transpose(-1, -2)).view(b, h, rows, nk) * grid.scale
+    scores = pooled_scores(stats, i0, i1) * grid.scale
     # A block's mean is shorter than its rows by sqrt(similarity) (RoPE turns neighbours apart):
     # scaled back to the rows' length, its scores regain the rows' spread.
     scores = scores * stats.q_similarity[:, :, i0:i1, None].clamp_min(SIMILARITY_THRESHOLD).rsqrt()
@@ -287,7 +295,7 @@ class BlockLists:
                           col_entries=at(self.col_entries))
 
 
-def _offsets(counts: torch.Tensor) -> torch.Tensor:
+def offsets_of(counts: torch.Tensor) -> torch.Tensor:
     """int32 [C, n + 1]: per chunk (first dim) the exclusive cumulative sums of ``counts`` [C, ...]
     and their total."""
     out = torch.zeros(counts.shape[0], counts[0].numel() + 1, dtype=torch.int32, device=counts.device)
@@ -302,6 +310,19 @@ def _pack(flat: torch.Tensor, slot: torch.Tensor, values: torch.Tensor) -> torch
     out = torch.zeros(chunks, n + 1, dtype=torch.int32, device=flat.device)
     out.scatter_(1, torch.where(flat, slot.long(), n), values.reshape(chunks, n))
     return out[:, :n]
+
+
+def visiting_order(counts: torch.Tensor, chunk_lengths: Sequence[int], nk: int) -> torch.Tensor:
+    """int32 [C, BH * step]: the kernel's visiting order of each chunk's rows from their tile
+    ``counts`` [C, BH, step]: the chunk's real rows, each head's longest first; the padding rows last.
+    (All chunks but the last have ``step`` blocks: the lengths need no copy to the device.)"""
+    chunks, bh, step = counts.shape
+    device = counts.device
+    lengths = torch.where(torch.arange(chunks, device=device) == chunks - 1, chunk_lengths[-1], step)
+    real = torch.arange(step, device=device)[None, None, :] < lengths[:, None, None]          # [C, 1, step]
+    heads = torch.arange(bh, device=device)[None, :, None]
+    key = torch.where(real, heads * (nk + 1) + (nk - counts), bh * (nk + 1))
+    return torch.argsort(key.view(chunks, bh * step), dim=1, stable=True).to(torch.int32)
 
 
 def build_lists(rows_map: torch.Tensor, chunk_lengths: Sequence[int]) -> BlockLists:
@@ -319,25 +340,19 @@ def build_lists(rows_map: torch.Tensor, chunk_lengths: Sequence[int]) -> BlockLi
     flat = by_chunk.view(chunks, -1)
 
     counts = by_chunk.sum(-1, dtype=torch.int32)                     # [C, BH, step]
-    offsets = _offsets(counts)
+    offsets = offsets_of(counts)
     # Each listed tile's entry: its row's offset plus its rank in the row. Scans run along short
     # rows: torch scans each long row in one thread block.
     entry = offsets[:, :-1].view(chunks, bh, step, 1) + torch.cumsum(by_chunk, -1, dtype=torch.int32) - 1
     tile_ids = torch.arange(nk, dtype=torch.int32, device=device).repeat(chunks * bh * step)
     tiles = _pack(flat, entry.view(chunks, -1), tile_ids)
 
-    # Visiting order: per chunk its real rows, each head's longest first; the padding rows last.
-    # (All chunks but the last have `step` blocks: the lengths need no copy to the device.)
-    lengths = torch.where(torch.arange(chunks, device=device) == chunks - 1, chunk_lengths[-1], step)
-    real = torch.arange(step, device=device)[None, None, :] < lengths[:, None, None]          # [C, 1, step]
-    heads = torch.arange(bh, device=device)[None, :, None]
-    key = torch.where(real, heads * (nk + 1) + (nk - counts), bh * (nk + 1))
-    order = torch.argsort(key.view(chunks, bh * step), dim=1, stable=True).to(torch.int32)
+    order = visiting_order(counts, chunk_lengths, nk)
 
     # Columns: per (chunk, bh, key tile) the Q blocks that list it, and their entries.
     by_column = by_chunk.transpose(-1, -2).contiguous()              # [C, BH, nk, step]
     col_flat = by_column.view(chunks, -1)
-    col_offsets = _offsets(by_column.sum(-1, dtype=torch.int32))
+    col_offsets = offsets_of(by_column.sum(-1, dtype=torch.int32))
     col_slot = col_offsets[:, :-1].view(chunks, bh, nk, 1) + torch.cumsum(by_column, -1, dtype=torch.int32) - 1
     block_ids = torch.arange(step, dtype=torch.int32, device=device).repeat(chunks * bh * nk)
     col_slot = col_slot.view(chunks, -1)
@@ -420,10 +435,11 @@ def estimate_block_mask(q: torch.Tensor, k: torch.Tensor, keep_mass: float, *, l
     """The block map a call of :func:`nvfp4_dit.attention` with these arguments would use: bool
     ``[B, H, ceil(Sq/128), ceil(Sk/128)]``, True = visited (to inspect or log it).
 
-    The statistics come from where the call would take them: the CUDA quantiser where ``backend``
-    resolves to the kernel, PyTorch otherwise (which may differ from the kernel's in the last bits
-    of a mean, so a tile on the edge of ``keep_mass`` may differ). ``attn_mask`` must have a
-    per-key form (:mod:`nvfp4_dit.masks`).
+    The statistics and the map come from where the call would take them: the CUDA quantiser and
+    the block-list kernels (:mod:`nvfp4_dit.cuda.block_lists`) where ``backend`` resolves to the
+    kernel, PyTorch otherwise (whose means and mass sums may differ in the last bits, so a tile on
+    the edge of ``keep_mass`` may differ). ``attn_mask`` must have a per-key form
+    (:mod:`nvfp4_dit.masks`).
     """
     from .checks import validate_attention_args
     from .masks import combine_kv_lens, reduce_key_mask
@@ -449,10 +465,15 @@ def estimate_block_mask(q: torch.Tensor, k: torch.Tensor, keep_mass: float, *, l
     if fmt.padded_head_dim(d) is not None:
         resolved = resolve_backend(backend, q.device, d, fmt.QK_FORMAT_DEFAULT)[0]
     if resolved == "cuda":
+        from .cuda import block_lists, launch
         from .cuda import quantize as cuda_quantize
 
         qq = cuda_quantize.quantize_qkv(q, k, k, layout=layout, kv_lens=kv_lens, balance_qk=False)
         stats = BlockStatistics.of(qq)
+        if block_lists.supported(grid):   # the kernels' own map
+            dk = launch.device_kernels(q.device)
+            chunks = cuda_quantize.correction_chunks(grid.nq, b, h, grid.nk * fmt.SEQ_TILE)
+            return block_lists.block_map(dk, stats, sparsity, grid, chunks, launch.current_stream(dk.index))
     else:
         stats = BlockStatistics.of_inputs(qh, kh, kv_lens)
     return block_map(stats, sparsity, grid)

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import nvfp4_dit  # noqa: E402
 from nvfp4_dit import format as fmt  # noqa: E402
 from nvfp4_dit import sparse  # noqa: E402
-from nvfp4_dit.cuda import quantize  # noqa: E402
+from nvfp4_dit.cuda import block_lists, launch, quantize  # noqa: E402
 from bench_attention import time_ms  # noqa: E402  (scripts/ is the script's own folder)
 
 KERNEL_GROUPS = {"attention": "nvfp4_dit_attention_fwd", "correction": "nvfp4_dit_correction",
@@ -80,8 +80,10 @@ def estimate_fn(q, k, keep_mass: float):
     nk = sparse.num_blocks(sq)
     chunks = quantize.correction_chunks(nk, b, h, nk * fmt.SEQ_TILE)
 
+    dk = launch.device_kernels(q.device)
+
     def run():
-        for _ in sparse.lists_by_group(stats, spec, grid, chunks):
+        for _ in block_lists.lists_by_group(dk, stats, spec, grid, chunks, launch.current_stream(dk.index)):
             pass
     return run
 

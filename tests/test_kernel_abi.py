@@ -46,6 +46,8 @@ def _layout_program() -> str:
         "QUANTIZE_THREADS": "launch::kQuantizeThreads", "PREFETCH_WAVES": "launch::kPrefetchWaves",
         "CORRECTION_THREADS": "launch::kCorrectionThreads",
         "CORRECTION_TILE_M": "launch::kCorrectionTileM", "CORRECTION_TILE_N": "launch::kCorrectionTileN",
+        "BLOCK_LISTS_THREADS": "launch::kBlockListsThreads", "BLOCK_LISTS_MAX_TILES": "launch::kBlockListsMaxTiles",
+        "BLOCK_LIST_ROWS_PER_CTA": "launch::kBlockListRowsPerCta",
         "TILE_ROWS": "kTileRows", "KEY_MEAN_CHUNK": "kKeyMeanChunk", "STAT_TENSORS": "kStatTensors",
         "STAT_VECTORS": "kStatVectors",
     }
@@ -144,7 +146,8 @@ def test_entry_names_follow_the_header():
     for fragment in ("nvfp4_dit_attention_fwd_{native,emulated}_{nvfp4,mxfp8}_d{64,128}[_lse]",
                      "nvfp4_dit_mma_probe_nvfp4_{native,emulated}_", "nvfp4_dit_balance_statistics_<dtype>_d<DP>_<load>",
                      "nvfp4_dit_key_stats_<dtype>_d<DP>_<load>", "nvfp4_dit_quantize_tiles_<dtype>_d<DP>_<load>_{nvfp4,mxfp8}",
-                     "nvfp4_dit_correction_<dtype>_d<DP>_<load>_{vecstore,scalarstore}"):
+                     "nvfp4_dit_correction_<dtype>_d<DP>_<load>_{vecstore,scalarstore}",
+                     *abi.BLOCK_LISTS_ENTRIES):
         assert fragment in text, fragment
     assert abi.attention_entry("native", "mxfp8", 128, True) == "nvfp4_dit_attention_fwd_native_mxfp8_d128_lse"
     assert abi.quantize_tiles_entry("fp32", 64, False, "nvfp4") == "nvfp4_dit_quantize_tiles_fp32_d64_scalar_nvfp4"

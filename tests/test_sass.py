@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from nvfp4_dit.cuda import abi
+
 _SPEC = importlib.util.spec_from_file_location(
     "check_sass", Path(__file__).resolve().parent.parent / "scripts" / "check_sass.py")
 check_sass = importlib.util.module_from_spec(_SPEC)
@@ -35,11 +37,14 @@ def test_native_sass_has_fp4_mma_and_no_spills():
 
 @pytest.mark.skipif(check_sass.find_tool("nvcc") is None, reason="needs nvcc")
 def test_native_preparation_kernels_do_not_spill():
-    """The quantisers and the correction for sm_120a/sm_121a: no spills; the correction's int8 MMAs."""
+    """The quantisers, the correction and the block-list kernels for sm_120a/sm_121a: no spills; the
+    correction's int8 MMAs."""
     rows, failures = check_sass.check_preparation()
     correction = [r for r in rows if r["kernel"].startswith(check_sass.CORRECTION_PREFIX)]
     assert len(correction) == 2 * 24 and all(r["imma"] in (64, 128) for r in correction)
-    assert len(rows) == len(correction) + 2 * 48   # and the quantiser's entries
+    lists = {r["kernel"] for r in rows if r["kernel"].startswith("nvfp4_dit_block_")}
+    assert lists == set(abi.BLOCK_LISTS_ENTRIES)
+    assert len(rows) == len(correction) + 2 * 48 + 2 * len(lists)   # and the quantiser's entries
     assert not failures, "\n".join(failures)
 
 

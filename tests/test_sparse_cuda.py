@@ -1,6 +1,8 @@
 """Block-sparse attention on the GPU: the kernel's block map against the reference's, the compact
 correction, the estimate from the quantiser's statistics, and a sparse call without host syncs."""
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -93,6 +95,86 @@ def test_chunks_and_groups_do_not_change_the_result(cuda_device, monkeypatch):
     monkeypatch.setattr(sparse, "chunk_groups", lambda chunks, bh, nk: real_groups(chunks, bh, nk, budget=1))
     split = nvfp4_dit.attention(q, k, v, backend="cuda", block_mask=bmap, return_lse=True)
     assert torch.equal(whole[0], split[0]) and torch.equal(whole[1], split[1])
+
+
+def _kernel_lists(stats, sparsity, grid, chunks):
+    from nvfp4_dit.cuda import block_lists, launch
+
+    dk = launch.device_kernels(torch.device("cuda"))
+    return list(block_lists.lists_by_group(dk, stats, sparsity, grid, chunks, launch.current_stream(dk.index),
+                                           with_map=True))
+
+
+def _assert_lists_equal(got: sparse.BlockLists, want: sparse.BlockLists):
+    """Equal offsets and order, and equal lists up to each chunk's entries (the kernels leave the
+    rest of a chunk's worst-case region unwritten)."""
+    for name in ("offsets", "order", "col_offsets"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    for c in range(got.offsets.shape[0]):
+        n = int(want.offsets[c, -1])
+        for name in ("tiles", "col_rows", "col_entries"):
+            assert torch.equal(getattr(got, name)[c, :n], getattr(want, name)[c, :n]), (name, c)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("broadcast", [(1, 3), (2, 1)])
+def test_the_list_kernels_list_a_given_map_exactly(cuda_device, causal, broadcast):
+    b, h, sq, sk = 2, 3, 1900, 5000   # 15 Q blocks, 40 key tiles: two bit words per row
+    bmap = _random_map(*broadcast, 15, 40, 0.3, seed=7)
+    grid = sparse.TileGrid(b, h, sq, sk, 0.1, causal, torch.tensor([5000, 2100], device="cuda"))
+    spec = sparse.Sparsity(block_mask=bmap)
+    chunks = [(0, 4), (4, 8), (8, 12), (12, 15)]
+    for group, rows_map, lists in _kernel_lists(None, spec, grid, chunks):
+        g0, g1 = group[0][0], group[-1][1]
+        want_map = sparse.map_rows(None, spec, grid, g0, g1)
+        assert torch.equal(rows_map, want_map)
+        _assert_lists_equal(lists, sparse.build_lists(want_map, [c1 - c0 for c0, c1 in group]))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", ["plain", "masked", "restricted"])
+def test_the_list_kernels_estimate_as_the_reference_does(cuda_device, case):
+    q, k, _ = _structured(6000, 4, 128, seed=3)
+    kv = k[:, :, ::2]                                      # GQA: two query heads per kv head
+    qh, kh = fmt.to_hnd(q, "NHD"), fmt.to_hnd(kv, "NHD")
+    lens = torch.tensor([5500], device="cuda")
+    stats = sparse.BlockStatistics.of_inputs(qh, kh, lens)
+    bias = None
+    if case == "masked":
+        bias = torch.zeros(1, 1, 6000, device="cuda")
+        bias[..., 1000:1400] = -math.inf                    # a key mask hides most of two tiles
+        bias[..., 3000:3100] = -2.0
+    grid = sparse.TileGrid(1, 4, 6000, 6000, fmt.default_scale(128), case == "restricted", lens, bias)
+    bmap = _random_map(1, 4, 47, 47, 0.7, seed=1) if case == "restricted" else None
+    spec = sparse.Sparsity(block_mask=bmap, keep_mass=0.8, always_keep=(5900, 6000) if case != "plain" else None)
+    chunks = [(0, 20), (20, 40), (40, 47)]
+    agree = []
+    for group, rows_map, lists in _kernel_lists(stats, spec, grid, chunks):
+        g0, g1 = group[0][0], group[-1][1]
+        want = sparse.map_rows(stats, spec, grid, g0, g1)
+        agree.append((rows_map == want).float().mean().item())
+        given = torch.ones(1, 1, 47, 47, dtype=torch.bool, device="cuda") if bmap is None else bmap
+        assert not (rows_map & ~sparse.map_rows(None, sparse.Sparsity(block_mask=given), grid, g0, g1)).any()
+        _assert_lists_equal(lists, sparse.build_lists(rows_map, [c1 - c0 for c0, c1 in group]))
+    assert min(agree) >= 0.995, agree
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("seq_k, keep_mass, kept", [(5120, 0.51, 21), (76800, 0.5042, 303)])
+def test_the_list_kernels_break_ties_to_the_lower_tile(cuda_device, seq_k, keep_mass, kept):
+    """Equal pooled scores give every tile the same mass: the fewest tiles reaching keep_mass are
+    the lowest ones (plus the diagonal), in the kernels as in PyTorch."""
+    nk = seq_k // 128
+    ones = torch.ones(1, 1, 2, 128, device="cuda")
+    stats = sparse.BlockStatistics(ones, torch.ones(1, 1, nk, 128, device="cuda"), torch.ones(1, 1, 2, device="cuda"))
+    grid = sparse.TileGrid(1, 1, 256, seq_k, 0.1)
+    spec = sparse.Sparsity(keep_mass=keep_mass)
+    (_, rows_map, _), = _kernel_lists(stats, spec, grid, [(0, 2)])
+    want = torch.zeros(1, 1, 2, nk, dtype=torch.bool, device="cuda")
+    want[..., :kept] = True
+    assert torch.equal(sparse.map_rows(stats, spec, grid, 0, 2), want)
+    assert torch.equal(rows_map, want)
 
 
 @pytest.mark.cuda

@@ -16,6 +16,10 @@
 //     nvfp4_dit_quantize_tiles_<dtype>_d<DP>_<load>_{nvfp4,mxfp8}(QuantizeQkvParams, int64 prefetch)  launch 2
 //   quantize/correction.cu:
 //     nvfp4_dit_correction_<dtype>_d<DP>_<load>_{vecstore,scalarstore}(CorrectionParams)
+//   quantize/block_lists.cu:
+//     nvfp4_dit_block_map_rows(BlockListsParams)       grid (chunks * step, B * H)
+//     nvfp4_dit_block_list_rows(BlockListsParams)      grid (ceil(chunks * step / warps), B * H)
+//     nvfp4_dit_block_list_columns(BlockListsParams)   grid (ceil(B * H * nk / warps), chunks)
 #pragma once
 
 namespace nvfp4_dit {
@@ -40,6 +44,14 @@ constexpr int kCorrectionThreads = 256;
 constexpr int kCorrectionTileM = 64;
 constexpr int kCorrectionTileN = 128;
 constexpr int kCorrectionSmemBytes[2] = {47360, 84480};
+
+// The block map and its lists: a CTA per map row holds the row's estimated tile masses in
+// registers (kBlockListsMaxTiles / kBlockListsThreads per thread), so a row has at most
+// kBlockListsMaxTiles tiles (524,288 keys); longer rows use the PyTorch estimate. block_list_rows
+// takes a warp per map row, block_list_columns a warp per column.
+constexpr int kBlockListsThreads = 256;
+constexpr int kBlockListsMaxTiles = 4096;
+constexpr int kBlockListRowsPerCta = 4;
 
 }  // namespace launch
 }  // namespace nvfp4_dit

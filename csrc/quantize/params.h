@@ -156,4 +156,60 @@ struct CorrectionParams {
 };
 
 
+
+// The block map of a block-sparse call and its lists (quantize/block_lists.cu), for a group of
+// consecutive correction chunks: `chunks` chunks of `step` Q blocks (the group's `rows` Q blocks
+// from block_begin, the last chunk possibly shorter). A map row is (chunk c, bh = b * heads + h,
+// Q block m of the chunk), stored at r = (c * batch * heads + bh) * step + m; rows past the group's
+// end are empty. nvfp4_dit/sparse.py (map_rows, build_lists) states the same rules in PyTorch.
+struct BlockListsParams {
+  // The estimate (scores != nullptr): per row the raw pooled scores mean(q_i) . mean(k_j), fp32
+  // [B, H, rows, nk] contiguous; the blocks' similarity [B, H, num_q_blocks] contiguous; the
+  // tiles' log visible-key weight [B, H or 1, nk] (last dim contiguous) through element strides.
+  // Without scores every allowed tile is kept.
+  const float* scores;
+  const float* q_similarity;
+  const float* log_weights;
+  int64_t log_weights_stride_b;
+  int64_t log_weights_stride_h;
+  // The caller's map, bool [B or 1, H or 1, num_q_blocks, nk] (last dim contiguous) through
+  // element strides (0 where broadcast), or nullptr.
+  const uint8_t* block_mask;
+  int64_t block_mask_stride_b;
+  int64_t block_mask_stride_h;
+  int64_t block_mask_stride_q;
+  const int32_t* kv_lens;  // [B] or nullptr (all seq_k keys valid); clamped to [0, seq_k]
+  float scale;             // the softmax scale
+  float keep_mass;         // in (0, 1)
+  float similarity_threshold;
+  int causal;
+  int64_t always_keep_begin;  // a key range whose tiles the estimate keeps; empty if begin >= end
+  int64_t always_keep_end;
+
+  int64_t batch;
+  int64_t heads;
+  int64_t seq_k;
+  int64_t num_q_blocks;
+  int64_t num_k_tiles;  // nk <= kBlockListsMaxTiles
+  int64_t words;        // 32-tile words of a row: ceil(nk / 32)
+  int64_t block_begin;
+  int64_t rows;
+  int64_t step;
+  int64_t chunks;
+
+  // block_map_rows writes (col_counts zeroed before it):
+  uint32_t* bits;        // [C, B*H*step, words]: bit j % 32 of word j / 32 = tile j listed
+  int32_t* row_counts;   // [C, B*H*step]
+  int32_t* word_prefix;  // [C, B*H*step, words]: tiles listed in the row's earlier words
+  int32_t* col_counts;   // [C, B*H*nk]: Q blocks of the chunk that list (bh, tile)
+  uint8_t* row_map;      // bool [B, H, rows, nk], or nullptr
+  // block_list_rows and block_list_columns read the exclusive scans of the counts (per chunk, with
+  // the total last) and write the lists (nvfp4_dit.sparse.BlockLists), E = B*H*step*nk per chunk:
+  const int32_t* offsets;      // [C, B*H*step + 1]
+  const int32_t* col_offsets;  // [C, B*H*nk + 1]
+  int32_t* tiles;              // [C, E]
+  int32_t* col_rows;           // [C, E]
+  int32_t* col_entries;        // [C, E]
+};
+
 }  // namespace nvfp4_dit

@@ -23,6 +23,9 @@ CORRECTION_THREADS = 256
 CORRECTION_TILE_M = 64
 CORRECTION_TILE_N = 128
 CORRECTION_SMEM_BYTES = (47360, 84480)     # [head dim 64, 128]
+BLOCK_LISTS_THREADS = 256
+BLOCK_LISTS_MAX_TILES = 4096
+BLOCK_LIST_ROWS_PER_CTA = 4    # block_list_rows: a warp per map row
 
 # csrc/quantize/params.h
 TILE_ROWS = 128
@@ -98,8 +101,26 @@ class CorrectionParams(ctypes.Structure):
     ]
 
 
+class BlockListsParams(ctypes.Structure):
+    _fields_ = [
+        ("scores", c_void_p), ("q_similarity", c_void_p), ("log_weights", c_void_p),
+        ("log_weights_stride_b", c_int64), ("log_weights_stride_h", c_int64),
+        ("block_mask", c_void_p), ("block_mask_stride_b", c_int64), ("block_mask_stride_h", c_int64),
+        ("block_mask_stride_q", c_int64), ("kv_lens", c_void_p),
+        ("scale", c_float), ("keep_mass", c_float), ("similarity_threshold", c_float), ("causal", c_int),
+        ("always_keep_begin", c_int64), ("always_keep_end", c_int64),
+        ("batch", c_int64), ("heads", c_int64), ("seq_k", c_int64), ("num_q_blocks", c_int64),
+        ("num_k_tiles", c_int64), ("words", c_int64), ("block_begin", c_int64), ("rows", c_int64),
+        ("step", c_int64), ("chunks", c_int64),
+        ("bits", c_void_p), ("row_counts", c_void_p), ("word_prefix", c_void_p), ("col_counts", c_void_p),
+        ("row_map", c_void_p), ("offsets", c_void_p), ("col_offsets", c_void_p), ("tiles", c_void_p),
+        ("col_rows", c_void_p), ("col_entries", c_void_p),
+    ]
+
+
 STRUCTS = {"AttentionFwdParams": AttentionFwdParams, "StridedInput": StridedInput,
-           "QuantizeQkvParams": QuantizeQkvParams, "CorrectionParams": CorrectionParams}
+           "QuantizeQkvParams": QuantizeQkvParams, "CorrectionParams": CorrectionParams,
+           "BlockListsParams": BlockListsParams}
 
 
 # The workspace sizes (csrc/quantize/params.h; tests/test_kernel_abi.py compares them on many sizes).
@@ -148,6 +169,9 @@ def correction_entry(dtype: str, head_dim_padded: int, vector_load: bool, vector
     return f"nvfp4_dit_correction_{dtype}_d{head_dim_padded}_{_load(vector_load)}_{store}"
 
 
+BLOCK_LISTS_ENTRIES = ("nvfp4_dit_block_map_rows", "nvfp4_dit_block_list_rows", "nvfp4_dit_block_list_columns")
+
+
 def launcher_entries(kind: str) -> set[str]:
     """Every entry point the launcher (nvfp4_dit/cuda/launch.py) may ask for on a target of MMA ``kind``."""
     formats, head_dims = ("nvfp4", "mxfp8"), (64, 128)
@@ -161,4 +185,4 @@ def launcher_entries(kind: str) -> set[str]:
                 names |= {balance_statistics_entry(dt, d, vec), key_stats_entry(dt, d, vec)}
                 names |= {quantize_tiles_entry(dt, d, vec, f) for f in formats}
                 names |= {correction_entry(dt, d, vec, st) for st in (False, True)}
-    return names
+    return names | set(BLOCK_LISTS_ENTRIES)

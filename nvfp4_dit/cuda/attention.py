@@ -25,7 +25,7 @@ import torch
 from .. import format as fmt
 from .. import preprocess
 from .. import sparse as sp
-from . import build, launch, quantize
+from . import block_lists, build, launch, quantize
 
 
 def unsupported_reason(q, k, v, *, layout: str, require_native: bool) -> Optional[str]:
@@ -151,10 +151,14 @@ def attention(q, k, v, *, layout: str, causal: bool, scale: Optional[float], kv_
     bias = quantize.checked_key_bias(key_bias, b, h, sk, q.device)
     if sparsity is None:
         groups = [(chunks, None, None)]
+    elif quantizer == "cuda":
+        stats = sp.BlockStatistics(ws.view("q_mean"), ws.view("k_tile_mean"), ws.view("q_similarity"))
+        tile_grid = sp.TileGrid(b, h, sq, sk, scale, causal, lens, bias)
+        groups = block_lists.lists_by_group(dk, stats, sparsity, tile_grid, chunks, stream) \
+            if block_lists.supported(tile_grid) else sp.lists_by_group(stats, sparsity, tile_grid, chunks)
     else:
-        stats = sp.BlockStatistics(ws.view("q_mean"), ws.view("k_tile_mean"), ws.view("q_similarity")) \
-            if quantizer == "cuda" else sp.BlockStatistics.of(qq)
-        groups = sp.lists_by_group(stats, sparsity, sp.TileGrid(b, h, sq, sk, scale, causal, lens, bias), chunks)
+        groups = sp.lists_by_group(sp.BlockStatistics.of(qq), sparsity,
+                                   sp.TileGrid(b, h, sq, sk, scale, causal, lens, bias), chunks)
     for group, rows_map, lists in groups:
         g0 = group[0][0]
         for c, (b0, b1) in enumerate(group):

@@ -45,6 +45,7 @@ COMMON_UNITS = (
     "attention/mma_probe.cu",
     "quantize/quantize_tiles.cu",
     "quantize/correction.cu",
+    "quantize/block_lists.cu",
 )
 ATTENTION_UNITS = {
     kind: tuple(f"attention/attention_fwd_{kind}{'_mxfp8' if fmt == 'mxfp8' else ''}_d{d}.cu"

@@ -1,0 +1,294 @@
+// The block map of a block-sparse call and the lists the kernels read (params.h: BlockListsParams),
+// for one group of correction chunks, in three launches and two scans the host queues in between:
+//
+//   block_map_rows      a CTA per map row: the tiles the Q block keeps, as 32-tile bit words, the
+//                       row's count, the words' popcount prefix, each column's count (integer
+//                       atomics: the sums do not depend on their order) and optionally the bool map;
+//   (host)              offsets = exclusive scans of the row and column counts, per chunk;
+//   block_list_rows     a warp per row: the row's tiles at its offset, ascending;
+//   block_list_columns  a warp per (bh, tile) column: the chunk's Q blocks that list it, ascending,
+//                       and their entries.
+//
+// The estimate follows nvfp4_dit/sparse.py (map_rows): logits scale * s_ij / sqrt(max(sim_i, t)) +
+// log w_j over the allowed tiles, a softmax, and the fewest tiles by descending mass (ties to the
+// lower tile) whose mass reaches keep_mass. Sorted that way, the kept tiles are those above a
+// threshold mass tau plus the first few (by index) of those equal to it; tau is the largest mass
+// whose "at least tau" sum reaches keep_mass, found by bisection on the masses' bits (non-negative
+// floats order as their bits), each step one CTA sum. Then the safeguards (an unreliable block
+// keeps every tile, the diagonal tile and the always-kept key range stay), all within the allowed
+// tiles. The mass sums run in another order than PyTorch's, so a tile on the edge of keep_mass may
+// differ from sparse.map_rows; the lists of a given map are exact.
+#include "common/launch.h"
+#include "common/portable.h"
+#include "quantize/params.h"
+
+namespace nvfp4_dit {
+namespace {
+
+constexpr int kThreads = launch::kBlockListsThreads;
+constexpr int kWarps = kThreads / 32;
+constexpr int kMaxWords = launch::kBlockListsMaxTiles / 32;
+constexpr int kListWarps = launch::kBlockListRowsPerCta;
+
+constexpr int kMaxPerThread = launch::kBlockListsMaxTiles / kThreads;  // a row's masses, in registers
+constexpr uint32_t kOneBits = 0x3F800000u;                             // the bits of 1.0f
+
+__device__ __forceinline__ uint32_t lanes_below() {
+  uint32_t mask;
+  asm("mov.u32 %0, %%lanemask_lt;" : "=r"(mask));
+  return mask;
+}
+
+// x combined over the CTA (max or sum); every thread gets the result.
+template <bool kMax>
+__device__ __forceinline__ float cta_reduce(float x, float* partial) {
+#pragma unroll
+  for (int off = 16; off; off >>= 1) {
+    const float y = __shfl_xor_sync(0xFFFFFFFFu, x, off);
+    x = kMax ? fmaxf(x, y) : x + y;
+  }
+  __syncthreads();  // earlier readers of partial are done
+  if ((threadIdx.x & 31) == 0) partial[threadIdx.x / 32] = x;
+  __syncthreads();
+  float r = partial[0];
+#pragma unroll
+  for (int w = 1; w < kWarps; ++w) r = kMax ? fmaxf(r, partial[w]) : r + partial[w];
+  return r;
+}
+
+__device__ __forceinline__ int64_t map_row_index(const BlockListsParams& p, int64_t c, int64_t bh, int64_t m) {
+  return (c * p.batch * p.heads + bh) * p.step + m;
+}
+
+// Tile j of Q block i holds a visible key for the causal rule, kv_lens and the caller's map.
+__device__ __forceinline__ bool tile_allowed(const BlockListsParams& p, int64_t b, int64_t h, int64_t i, int j,
+                                             int64_t visible_keys) {
+  if (static_cast<int64_t>(j) * 128 >= visible_keys) return false;
+  if (p.causal && j > i) return false;
+  if (p.block_mask != nullptr &&
+      p.block_mask[b * p.block_mask_stride_b + h * p.block_mask_stride_h + i * p.block_mask_stride_q + j] == 0)
+    return false;
+  return true;
+}
+
+// The CTA's sum of the masses whose bits are at least `bits`.
+__device__ __forceinline__ float cta_mass_from(const float (&mass)[kMaxPerThread], uint32_t bits, float* partial) {
+  float sum = 0.0f;
+#pragma unroll
+  for (int e = 0; e < kMaxPerThread; ++e) sum += __float_as_uint(mass[e]) >= bits ? mass[e] : 0.0f;
+  return cta_reduce<false>(sum, partial);
+}
+
+// The estimate of one row into `selected` (bit words in shared memory, zeroed by the caller): the
+// fewest allowed tiles by descending mass (ties to the lower tile) whose mass reaches keep_mass.
+// Thread t holds the masses of tiles t + kThreads * e in registers.
+__device__ void select_by_mass(const BlockListsParams& p, int64_t b, int64_t h, int64_t bh, int64_t g, int64_t i,
+                               int64_t visible_keys, float* partial, uint32_t* selected) {
+  const int nk = static_cast<int>(p.num_k_tiles);
+  const float* scores = p.scores + (bh * p.rows + g) * p.num_k_tiles;
+  const float* log_weights = p.log_weights + b * p.log_weights_stride_b + h * p.log_weights_stride_h;
+  const float row_factor = rsqrtf(fmaxf(p.q_similarity[bh * p.num_q_blocks + i], p.similarity_threshold));
+  float mass[kMaxPerThread];
+  float top = -INFINITY;
+#pragma unroll
+  for (int e = 0; e < kMaxPerThread; ++e) {
+    const int j = threadIdx.x + kThreads * e;
+    float z = -INFINITY;
+    if (j < nk && log_weights[j] > -INFINITY && tile_allowed(p, b, h, i, j, visible_keys))
+      z = scores[j] * p.scale * row_factor + log_weights[j];
+    mass[e] = z;
+    top = fmaxf(top, z);
+  }
+  top = cta_reduce<true>(top, partial);
+  if (top == -INFINITY) return;  // no candidate: the estimate keeps nothing
+  float total = 0.0f;
+#pragma unroll
+  for (int e = 0; e < kMaxPerThread; ++e) {
+    mass[e] = expf(mass[e] - top);
+    total += mass[e];
+  }
+  total = cta_reduce<false>(total, partial);
+#pragma unroll
+  for (int e = 0; e < kMaxPerThread; ++e) {
+    const float m = mass[e] / total;
+    mass[e] = m >= 0.0f ? m : 0.0f;  // a NaN row (non-finite inputs) keeps nothing, as in PyTorch
+  }
+  auto mass_from = [&](uint32_t bits) { return cta_mass_from(mass, bits, partial); };
+  // tau: the largest bits with mass_from(tau) >= keep_mass, in [1, 1.0f]; if even every positive
+  // mass together stays below keep_mass (rounding), every positive mass is kept.
+  uint32_t tau = 1u;
+  int tied_kept = 1 << 30;
+  if (mass_from(1u) >= p.keep_mass) {
+    uint32_t hi = kOneBits + 1u;  // mass_from(hi) == 0 < keep_mass
+    while (hi - tau > 1u) {
+      const uint32_t mid = tau + (hi - tau) / 2u;
+      if (mass_from(mid) >= p.keep_mass) tau = mid; else hi = mid;
+    }
+    // Masses above tau are all kept; of those equal to it, in tile order, while the mass before
+    // each stays below keep_mass.
+    const float above = mass_from(tau + 1u), tied_mass = __uint_as_float(tau);
+    float before = above;
+    for (tied_kept = 0; before < p.keep_mass && tied_kept < nk; ++tied_kept) before += tied_mass;
+  }
+  // Tie ranks in tile order (tile t + kThreads * e: slot e first, then thread) only where the ties
+  // outnumber the kept ones.
+  int tied_total = 0;
+#pragma unroll
+  for (int e = 0; e < kMaxPerThread; ++e) tied_total += __float_as_uint(mass[e]) == tau && mass[e] > 0.0f;
+  tied_total = static_cast<int>(cta_reduce<false>(static_cast<float>(tied_total), partial));
+  const bool rank_ties = tied_total > tied_kept;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
+  int tied_before_slot = 0;
+#pragma unroll
+  for (int e = 0; e < kMaxPerThread; ++e) {
+    const int j = threadIdx.x + kThreads * e;
+    const uint32_t bits = __float_as_uint(mass[e]);
+    const bool tied = bits == tau && mass[e] > 0.0f;
+    bool keep = bits > tau || (tied && !rank_ties);
+    if (rank_ties) {  // CTA-uniform
+      const uint32_t ballot = __ballot_sync(0xFFFFFFFFu, tied);
+      __syncthreads();
+      if (lane == 0) partial[warp] = static_cast<float>(__popc(ballot));
+      __syncthreads();
+      int rank = tied_before_slot + __popc(ballot & lanes_below());
+      for (int w = 0; w < kWarps; ++w) {
+        const int n = static_cast<int>(partial[w]);
+        if (w < warp) rank += n;
+        tied_before_slot += n;
+      }
+      keep = keep || (tied && rank < tied_kept);
+    }
+    if (keep && j < nk) atomicOr(&selected[j / 32], 1u << (j % 32));
+  }
+  __syncthreads();
+}
+
+__device__ void block_map_rows(const BlockListsParams& p) {
+  __shared__ uint32_t selected[kMaxWords];
+  __shared__ float partial[kWarps];
+  __shared__ int32_t word_count[kMaxWords];
+
+  const int64_t g = blockIdx.x, bh = blockIdx.y;
+  const int64_t b = bh / p.heads, h = bh % p.heads;
+  const int64_t c = g / p.step, m = g % p.step;
+  const int64_t r = map_row_index(p, c, bh, m);
+  const int nk = static_cast<int>(p.num_k_tiles), words = static_cast<int>(p.words);
+  uint32_t* bits = p.bits + r * p.words;
+  int32_t* prefix = p.word_prefix + r * p.words;
+  if (g >= p.rows) {  // a padding row of the last chunk: empty
+    for (int w = threadIdx.x; w < words; w += kThreads) bits[w] = prefix[w] = 0;
+    if (threadIdx.x == 0) p.row_counts[r] = 0;
+    return;
+  }
+  const int64_t i = p.block_begin + g;
+  int64_t visible_keys = p.seq_k;
+  if (p.kv_lens != nullptr) visible_keys = min(max(static_cast<int64_t>(p.kv_lens[b]), int64_t(0)), p.seq_k);
+
+  for (int w = threadIdx.x; w < words; w += kThreads) selected[w] = 0u;
+  __syncthreads();
+  const bool estimated = p.scores != nullptr;
+  bool keep_all = !estimated;
+  if (estimated) {
+    select_by_mass(p, b, h, bh, g, i, visible_keys, partial, selected);
+    // The safeguard: a block whose rows share no direction keeps every tile.
+    keep_all = p.q_similarity[bh * p.num_q_blocks + i] < p.similarity_threshold;
+  }
+  const float* log_weights = estimated ? p.log_weights + b * p.log_weights_stride_b + h * p.log_weights_stride_h : nullptr;
+  int32_t* col_counts = p.col_counts + (c * p.batch * p.heads + bh) * p.num_k_tiles;
+  uint8_t* row_map = p.row_map != nullptr ? p.row_map + (bh * p.rows + g) * p.num_k_tiles : nullptr;
+  const int lane = threadIdx.x & 31;
+  for (int w = threadIdx.x / 32; w < words; w += kWarps) {
+    const int j = 32 * w + lane;
+    bool keep = false;
+    if (j < nk && tile_allowed(p, b, h, i, j, visible_keys) && (!estimated || log_weights[j] > -INFINITY)) {
+      keep = keep_all || ((selected[w] >> lane) & 1u) != 0u;
+      if (estimated) {
+        keep = keep || j == i ||
+               (static_cast<int64_t>(j) * 128 < p.always_keep_end && static_cast<int64_t>(j + 1) * 128 > p.always_keep_begin);
+      }
+    }
+    const uint32_t word = __ballot_sync(0xFFFFFFFFu, keep);
+    if (lane == 0) {
+      bits[w] = word;
+      word_count[w] = __popc(word);
+    }
+    if (keep) atomicAdd(&col_counts[j], 1);
+    if (row_map != nullptr && j < nk) row_map[j] = keep;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int32_t total = 0;
+    for (int w = 0; w < words; ++w) {
+      prefix[w] = total;
+      total += word_count[w];
+    }
+    p.row_counts[r] = total;
+  }
+}
+
+__device__ void block_list_rows(const BlockListsParams& p) {
+  const int64_t g = static_cast<int64_t>(blockIdx.x) * kListWarps + threadIdx.x / 32, bh = blockIdx.y;
+  if (g >= p.chunks * p.step) return;
+  const int64_t c = g / p.step, m = g % p.step;
+  const int64_t r = map_row_index(p, c, bh, m);
+  const int64_t per_chunk = p.batch * p.heads * p.step;
+  const int64_t base = p.offsets[c * (per_chunk + 1) + bh * p.step + m];
+  int32_t* tiles = p.tiles + c * per_chunk * p.num_k_tiles;
+  const int lane = threadIdx.x & 31;
+  for (int64_t w = 0; w < p.words; ++w) {  // lane l writes tile 32 w + l if listed: coalesced
+    const uint32_t word = p.bits[r * p.words + w];
+    if ((word >> lane) & 1u) tiles[base + p.word_prefix[r * p.words + w] + __popc(word & lanes_below())] = 32 * w + lane;
+  }
+}
+
+__device__ void block_list_columns(const BlockListsParams& p) {
+  const int64_t columns = p.batch * p.heads * p.num_k_tiles;
+  const int64_t col = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32, c = blockIdx.y;
+  if (col >= columns) return;
+  const int64_t bh = col / p.num_k_tiles;
+  const int j = static_cast<int>(col % p.num_k_tiles);
+  const int64_t per_chunk = p.batch * p.heads * p.step;
+  const int32_t* offsets = p.offsets + c * (per_chunk + 1) + bh * p.step;
+  const int64_t entries = per_chunk * p.num_k_tiles;
+  int32_t* rows = p.col_rows + c * entries;
+  int32_t* col_entries = p.col_entries + c * entries;
+  int64_t slot = p.col_offsets[c * (columns + 1) + col];
+  const uint32_t below = (1u << (j % 32)) - 1u;
+  const int lane = threadIdx.x & 31;
+  for (int64_t m0 = 0; m0 < p.step; m0 += 32) {  // lane l takes Q block m0 + l: coalesced writes
+    const int64_t m = m0 + lane;
+    bool listed = false;
+    int32_t entry = 0;
+    if (m < p.step) {
+      const int64_t r = map_row_index(p, c, bh, m);
+      const uint32_t word = p.bits[r * p.words + j / 32];
+      listed = (word >> (j % 32)) & 1u;
+      if (listed) entry = offsets[m] + p.word_prefix[r * p.words + j / 32] + __popc(word & below);
+    }
+    const uint32_t ballot = __ballot_sync(0xFFFFFFFFu, listed);
+    if (listed) {
+      const int64_t at = slot + __popc(ballot & lanes_below());
+      rows[at] = static_cast<int32_t>(m);
+      col_entries[at] = entry;
+    }
+    slot += __popc(ballot);
+  }
+}
+
+}  // namespace
+}  // namespace nvfp4_dit
+
+// Entry points (common/launch.h).
+// Four CTAs per SM: 64 registers, enough for a row's masses without spilling.
+extern "C" __global__ void __launch_bounds__(nvfp4_dit::kThreads, 4)
+    nvfp4_dit_block_map_rows(const __grid_constant__ nvfp4_dit::BlockListsParams p) {
+  nvfp4_dit::block_map_rows(p);
+}
+extern "C" __global__ void __launch_bounds__(32 * nvfp4_dit::kListWarps)
+    nvfp4_dit_block_list_rows(const __grid_constant__ nvfp4_dit::BlockListsParams p) {
+  nvfp4_dit::block_list_rows(p);
+}
+extern "C" __global__ void __launch_bounds__(nvfp4_dit::kThreads)
+    nvfp4_dit_block_list_columns(const __grid_constant__ nvfp4_dit::BlockListsParams p) {
+  nvfp4_dit::block_list_columns(p);
+}

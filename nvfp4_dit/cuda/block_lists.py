@@ -1,0 +1,110 @@
+"""The block map of a block-sparse call and its lists, on the GPU (``csrc/quantize/block_lists.cu``).
+
+The same map and lists as :func:`nvfp4_dit.sparse.lists_by_group` (the PyTorch twin, which the
+``torch`` quantiser path and the reference use): per group of correction chunks, the pooled scores
+(one batched matmul of the quantiser's block means) go to ``block_map_rows``, which estimates each
+Q block's tiles in one CTA (softmax, the threshold mass by bisection, the safeguards) and writes the
+map as bit words with its row and column counts; two scans of the counts give the CSR and CSC offsets, and
+``block_list_rows`` / ``block_list_columns`` write the lists. A handful of launches per group instead
+of dozens of passes over the bool map, and nothing waits for the GPU.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Optional, Sequence
+
+import torch
+
+from .. import sparse as sp
+from . import abi
+from .launch import DeviceKernels
+
+_MAP_ROWS, _LIST_ROWS, _LIST_COLUMNS = abi.BLOCK_LISTS_ENTRIES
+
+
+def supported(grid: sp.TileGrid) -> bool:
+    """Whether the kernels take this call's rows (at most ``BLOCK_LISTS_MAX_TILES`` key tiles)."""
+    return grid.nk <= abi.BLOCK_LISTS_MAX_TILES
+
+
+def _strides_or_zero(t: torch.Tensor) -> list[int]:
+    """Element strides, 0 along broadcast (size-1) dimensions."""
+    return [0 if size == 1 else stride for size, stride in zip(t.shape, t.stride())]
+
+
+def lists_by_group(dk: DeviceKernels, stats: Optional[sp.BlockStatistics], sparsity: sp.Sparsity,
+                   grid: sp.TileGrid, chunks: Sequence[tuple[int, int]], stream: int,
+                   with_map: bool = False) -> Iterator[tuple[list, Optional[torch.Tensor], sp.BlockLists]]:
+    """Per group of consecutive correction ``chunks``: ``(group, rows_map, lists)`` as
+    :func:`nvfp4_dit.sparse.lists_by_group` gives them, made by the kernels on ``stream``.
+    ``rows_map`` (bool [B, H, rows, nk]) is written only ``with_map`` (else None). The list regions
+    past each chunk's entries are not written. ``stats`` is read when the map is estimated."""
+    b, h, nq, nk = grid.batch, grid.heads, grid.nq, grid.nk
+    if not supported(grid):
+        raise ValueError(f"the block-list kernels take at most {abi.BLOCK_LISTS_MAX_TILES} key tiles, got {nk}")
+    bh, words = b * h, -(-nk // 32)
+    estimated = sparsity.estimated
+    device = sparsity.block_mask.device if stats is None else stats.q_mean.device
+    i32 = dict(dtype=torch.int32, device=device)
+    p = abi.BlockListsParams(
+        scale=grid.scale, similarity_threshold=sp.SIMILARITY_THRESHOLD, causal=int(grid.causal),
+        batch=b, heads=h, seq_k=grid.seq_k, num_q_blocks=nq, num_k_tiles=nk, words=words)
+    keep = []   # tensors whose addresses the launches hold
+    if estimated:
+        weights = grid.tile_log_weights(device)
+        similarity = stats.q_similarity.float().contiguous()
+        p.log_weights, (p.log_weights_stride_b, p.log_weights_stride_h, _) = weights.data_ptr(), _strides_or_zero(weights)
+        p.q_similarity, p.keep_mass = similarity.data_ptr(), sparsity.keep_mass
+        if sparsity.always_keep is not None:
+            p.always_keep_begin, p.always_keep_end = sparsity.always_keep
+        keep += [weights, similarity]
+    if sparsity.block_mask is not None:
+        mask = sparsity.block_mask if sparsity.block_mask.stride(-1) == 1 else sparsity.block_mask.contiguous()
+        p.block_mask = mask.data_ptr()
+        p.block_mask_stride_b, p.block_mask_stride_h, p.block_mask_stride_q, _ = _strides_or_zero(mask)
+        keep.append(mask)
+    if grid.kv_lens is not None:
+        lens = grid.kv_lens.to(device=device, dtype=torch.int32).contiguous()
+        p.kv_lens = lens.data_ptr()
+        keep.append(lens)
+    map_rows, list_rows, list_columns = (dk.kernel(name) for name in (_MAP_ROWS, _LIST_ROWS, _LIST_COLUMNS))
+    for group in sp.chunk_groups(chunks, bh, nk):
+        g0, g1 = group[0][0], group[-1][1]
+        lengths = [c1 - c0 for c0, c1 in group]
+        step, n_chunks, rows = max(lengths), len(group), g1 - g0
+        if bh * step * nk >= 2**31:
+            raise ValueError(f"a correction chunk's block map of {bh * step * nk} elements exceeds int32 lists")
+        scores = sp.pooled_scores(stats, g0, g1) if estimated else None
+        bits = torch.empty(n_chunks, bh * step, words, **i32)
+        row_counts = torch.empty(n_chunks, bh, step, **i32)
+        word_prefix = torch.empty(n_chunks, bh * step, words, **i32)
+        col_counts = torch.zeros(n_chunks, bh * nk, **i32)
+        rows_map = torch.empty(b, h, rows, nk, dtype=torch.bool, device=device) if with_map else None
+        p.scores = None if scores is None else scores.data_ptr()
+        p.block_begin, p.rows, p.step, p.chunks = g0, rows, step, n_chunks
+        p.bits, p.row_counts, p.word_prefix, p.col_counts = (t.data_ptr() for t in (bits, row_counts, word_prefix,
+                                                                                     col_counts))
+        p.row_map = None if rows_map is None else rows_map.data_ptr()
+        map_rows.launch((n_chunks * step, bh), abi.BLOCK_LISTS_THREADS, [p], stream)
+
+        offsets, col_offsets = sp.offsets_of(row_counts), sp.offsets_of(col_counts)
+        entries = bh * step * nk
+        tiles, col_rows, col_entries = (torch.empty(n_chunks, entries, **i32) for _ in range(3))
+        p.offsets, p.col_offsets = offsets.data_ptr(), col_offsets.data_ptr()
+        p.tiles, p.col_rows, p.col_entries = tiles.data_ptr(), col_rows.data_ptr(), col_entries.data_ptr()
+        rows_per_cta = abi.BLOCK_LIST_ROWS_PER_CTA                 # a warp per map row
+        list_rows.launch((-(-n_chunks * step // rows_per_cta), bh), 32 * rows_per_cta, [p], stream)
+        columns_per_cta = abi.BLOCK_LISTS_THREADS // 32            # a warp per column
+        list_columns.launch((-(-bh * nk // columns_per_cta), n_chunks), abi.BLOCK_LISTS_THREADS, [p], stream)
+        order = sp.visiting_order(row_counts, lengths, nk)
+        yield group, rows_map, sp.BlockLists(offsets=offsets, tiles=tiles, order=order, col_offsets=col_offsets,
+                                             col_rows=col_rows, col_entries=col_entries, step=step)
+    del keep
+
+
+def block_map(dk: DeviceKernels, stats: Optional[sp.BlockStatistics], sparsity: sp.Sparsity, grid: sp.TileGrid,
+              chunks: Sequence[tuple[int, int]], stream: int) -> torch.Tensor:
+    """The whole block map the kernels make for a call, bool [B, H, nq, nk] (for
+    :func:`nvfp4_dit.sparse.estimate_block_mask`)."""
+    return torch.cat([rows_map for _, rows_map, _ in lists_by_group(dk, stats, sparsity, grid, chunks, stream,
+                                                                   with_map=True)], dim=2)
