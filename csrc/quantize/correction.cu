@@ -235,6 +235,9 @@ __device__ __forceinline__ void correction_kernel(const CorrectionParams& p) {
     convert_q_means<DP>(s, p, bh, m0, n_items, rows, k_scale);
     __syncthreads();
 
+    // A warp whose 16 rows are all past the step's items has nothing to compute (a sparse column
+    // lists fewer rows than the step holds; the chunk's last step): its MMAs would be discarded.
+    if (m0 + wm * 16 >= n_items) continue;
     // Two passes of 32 keys per warp keep the accumulators at 64 registers (two CTAs per SM).
 #pragma unroll 1
     for (int pass = 0; pass < 2; ++pass) {
