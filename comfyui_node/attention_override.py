@@ -25,6 +25,7 @@ import torch
 from nvfp4_dit import planner
 from nvfp4_dit.fallback import warn_once
 from nvfp4_dit.policy import AttentionPolicy, Precision
+from nvfp4_dit.sparse import Sparsity, VideoTokens
 
 logger = logging.getLogger("nvfp4_dit.comfyui")
 
@@ -113,6 +114,20 @@ def layer_name(transformer_options: dict, cross: bool) -> Optional[str]:
     kind = transformer_options.get("block_type")
     prefix = f"{kind}_blocks" if isinstance(kind, str) and kind else "blocks"
     return f"{prefix}.{index}.{'cross' if cross else 'self'}"
+
+
+PLANNED = object()   # NVFP4AttentionOverride.run: the plan's own sparsity
+
+
+def video_tokens(transformer_options: dict) -> Optional[VideoTokens]:
+    """The video tokens of the forward in progress where the model reports its latent token grid
+    (ComfyUI's Wan: ``grid_sizes``, the patched latent's (T, H, W)), else None. Read in every call
+    from that forward's options: nothing is kept."""
+    grid = transformer_options.get("grid_sizes")
+    try:
+        return VideoTokens(tuple(int(n) for n in grid)) if grid is not None else None
+    except (TypeError, ValueError):
+        return None
 
 
 def diffusion_model_class(model) -> str:
@@ -240,7 +255,8 @@ class NVFP4AttentionOverride:
             policy.keep_mass is not None and any(policy.sparse_off_steps))) else None
         scale = extra.get("scale")
         call = planner.plan_call(q4, k4, v4, layout=layout, policy=policy, attn_mask=mask, enable_gqa=True,
-                                 scale=scale, cross=cross, step=step, layer=layer_name(options, cross))
+                                 scale=scale, cross=cross, step=step, layer=layer_name(options, cross),
+                                 video=video_tokens(options) if policy.keep_mass is not None else None)
         if not call.run_op:
             if call.warn:
                 _warn_once(call.reason)
@@ -252,16 +268,19 @@ class NVFP4AttentionOverride:
         )
 
     @staticmethod
-    def run(plan: dict, precision: Optional[Precision] = None) -> torch.Tensor:
-        """Run a plan of :meth:`plan` (in ``precision`` instead of the planned one, for calibration)."""
+    def run(plan: dict, precision: Optional[Precision] = None, sparsity=PLANNED) -> torch.Tensor:
+        """Run a plan of :meth:`plan` (in ``precision`` and with ``sparsity`` (a
+        :class:`nvfp4_dit.sparse.Sparsity` or None for dense) instead of the planned ones, for
+        calibration)."""
         from nvfp4_dit import ops
 
         call = plan["plan"]
+        sparsity = call.sparsity if sparsity is PLANNED else sparsity
         out = ops.run_fp4(plan["q"], plan["k"], plan["v"], layout=plan["layout"], causal=False, scale=plan["scale"],
                           key_mask=call.key_mask, kv_lens=None, return_lse=False, backend=call.backend,
                           balance_qk=call.balance_qk if precision is None else precision.balance_qk,
                           qk_format=call.qk_format if precision is None else precision.qk_format,
-                          sparsity=call.sparsity)
+                          sparsity=sparsity)
         batch, heads, queries, head_dim = plan["batch"], plan["heads"], plan["queries"], plan["head_dim"]
         if plan["layout"] == "NHD":  # out [B, Lq, H, D]
             if plan["skip_output_reshape"]:
@@ -276,7 +295,9 @@ class NVFP4AttentionOverride:
 class CalibratingOverride(NVFP4AttentionOverride):
     """Calibration inside a graph: every call runs the model's own attention (the sampled result is
     the exact one), and each call the policy would run in NVFP4, in a named block, is also run in
-    every NVFP4 precision to measure its error (:class:`~nvfp4_dit.calibration.CalibrationTable`).
+    every NVFP4 precision to measure its error (:class:`~nvfp4_dit.calibration.CalibrationTable`);
+    with a ``keep_mass`` in ``policy``, also at each ``keep_mass`` of the ladder
+    (:data:`~nvfp4_dit.calibration.KEEP_MASS_LADDER`) where the policy runs the call sparse.
 
     The calibrated policy (the uniform rules of ``policy`` plus per-layer entries) is written to
     ``path`` as the sampler moves to the next step and on every call of the last step, so the file
@@ -308,9 +329,22 @@ class CalibratingOverride(NVFP4AttentionOverride):
             return exact
         import nvfp4_dit
 
+        from nvfp4_dit import ops
+        from nvfp4_dit.calibration import KEEP_MASS_LADDER
+
         step = sampling_step(options)
+        call = plan["plan"]
+
+        def run_in(precision, keep_mass):
+            if keep_mass is None:
+                return self.run(plan, precision, None), 1.0
+            sparsity = Sparsity(keep_mass=keep_mass, always_keep=call.always_keep)
+            density = ops.block_density(plan["q"], plan["k"], layout=plan["layout"], causal=False,
+                                        scale=plan["scale"], key_mask=call.key_mask, sparsity=sparsity)
+            return self.run(plan, precision, sparsity), density
+
         try:
-            self.table.measure(layer, step, exact, lambda precision: self.run(plan, precision))
+            self.table.measure(layer, step, exact, run_in, ladder=KEEP_MASS_LADDER if call.keep_mass is not None else ())
         except (nvfp4_dit.BackendUnavailableError, ValueError, TypeError) as error:
             _warn_once(f"calibration could not run nvfp4_dit.attention ({error})")
             return exact

@@ -244,6 +244,17 @@ def _through_custom_op(q, k, v) -> bool:
             or type(v) is not torch.Tensor or q.requires_grad or k.requires_grad or v.requires_grad)
 
 
+def block_density(q, k, *, layout: str, causal: bool, scale: Optional[float], key_mask: Optional[KeyMask],
+                  sparsity: sparse.Sparsity) -> float:
+    """The share of key tiles the block map of a :func:`run_fp4` call with these arguments keeps
+    (its statistics in PyTorch, as the exact paths take them): for calibration and reports (it
+    reads the result on the host)."""
+    lens = combine_kv_lens(key_mask, None)
+    block_map = _inputs_block_map(q, k, layout, causal, scale, lens, None if key_mask is None else key_mask.bias,
+                                  sparsity)
+    return float(block_map.float().mean())
+
+
 def run_fp4(q, k, v, *, layout: str, causal: bool, scale: Optional[float], key_mask: Optional[KeyMask],
             kv_lens: Optional[torch.Tensor], return_lse: bool, backend: str, balance_qk: bool, qk_format: str,
             sparsity: Optional[sparse.Sparsity] = None):

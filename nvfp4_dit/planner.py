@@ -44,19 +44,22 @@ class CallPlan:
 
     ``run_op``: run :func:`nvfp4_dit.ops.run_fp4` with ``backend`` ("cuda" or "reference": FP4;
     "sdpa": the op's exact attention, e.g. to compare through the same wrapper), ``balance_qk``,
-    ``qk_format``, ``key_mask`` and ``sparsity`` (from ``keep_mass``: block-sparse, None: dense);
+    ``qk_format``, ``key_mask`` and ``sparsity`` (from ``keep_mass``: block-sparse, None: dense;
+    ``always_keep``: the keys its estimate keeps, the text of a joint video sequence);
     else the caller's own exact attention, for ``reason``, worth one warning when ``warn``.
     ``fp4``: whether the call runs in FP4.
     """
 
-    __slots__ = ("run_op", "reason", "warn", "backend", "balance_qk", "qk_format", "key_mask", "keep_mass")
+    __slots__ = ("run_op", "reason", "warn", "backend", "balance_qk", "qk_format", "key_mask", "keep_mass",
+                 "always_keep")
 
     def __init__(self, run_op: bool, reason: Optional[str] = None, warn: bool = False, backend: str = "sdpa",
                  balance_qk: bool = fmt.BALANCE_QK_DEFAULT, qk_format: str = fmt.QK_FORMAT_DEFAULT,
-                 key_mask: Optional[KeyMask] = None, keep_mass: Optional[float] = None):
+                 key_mask: Optional[KeyMask] = None, keep_mass: Optional[float] = None,
+                 always_keep: Optional[tuple[int, int]] = None):
         self.run_op, self.reason, self.warn = run_op, reason, warn
         self.backend, self.balance_qk, self.qk_format, self.key_mask = backend, balance_qk, qk_format, key_mask
-        self.keep_mass = keep_mass
+        self.keep_mass, self.always_keep = keep_mass, always_keep
 
     @property
     def fp4(self) -> bool:
@@ -65,7 +68,8 @@ class CallPlan:
     @property
     def sparsity(self) -> Optional[sparse.Sparsity]:
         """The block-sparse call of ``keep_mass`` (estimated per call), or None for dense."""
-        return None if self.keep_mass is None else sparse.Sparsity(keep_mass=self.keep_mass)
+        return None if self.keep_mass is None else sparse.Sparsity(keep_mass=self.keep_mass,
+                                                                     always_keep=self.always_keep)
 
     def __repr__(self) -> str:
         if self.run_op:
@@ -164,10 +168,12 @@ def policy_reason(policy: AttentionPolicy, *, cross: Optional[bool] = None, step
 def plan_call(q, k, v, *, layout: str, policy: AttentionPolicy, attn_mask: Optional[torch.Tensor] = None,
               is_causal: bool = False, dropout_p: float = 0.0, enable_gqa: bool = True,
               scale: Optional[float] = None, cross: Optional[bool] = None, step: Optional[tuple[int, int]] = None,
-              layer: Optional[str] = None, check_layer: bool = True, check_step: bool = True) -> CallPlan:
+              layer: Optional[str] = None, check_layer: bool = True, check_step: bool = True,
+              video: Optional[sparse.VideoTokens] = None) -> CallPlan:
     """The plan of one attention call given SDPA's arguments (``attn_mask`` with SDPA's semantics,
     broadcastable to [B, H, Sq, Sk]; ``layout`` "NHD" or "HND") and what the caller knows of it:
-    its ``cross``-attention role, denoising ``step`` ``(index, total)`` and ``layer`` name. A caller
+    its ``cross``-attention role, denoising ``step`` ``(index, total)``, ``layer`` name and the
+    forward's ``video`` tokens (a block-sparse call keeps every key that is not video). A caller
     that applied the layer and step rules itself passes ``check_layer`` / ``check_step`` False (the
     step still chooses between sparse and dense NVFP4)."""
     reason, precision = policy_reason(policy, cross=cross, step=step if check_step else None, layer=layer,
@@ -194,5 +200,7 @@ def plan_call(q, k, v, *, layout: str, policy: AttentionPolicy, attn_mask: Optio
             key_mask = reduce_key_mask(attn_mask, b, h, sq, sk)
         except NotPerKeyMask as e:
             return exact(str(e), warn=True)
+    keep_mass = policy.keep_mass_for(step, sq, sk, layer)
+    always_keep = None if keep_mass is None or video is None else video.other_keys(sk)
     return CallPlan(True, backend=backend, balance_qk=balance_qk, qk_format=qk_format, key_mask=key_mask,
-                    keep_mass=policy.keep_mass_for(step, sq, sk))
+                    keep_mass=keep_mass, always_keep=always_keep)

@@ -42,7 +42,7 @@ LayerSpec = Union[str, int]
 _BLOCK_INDEX = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
 
 STEP_BUCKETS = ("first", "middle", "last")
-POLICY_FILE_VERSION = 2
+POLICY_FILE_VERSION = 3   # 3: per-layer keep_mass, density and sparse_errors
 
 
 def _check_bool(name: str, value) -> None:
@@ -113,12 +113,20 @@ class LayerPrecision:
         precision: a :class:`Precision` (one of :data:`PRECISIONS`).
         errors: ``((precision, relative L2 error of the attention output), ...)`` measured by
             :func:`nvfp4_dit.calibrate` (empty when written by hand).
+        keep_mass: the block-sparse ``keep_mass`` this layer runs at (1.0: dense NVFP4), or None
+            where the calibration measured no sparsity (the policy's ``keep_mass`` applies).
+        density: the share of key tiles the estimate kept at ``keep_mass`` when measured.
+        sparse_errors: ``((precision, keep_mass, relative L2 error, density), ...)``: the
+            calibration's ladder of block-sparse runs.
     """
 
     layer: str
     bucket: str
     precision: Precision
     errors: tuple[tuple[Precision, float], ...] = ()
+    keep_mass: Optional[float] = None
+    density: Optional[float] = None
+    sparse_errors: tuple[tuple[Precision, float, float, float], ...] = ()
 
     def __post_init__(self):
         if not isinstance(self.layer, str) or not self.layer:
@@ -131,10 +139,24 @@ class LayerPrecision:
         if any(not isinstance(p, Precision) for p, _ in errors):
             raise TypeError(f"errors must pair a Precision with an error, got {self.errors!r}")
         object.__setattr__(self, "errors", errors)
+        object.__setattr__(self, "keep_mass", check_keep_mass(self.keep_mass))
+        if self.keep_mass is not None and self.precision.exact:
+            raise ValueError("an exact layer has no keep_mass")
+        if self.density is not None:
+            object.__setattr__(self, "density", float(self.density))
+            if not 0.0 <= self.density <= 1.0:
+                raise ValueError(f"density must be in [0, 1], got {self.density}")
+        sparse_errors = tuple((p, float(k), float(e), float(d)) for p, k, e, d in self.sparse_errors)
+        if any(not isinstance(p, Precision) for p, *_ in sparse_errors):
+            raise TypeError(f"sparse_errors must start each entry with a Precision, got {self.sparse_errors!r}")
+        object.__setattr__(self, "sparse_errors", sparse_errors)
 
     def to_dict(self) -> dict:
         return {"layer": self.layer, "bucket": self.bucket, **self.precision.to_dict(),
-                "errors": [{**p.to_dict(), "error": e} for p, e in self.errors]}
+                "errors": [{**p.to_dict(), "error": e} for p, e in self.errors],
+                "keep_mass": self.keep_mass, "density": self.density,
+                "sparse_errors": [{**p.to_dict(), "keep_mass": k, "error": e, "density": d}
+                                  for p, k, e, d in self.sparse_errors]}
 
     @classmethod
     def from_dict(cls, d: dict, version: int) -> "LayerPrecision":
@@ -146,7 +168,10 @@ class LayerPrecision:
             return cls(d["layer"], d["bucket"], old(d["precision"]),
                        tuple((old(p), e) for p, e in d.get("errors", {}).items()))
         return cls(d["layer"], d["bucket"], Precision.from_dict(d),
-                   tuple((Precision.from_dict(e), e["error"]) for e in d.get("errors", [])))
+                   tuple((Precision.from_dict(e), e["error"]) for e in d.get("errors", [])),
+                   keep_mass=d.get("keep_mass"), density=d.get("density"),
+                   sparse_errors=tuple((Precision.from_dict(e), e["keep_mass"], e["error"], e["density"])
+                                       for e in d.get("sparse_errors", [])))
 
 
 def _check_per_layer(entries) -> Optional[tuple[LayerPrecision, ...]]:
@@ -293,12 +318,16 @@ class AttentionPolicy:
         unknown step (None) is not."""
         return _in_edge_steps(step, self.dense_steps)
 
-    def keep_mass_for(self, step: Optional[tuple[int, int]], seq_q: int, seq_k: int) -> Optional[float]:
-        """The ``keep_mass`` of an NVFP4 call at ``step`` (None: unknown) with these lengths: None
-        (dense) without ``keep_mass``, on the ``sparse_off_steps`` and below ``sparse_min_seq_len``."""
-        if self.keep_mass is None or self.keep_mass == 1.0 or min(seq_q, seq_k) < self.sparse_min_seq_len:
+    def keep_mass_for(self, step: Optional[tuple[int, int]], seq_q: int, seq_k: int,
+                      layer: Optional[str] = None) -> Optional[float]:
+        """The ``keep_mass`` of an NVFP4 call at ``step`` (None: unknown) with these lengths, in
+        module ``layer``: the layer's calibrated one where ``per_layer`` has it, else the policy's;
+        None (dense) without one, on the ``sparse_off_steps`` and below ``sparse_min_seq_len``."""
+        entry = self.layer_entry(layer, step)
+        keep_mass = self.keep_mass if entry is None or entry.keep_mass is None else entry.keep_mass
+        if keep_mass is None or keep_mass == 1.0 or min(seq_q, seq_k) < self.sparse_min_seq_len:
             return None
-        return None if _in_edge_steps(step, self.sparse_off_steps) else self.keep_mass
+        return None if _in_edge_steps(step, self.sparse_off_steps) else keep_mass
 
     def dense_reason(self, *, cross: Optional[bool] = None, step: Optional[tuple[int, int]] = None,
                      seq_q: Optional[int] = None, seq_k: Optional[int] = None) -> Optional[str]:
@@ -316,16 +345,21 @@ class AttentionPolicy:
             return "short sequence"
         return None
 
-    def precision_for(self, layer: Optional[str], step: Optional[tuple[int, int]]) -> Optional[Precision]:
-        """The calibrated precision of module ``layer`` at ``step``, or None where ``per_layer``
-        says nothing (the uniform rules apply)."""
+    def layer_entry(self, layer: Optional[str], step: Optional[tuple[int, int]]) -> Optional["LayerPrecision"]:
+        """The ``per_layer`` entry of module ``layer`` at ``step``, or None."""
         if self.per_layer is None or layer is None:
             return None
         bucket = step_bucket(step)
         for e in self.per_layer:
             if e.layer == layer and e.bucket == bucket:
-                return e.precision
+                return e
         return None
+
+    def precision_for(self, layer: Optional[str], step: Optional[tuple[int, int]]) -> Optional[Precision]:
+        """The calibrated precision of module ``layer`` at ``step``, or None where ``per_layer``
+        says nothing (the uniform rules apply)."""
+        entry = self.layer_entry(layer, step)
+        return None if entry is None else entry.precision
 
     def for_precision(self, precision: Precision) -> "AttentionPolicy":
         """The uniform policy of an FP4 call that runs in ``precision`` (not :data:`EXACT`)."""
@@ -392,8 +426,8 @@ class AttentionPolicy:
         if not isinstance(d, dict):
             raise ValueError(f"a policy must be a JSON object, got {type(d).__name__}")
         version = d.get("version")
-        if version not in (1, POLICY_FILE_VERSION):
-            raise ValueError(f"policy file version {version!r} is not one of 1, {POLICY_FILE_VERSION}")
+        if version not in (1, 2, POLICY_FILE_VERSION):
+            raise ValueError(f"policy file version {version!r} is not one of 1, 2, {POLICY_FILE_VERSION}")
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - names - {"version"})
         if unknown:

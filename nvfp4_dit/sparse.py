@@ -113,6 +113,46 @@ def check_sparsity(block_mask, keep_mass, always_keep, *, batch: int, heads: int
 
 
 @dataclass(frozen=True)
+class VideoTokens:
+    """The video tokens of a transformer forward, as an integration learns them from the model's
+    input in every forward (nothing is kept across forwards): the latent token grid ``(T, H, W)``
+    and where the video sits in a joint sequence with other tokens (text, audio): ``"first"``
+    (HunyuanVideo, Mochi: video then text) or ``"last"`` (CogVideoX: text then video)."""
+
+    grid: tuple[int, int, int]
+    position: str = "first"
+
+    def __post_init__(self):
+        if (len(self.grid) != 3 or any(isinstance(n, bool) or not isinstance(n, int) or n <= 0 for n in self.grid)):
+            raise ValueError(f"grid must be three positive ints (T, H, W), got {self.grid!r}")
+        if self.position not in ("first", "last"):
+            raise ValueError(f"position must be 'first' or 'last', got {self.position!r}")
+
+    @property
+    def count(self) -> int:
+        t, h, w = self.grid
+        return t * h * w
+
+    def span(self, seq_len: int) -> Optional[tuple[int, int]]:
+        """``(start, end)`` of the video tokens in an attention call's sequence of ``seq_len``
+        tokens, or None where that sequence does not hold the whole video (cross-attention keys, a
+        context-parallel shard)."""
+        n = self.count
+        if seq_len < n:
+            return None
+        return (0, n) if self.position == "first" else (seq_len - n, seq_len)
+
+    def other_keys(self, seq_len: int) -> Optional[tuple[int, int]]:
+        """The keys that are not video (text, audio) as one ``(start, end)`` range, to be kept by
+        a block-sparse call's estimate (``always_keep``); None where every key is video or the
+        sequence does not hold the video."""
+        span = self.span(seq_len)
+        if span is None or span == (0, seq_len):
+            return None
+        return (span[1], seq_len) if span[0] == 0 else (0, span[0])
+
+
+@dataclass(frozen=True)
 class BlockStatistics:
     """What the estimate reads: ``q_mean`` [B, H, nq, D'] and ``k_tile_mean`` [B, Hkv, nk, D'] (raw
     means, D' the head dim or its padding), ``q_similarity`` [B, H, nq]."""
@@ -407,7 +447,9 @@ def lists_by_group(stats: Optional[BlockStatistics], sparsity: Sparsity, grid: T
 def inputs_block_map(qh: torch.Tensor, kh: torch.Tensor, sparsity: Sparsity, grid: TileGrid) -> torch.Tensor:
     """The block map of a call from its [B, H, S, D] inputs (the statistics in PyTorch): what the
     exact and SDPA paths attend."""
-    stats = BlockStatistics.of_inputs(qh, kh, grid.kv_lens) if sparsity.estimated else None
+    # The statistics are read only by the estimate; without a block mask they also place the map.
+    stats = BlockStatistics.of_inputs(qh, kh, grid.kv_lens) if sparsity.estimated or sparsity.block_mask is None \
+        else None
     return block_map(stats, sparsity, grid)
 
 

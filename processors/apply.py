@@ -28,6 +28,7 @@ from nvfp4_dit.policy import (DEFAULT_DENSE_STEPS, DEFAULT_MIN_SEQ_LEN, DEFAULT_
                              DEFAULT_SPARSE_OFF_STEPS, AttentionPolicy, LayerSpec)
 
 from .steps import StepTracker
+from .video_tokens import video_tokens_of
 
 _DENOISER_PREFIXES = ("transformer", "controlnet")
 
@@ -242,7 +243,7 @@ def apply(
             t = kwargs.get("timestep")
             if t is None and _pos is not None and len(args) > _pos:
                 t = args[_pos]
-            steps.begin_forward(t)
+            steps.begin_forward(t, video_tokens_of(module, args, kwargs))
 
         handle._hooks.append(model.register_forward_pre_hook(pre_hook, with_kwargs=True))
     return handle

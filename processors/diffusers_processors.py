@@ -147,8 +147,10 @@ class NVFP4AttnProcessorBase:
         self.observe_only = observe_only
         self.name = name
         self.enabled = policy.layer_allowed(name)  # no name + an allow-list: stays exact
-        # A calibrated policy: the uniform policy of each NVFP4 precision this layer may run in.
+        # A calibrated policy: the uniform policy of each NVFP4 precision (and calibrated keep_mass)
+        # this layer may run in, made once per pair.
         self._precision_policies = policy.precision_policies() if policy.per_layer else {}
+        self._entry_policies: dict = {}
         if cls.route == ROUTE_DISPATCH:
             self._fp4 = copy.copy(original)
             self._fp4._attention_backend = _backend.backend_member()
@@ -188,6 +190,18 @@ class NVFP4AttnProcessorBase:
         pos = self._ehs_pos
         return pos is not None and len(args) > pos and args[pos] is not None
 
+    def _entry_policy(self, precision, step) -> AttentionPolicy:
+        """The uniform policy of this layer's calibrated ``precision`` and keep_mass at ``step``."""
+        keep_mass = self.policy.layer_entry(self.name, step).keep_mass
+        key = (precision, keep_mass)
+        found = self._entry_policies.get(key)
+        if found is None:
+            found = self._precision_policies[precision]
+            if keep_mass is not None:
+                found = found.replace(keep_mass=keep_mass)
+            self._entry_policies[key] = found
+        return found
+
     def _forward(self, attn, args, kwargs):
         step = self.steps.current_step if self.steps is not None else None
         # The tensor-free rules of the call planner (role, step, layer, calibrated precision); the
@@ -200,8 +214,9 @@ class NVFP4AttnProcessorBase:
             observe = reason  # observed, still exact
         else:
             observe = routing.OBSERVE_ONLY if self.observe_only else None
-        policy = self.policy if precision is None else self._precision_policies[precision]
-        prev = routing.push_route(policy, observe, self.name, step)
+        policy = self.policy if precision is None else self._entry_policy(precision, step)
+        video = self.steps.current_video if self.steps is not None else None
+        prev = routing.push_route(policy, observe, self.name, step, video)
         try:
             if self.route == ROUTE_DISPATCH:
                 return self._fp4(attn, *args, **kwargs)

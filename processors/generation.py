@@ -362,6 +362,9 @@ class RunRecorder:
             "path": info.path,
             "reason": info.reason,
             "ms": round(info.seconds * 1e3, 4),
+            # A block-sparse call: its keep_mass and the share of key tiles its estimate kept.
+            "keep_mass": None if info.sparsity is None else info.sparsity.keep_mass,
+            "density": None if info.sparsity is None else round(routing.block_density(info, q, k, info.sparsity), 4),
         })
 
     def callback(self, pipe, step_index, timestep, callback_kwargs):
@@ -409,6 +412,10 @@ class RunRecorder:
             seqs.setdefault(c["layer"], {"q_len": c["q_len"], "k_len": c["k_len"], "heads": c["heads"],
                                          "head_dim": c["head_dim"]})
         dit = sum(s["dit_seconds"] for s in steps)
+        density = defaultdict(dict)   # layer -> step -> mean density of its block-sparse calls
+        for c in self.calls:
+            if c["density"] is not None:
+                density[c["layer"]].setdefault(c["step"], []).append(c["density"])
         return {
             "total_seconds": round(self.total_seconds, 4),
             "dit_seconds": round(dit, 4),
@@ -417,6 +424,8 @@ class RunRecorder:
             "peak_memory": self.peak_memory,
             "steps": steps,
             "sequence_lengths": seqs,
+            "sparse_density": {layer: {step: round(sum(d) / len(d), 4) for step, d in sorted(per.items())}
+                               for layer, per in density.items()},
             "attention_calls": self.calls,
         }
 

@@ -18,9 +18,12 @@ from typing import Callable, Optional
 import torch
 
 import nvfp4_dit
+from nvfp4_dit import format as fmt
 from nvfp4_dit import ops, planner
+from nvfp4_dit.masks import reduce_key_mask
 from nvfp4_dit.fallback import FallbackWarning, reset_fallback_warnings, warn_once
 from nvfp4_dit.policy import AttentionPolicy
+from nvfp4_dit.sparse import Sparsity, VideoTokens
 
 # Compute every call exactly as the unmodified model does, still passing it through the router so
 # observers see it (baselines, capture of a dense run); the reason observers are given.
@@ -37,9 +40,11 @@ class _RouteState:
     policy: Optional[AttentionPolicy] = None
     observe: Optional[str] = None  # compute exactly, report this reason (OBSERVE_ONLY or a policy rule)
     default: AttentionPolicy = AttentionPolicy()
-    # Who is calling (for observers): the module path and the (step, total) of the forward.
+    # Who is calling (for observers): the module path and the (step, total) of the forward; and
+    # the forward's video tokens (nvfp4_dit.sparse.VideoTokens) for a block-sparse call's estimate.
     layer: Optional[str] = None
     step: Optional[tuple] = None
+    video: Optional[VideoTokens] = None
 
 
 _STATE = _RouteState()
@@ -49,6 +54,11 @@ def current_policy() -> AttentionPolicy:
     """The policy for a call reaching the "nvfp4" backend: the enclosing processor's, else the default."""
     p = _STATE.policy
     return _STATE.default if p is None else p
+
+
+def current_video() -> Optional[VideoTokens]:
+    """The video tokens of the forward whose processor is calling, or None."""
+    return _STATE.video
 
 
 def current_observe() -> Optional[str]:
@@ -67,20 +77,20 @@ def configure_default(policy: Optional[AttentionPolicy] = None, **changes) -> At
 
 
 def push_route(policy: Optional[AttentionPolicy], observe: Optional[str] = None, layer: Optional[str] = None,
-               step=None) -> tuple:
-    """Make ``policy`` (and an observe reason, the caller's layer name and step) current; returns
-    the previous values for :func:`pop_route`.
+               step=None, video: Optional[VideoTokens] = None) -> tuple:
+    """Make ``policy`` (and an observe reason, the caller's layer name, step and video tokens)
+    current; returns the previous values for :func:`pop_route`.
 
     Two plain functions (used in try/finally) rather than a context manager, so torch.compile
     traces them as ordinary attribute writes.
     """
-    prev = (_STATE.policy, _STATE.observe, _STATE.layer, _STATE.step)
-    _STATE.policy, _STATE.observe, _STATE.layer, _STATE.step = policy, observe, layer, step
+    prev = (_STATE.policy, _STATE.observe, _STATE.layer, _STATE.step, _STATE.video)
+    _STATE.policy, _STATE.observe, _STATE.layer, _STATE.step, _STATE.video = policy, observe, layer, step, video
     return prev
 
 
 def pop_route(prev: tuple) -> None:
-    _STATE.policy, _STATE.observe, _STATE.layer, _STATE.step = prev
+    _STATE.policy, _STATE.observe, _STATE.layer, _STATE.step, _STATE.video = prev
 
 
 # ---------------------------------------------------------------------------------------------
@@ -94,7 +104,8 @@ class CallInfo:
     ``path`` is "fp4" (the FP4 op ran on ``backend``, "cuda" or "reference": what ran, ``auto``
     resolved) or "exact" (the model's own computation ran, ``backend`` "sdpa"; ``reason`` says why:
     a policy rule such as "cross-attention", "dense step", "short sequence", "observe only", or
-    what NVFP4 cannot express).  ``attn_mask`` is the mask with SDPA semantics.
+    what NVFP4 cannot express).  ``attn_mask`` is the mask with SDPA semantics.  ``sparsity``:
+    the block-sparse call that ran (:class:`nvfp4_dit.sparse.Sparsity`), None for dense.
     """
 
     layer: Optional[str]
@@ -108,6 +119,7 @@ class CallInfo:
     reason: Optional[str]
     backend: str
     seconds: float
+    sparsity: Optional[Sparsity] = None
 
 
 _OBSERVERS: list = []
@@ -179,12 +191,12 @@ def routed_attention(
     if sync:
         torch.cuda.synchronize(query.device)
     t0 = time.perf_counter()
-    res, path, reason, backend = _route(*args)
+    res, path, reason, backend, sparsity = _route(*args)
     if sync:
         torch.cuda.synchronize(query.device)
     info = CallInfo(layer=_STATE.layer, step=_STATE.step, layout=layout, is_causal=bool(is_causal), scale=scale,
                     enable_gqa=bool(enable_gqa), attn_mask=attn_mask, path=path, reason=reason,
-                    backend=backend, seconds=time.perf_counter() - t0)
+                    backend=backend, seconds=time.perf_counter() - t0, sparsity=sparsity)
     for fn in list(_OBSERVERS):
         fn(info, query, key, value, res)
     return res
@@ -196,14 +208,14 @@ def rerun(info: CallInfo, query, key, value, policy: AttentionPolicy, exact: Cal
 
     For calibration: the same tensors and call arguments, computed the way ``policy`` would.
     """
-    res, path, _, _ = _route(query, key, value, info.layout, info.attn_mask, 0.0, info.is_causal, info.scale,
+    res, path, *_ = _route(query, key, value, info.layout, info.attn_mask, 0.0, info.is_causal, info.scale,
                              info.enable_gqa, return_lse, policy, None, exact)
     return res, path
 
 
 def _route(query, key, value, layout, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
            policy, observe, exact):
-    """(result, path, reason, back-end that ran) -- see :func:`routed_attention`. The decision is the call planner's
+    """(result, path, reason, back-end that ran, its block sparsity) -- see :func:`routed_attention`. The decision is the call planner's
     (:func:`nvfp4_dit.planner.plan_call`); the processor around the call has already applied the
     role, step and layer rules, so only the tensors' rules are checked here."""
     if observe is not None:
@@ -211,16 +223,29 @@ def _route(query, key, value, layout, attn_mask, dropout_p, is_causal, scale, en
     else:
         plan = planner.plan_call(query, key, value, layout=layout, policy=policy, attn_mask=attn_mask,
                                  is_causal=is_causal, dropout_p=dropout_p, enable_gqa=enable_gqa, scale=scale,
-                                 step=_STATE.step, check_layer=False, check_step=False)
+                                 step=_STATE.step, check_layer=False, check_step=False, video=_STATE.video)
     if not plan.run_op:
         if plan.warn:
             _warn_once(plan.reason)
         res = _exact_with_lse(query, key, value, layout, attn_mask, is_causal, scale) if return_lse else exact()
-        return res, "exact", plan.reason, "sdpa"
+        return res, "exact", plan.reason, "sdpa", None
     res = ops.run_fp4(query, key, value, layout=layout, causal=bool(is_causal), scale=scale,
                             key_mask=plan.key_mask, kv_lens=None, return_lse=return_lse, backend=plan.backend,
                             balance_qk=plan.balance_qk, qk_format=plan.qk_format, sparsity=plan.sparsity)
-    return res, ("fp4" if plan.fp4 else "exact"), None, plan.backend
+    return res, ("fp4" if plan.fp4 else "exact"), None, plan.backend, plan.sparsity
+
+
+def block_density(info: CallInfo, query, key, sparsity: Sparsity) -> float:
+    """The share of key tiles the block map of an observed call with ``sparsity`` keeps (its
+    statistics in PyTorch; reads the result on the host): for calibration and reports."""
+    b, h, sq, _ = fmt.hnd_shape(query, info.layout)
+    sk = fmt.hnd_shape(key, info.layout)[2]
+    mask = info.attn_mask
+    if mask is not None and mask.dim() == 2:
+        mask = mask[None, None]   # SDPA reads a 2-D mask as [Sq, Sk]
+    key_mask = None if mask is None else reduce_key_mask(mask, b, h, sq, sk)
+    return ops.block_density(query, key, layout=info.layout, causal=info.is_causal, scale=info.scale,
+                             key_mask=key_mask, sparsity=sparsity)
 
 
 def _exact_with_lse(query, key, value, layout, attn_mask, is_causal, scale):

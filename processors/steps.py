@@ -11,7 +11,9 @@ installs. The step comes from, in order:
 3. the ``timestep`` argument of the transformer's forward looked up in ``timesteps=`` given to
    apply() (for bare models driven by your own loop).
 
-It holds Python numbers only: the schedule and the step of the current forward.
+It holds Python numbers only: the schedule and the step of the current forward, and the forward's
+video tokens (:func:`~nvfp4_dit.processors.video_tokens.video_tokens_of`, for a block-sparse
+call's estimate), both found again in every forward.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Optional, Sequence
 import torch
 
 from nvfp4_dit.policy import AttentionPolicy
+from nvfp4_dit.sparse import VideoTokens
 
 
 class StepTracker:
@@ -41,6 +44,7 @@ class StepTracker:
         # The forward in progress: its (index, total) or None, and whether the policy keeps it dense.
         self.current_step: Optional[tuple[int, int]] = None
         self.step_dense = False
+        self.current_video: Optional[VideoTokens] = None
 
     def set_step(self, index: int, total: int) -> None:
         """Declare the denoising step the next forwards belong to (0-based, of ``total``)."""
@@ -88,10 +92,11 @@ class StepTracker:
         t = float(timestep.flatten()[0]) if isinstance(timestep, torch.Tensor) else float(timestep)
         return (self._nearest(t, self.timesteps), len(self.timesteps))
 
-    def begin_forward(self, timestep=None) -> None:
-        """Find the step of the transformer forward about to run (called by the pre-hook)."""
+    def begin_forward(self, timestep=None, video: Optional[VideoTokens] = None) -> None:
+        """Find the step of the transformer forward about to run and take its video tokens (called by
+        the pre-hook)."""
         info = self._explicit or self._step_from_pipeline() or self._step_from_timestep(timestep)
-        self.current_step = info
+        self.current_step, self.current_video = info, video
         if info is None and any(self.policy.dense_steps) and not self._warned_no_step:
             self._warned_no_step = True
             warnings.warn("nvfp4_dit.apply: dense_steps is set but the denoising step is unknown (a bare model "

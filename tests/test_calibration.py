@@ -53,6 +53,45 @@ def test_table_accumulates_relative_l2_over_calls():
         t.policy(AttentionPolicy(), budget=0, model_class=None)
 
 
+def test_the_sparse_ladder_picks_the_least_modelled_time_within_budget():
+    """Per layer: the run with the least modelled time (precision time x density) within budget."""
+    t = CalibrationTable()
+    outs = {None: 0.05, 0.95: 0.06, 0.9: 0.09, 0.8: 0.3}       # relative error of each keep_mass
+    density = {None: 1.0, 0.95: 0.6, 0.9: 0.4, 0.8: 0.2}
+    exact = torch.ones(100)
+
+    def run(precision, keep_mass):
+        extra = 0.02 if precision == MXB else 0.0
+        return exact * (1 + outs[keep_mass] + extra), density[keep_mass]
+
+    assert t.measure("a", (3, 6), exact, run, ladder=(0.95, 0.9, 0.8))
+    assert t.measure("b", (3, 6), exact, run)                    # no ladder: a dense-only layer
+    pol = t.policy(AttentionPolicy(keep_mass=0.9), budget=0.1, model_class=None)
+    a, b = pol.per_layer
+    assert (a.precision, a.keep_mass, a.density) == (NV, 0.9, pytest.approx(0.4))
+    assert len(a.sparse_errors) == 9 and dict(a.errors)[NV] == pytest.approx(0.05)
+    assert (b.precision, b.keep_mass, b.density, b.sparse_errors) == (NV, None, None, ())
+    # A tighter budget: only dense fits (recorded as keep_mass 1.0: measured, dense is best).
+    tight = t.policy(AttentionPolicy(keep_mass=0.9), budget=0.055, model_class=None).per_layer[0]
+    assert (tight.precision, tight.keep_mass) == (NV, 1.0)
+    assert "| a | middle | nvfp4 | 0.9 | 0.400 |" in format_table(pol)
+    # Nothing ran dense: nothing is added.
+    assert not t.measure("c", None, exact, lambda p, k: None, ladder=(0.9,))
+
+
+def test_block_density_of_a_structured_call():
+    g = torch.Generator().manual_seed(0)
+    dirs = torch.nn.functional.normalize(torch.randn(2, 16, 64, generator=g), dim=-1) * 8.0
+    base = dirs.repeat_interleave(128, dim=1).transpose(0, 1)[None]          # block i attends tile i
+    q = base + 0.5 * torch.randn(1, 2048, 2, 64, generator=g)
+    k = base + 0.5 * torch.randn(1, 2048, 2, 64, generator=g)
+    from nvfp4_dit.sparse import Sparsity
+
+    kw = dict(layout="NHD", causal=False, scale=None, key_mask=None)
+    assert nvfp4_dit.ops.block_density(q, k, sparsity=Sparsity(keep_mass=0.8), **kw) < 0.2
+    assert nvfp4_dit.ops.block_density(q, k, sparsity=Sparsity(keep_mass=1.0), **kw) == 1.0
+
+
 def test_layer_precision_and_policy_validate():
     with pytest.raises(ValueError, match="bucket"):
         LayerPrecision("a", "early", NVB)
@@ -118,7 +157,36 @@ def test_version1_policy_files_keep_loading(tmp_path):
         ("transformer.blocks.1.attn1", "last", EXACT), ("transformer.blocks.0.attn1", "last", NVB)]
     assert dict(pol.per_layer[0].errors) == {MXB: 0.0351, NVB: 0.0688, NV: 0.0688}
     pol.save(path)   # written back in the current version, read back the same
-    assert json.loads(path.read_text())["version"] == 2 and AttentionPolicy.load(path) == pol
+    assert json.loads(path.read_text())["version"] == 3 and AttentionPolicy.load(path) == pol
+    assert all(e.keep_mass is None and e.density is None and e.sparse_errors == () for e in pol.per_layer)
+
+
+def test_version2_policy_files_keep_loading(tmp_path):
+    """Version 2 (no sparsity per layer): every layer follows the policy's own keep_mass."""
+    path = tmp_path / "v2.policy.json"
+    d = AttentionPolicy(keep_mass=0.9, per_layer=(LayerPrecision("blocks.0.attn1", "middle", NV, ((NV, 0.1),)),)).to_dict()
+    d["version"] = 2
+    for e in d["per_layer"]:
+        for key in ("keep_mass", "density", "sparse_errors"):
+            del e[key]
+    path.write_text(json.dumps(d))
+    pol = AttentionPolicy.load(path)
+    assert pol.per_layer[0].keep_mass is None
+    assert pol.keep_mass_for((5, 10), 20000, 20000, "blocks.0.attn1") == 0.9
+
+
+def test_a_layers_calibrated_keep_mass_overrides_the_policys():
+    entries = (LayerPrecision("a", "middle", NV, keep_mass=0.8, density=0.3, sparse_errors=((NV, 0.8, 0.1, 0.3),)),
+               LayerPrecision("b", "middle", NV, keep_mass=1.0), LayerPrecision("c", "middle", NV))
+    pol = AttentionPolicy(keep_mass=0.9, sparse_off_steps=(0, 0), sparse_min_seq_len=100, per_layer=entries)
+    step = (5, 10)
+    assert [pol.keep_mass_for(step, 200, 200, layer) for layer in ("a", "b", "c", None)] == [0.8, None, 0.9, 0.9]
+    assert pol.keep_mass_for(step, 50, 200, "a") is None            # below sparse_min_seq_len
+    assert AttentionPolicy.from_dict(pol.to_dict()) == pol
+    with pytest.raises(ValueError, match="exact"):
+        LayerPrecision("d", "middle", EXACT, keep_mass=0.9)
+    with pytest.raises(ValueError, match="density"):
+        LayerPrecision("d", "middle", NV, keep_mass=0.9, density=1.5)
 
 
 # -- calibrate() on the tiny models ---------------------------------------------------------------------
@@ -294,3 +362,18 @@ def test_every_family_calibrates_and_applies(family):
     for layer, path, precision in seen:
         if precision is not None:
             assert (path == "fp4") == (not precision.exact), (layer, path, precision)
+
+
+def test_calibration_with_keep_mass_measures_the_sparse_ladder(tmp_path):
+    pipe = _pipe()
+    base = BASE.replace(min_seq_len=0, keep_mass=0.9, sparse_off_steps=(0, 0), sparse_min_seq_len=0)
+    policy = nvfp4_dit.calibrate(pipe, lambda: _generate(pipe), policy=base, steps=[2])
+    entries = [e for e in policy.per_layer if not e.precision.exact]
+    assert entries
+    for e in entries:
+        assert {(p, k) for p, k, _, _ in e.sparse_errors} == {(p, k) for p in FP4_PRECISIONS for k in (0.95, 0.9, 0.8)}
+        assert e.keep_mass is not None and 0.0 < e.density <= 1.0
+        assert all(0.0 < d <= 1.0 for *_, d in e.sparse_errors)
+    path = tmp_path / "sparse.policy.json"
+    policy.save(path)
+    assert AttentionPolicy.load(path) == policy

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from nvfp4_dit import planner
+from nvfp4_dit import planner, sparse
 from nvfp4_dit.policy import EXACT, AttentionPolicy, LayerPrecision, Precision
 
 OPEN = AttentionPolicy(backend="reference", min_seq_len=0, dense_steps=(0, 0), cross_attention=True)
@@ -95,6 +95,28 @@ def test_a_key_mask_is_reduced_once_on_its_device():
     additive = torch.where(keep, 0.0, -math.inf)
     same = planner.plan_call(q, k, v, layout="NHD", policy=OPEN, attn_mask=additive)
     assert torch.equal(same.key_mask.kv_lens, plan.key_mask.kv_lens)
+
+
+def test_a_sparse_call_keeps_the_keys_that_are_not_video():
+    q, k, v = _qkv()   # 160 tokens
+    policy = OPEN.replace(keep_mass=0.9, sparse_off_steps=(0, 0), sparse_min_seq_len=0)
+    cases = {sparse.VideoTokens((2, 8, 8)): (128, 160), sparse.VideoTokens((2, 8, 8), "last"): (0, 32),
+             sparse.VideoTokens((1, 10, 16)): None, sparse.VideoTokens((3, 8, 8)): None}   # all video; no video
+    for video, text in cases.items():
+        plan = planner.plan_call(q, k, v, layout="NHD", policy=policy, video=video)
+        assert plan.sparsity.always_keep == text, video
+    dense = planner.plan_call(q, k, v, layout="NHD", policy=OPEN, video=sparse.VideoTokens((2, 8, 8)))
+    assert dense.sparsity is None and dense.always_keep is None
+
+
+def test_video_tokens_are_checked():
+    with pytest.raises(ValueError, match="grid"):
+        sparse.VideoTokens((2, 0, 8))
+    with pytest.raises(ValueError, match="position"):
+        sparse.VideoTokens((2, 8, 8), "middle")
+    video = sparse.VideoTokens((2, 3, 4), "last")
+    assert video.count == 24 and video.span(30) == (6, 30) and video.span(20) is None
+    assert video.other_keys(24) is None and video.other_keys(30) == (0, 6)
 
 
 def test_keep_mass_makes_long_calls_sparse_outside_the_sparse_off_steps():

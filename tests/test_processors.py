@@ -28,6 +28,7 @@ import torch
 pytest.importorskip("diffusers")
 
 import nvfp4_dit  # noqa: E402
+from nvfp4_dit import format as fmt  # noqa: E402
 from nvfp4_dit import ops  # noqa: E402
 from nvfp4_dit.processors import apply, routing  # noqa: E402
 from nvfp4_dit.processors import diffusers_processors as dp  # noqa: E402
@@ -589,3 +590,76 @@ def test_keep_mass_reaches_the_op_outside_the_sparse_off_steps(monkeypatch):
     assert on_first and all(s is None for s in on_first)
     assert seen and all(s is not None and s.keep_mass == 0.9 for s in seen)
     assert all(torch.isfinite(t).all() for t in (*first, *middle))
+
+
+@pytest.mark.parametrize("family, grid, position", [
+    ("cosmos", (2, 8, 8), "first"), ("wan", (2, 8, 8), "first"), ("wan_i2v", (2, 8, 8), "first"),
+    ("hunyuan_video", (1, 16, 16), "first"), ("ltx", (2, 8, 8), "first"), ("cogvideox", (2, 8, 8), "last"),
+    ("mochi", (2, 8, 8), "first"), ("minimax_h3", None, None)])
+def test_each_forward_learns_its_video_tokens(family, grid, position):
+    """The grid each tiny model's latent input and patch size give (frames x size x size latents,
+    spatial patch 2 but HunyuanVideo's 1), read in the forward's pre-hook."""
+    case = build(family, head_dim=64)
+    with apply(case.model, backend="reference") as handle, torch.no_grad():
+        case.run()
+        video = handle.steps.current_video
+    if grid is None:
+        assert video is None
+    else:
+        assert (video.grid, video.position) == (grid, position)
+    other = build("wan", head_dim=64, frames=3, size=12)   # recomputed in every forward
+    with apply(other.model, backend="reference") as handle, torch.no_grad():
+        other.run()
+        assert handle.steps.current_video.grid == (3, 6, 6)
+
+
+@pytest.mark.parametrize("family, video_count, first", [("hunyuan_video", 256, True), ("cogvideox", 128, False),
+                                                       ("mochi", 128, True), ("wan", 128, True)])
+def test_a_sparse_joint_call_always_keeps_the_text(family, video_count, first, monkeypatch):
+    """A block-sparse call's estimate keeps every key that is not video: the prompt of a joint
+    attention (HunyuanVideo and Mochi after the video, CogVideoX before it); video-only calls keep
+    none by rule."""
+    case = build(family, head_dim=64)
+    seen = []
+    real = ops.run_fp4
+
+    def recording(q, k, v, **kw):
+        seen.append((fmt.hnd_shape(k, kw["layout"])[2], kw.get("sparsity")))
+        return real(q, k, v, **kw)
+
+    monkeypatch.setattr(ops, "run_fp4", recording)
+    with apply(case.model, backend="reference", min_seq_len=0, dense_steps=(0, 0), keep_mass=0.9,
+               sparse_off_steps=(0, 0), sparse_min_seq_len=0), torch.no_grad():
+        case.run()
+    video_calls = [(sk, s) for sk, s in seen if sk >= video_count]
+    assert video_calls and all(s is not None and s.keep_mass == 0.9 for _, s in video_calls)
+    for sk, s in video_calls:
+        text = None if sk == video_count else ((video_count, sk) if first else (0, sk - video_count))
+        assert s.always_keep == text, (sk, s)
+    assert (family == "wan") == all(sk == video_count for sk, _ in video_calls)
+
+
+def test_a_layers_calibrated_keep_mass_reaches_the_op(monkeypatch):
+    """A calibrated policy runs each layer at its own keep_mass (1.0: dense), others at the policy's."""
+    from nvfp4_dit.policy import FP4_PRECISIONS, AttentionPolicy, LayerPrecision
+
+    case = build("wan", head_dim=64)
+    layers = sorted(n for n, m in case.model.named_modules() if n.endswith("attn1"))
+    nv = FP4_PRECISIONS[0]
+    entries = (LayerPrecision(layers[0], "middle", nv, keep_mass=0.8), LayerPrecision(layers[1], "middle", nv, keep_mass=1.0))
+    policy = AttentionPolicy(backend="reference", min_seq_len=0, dense_steps=(0, 0), keep_mass=0.9,
+                             sparse_off_steps=(0, 0), sparse_min_seq_len=0, per_layer=entries,
+                             model_class=type(case.model).__name__)
+    seen = []
+    real = ops.run_fp4
+
+    def recording(q, k, v, **kw):
+        seen.append((routing._STATE.layer, kw.get("sparsity")))
+        return real(q, k, v, **kw)
+
+    monkeypatch.setattr(ops, "run_fp4", recording)
+    with apply(case.model, policy=policy) as handle, torch.no_grad():
+        handle.set_step(2, 4)
+        case.run()
+    by_layer = {layer: s for layer, s in seen}
+    assert by_layer[layers[0]].keep_mass == 0.8 and by_layer[layers[1]] is None
