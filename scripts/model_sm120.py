@@ -464,7 +464,8 @@ def main(argv=None) -> int:
                   f"({r['correction_chunks']}, {r['correction_gb']:.1f}) | {r['estimate_ms']:.2f} "
                   f"| {r['attention_ms']:.1f} | {r['share']:.1%} |")
     if args.write_baseline:
-        BASELINE.write_text(json.dumps([{k: r[k] for k in ("head_dim", "causal", "qk_format", "clocks_per_tile")}
+        BASELINE.write_text(json.dumps([{k: r[k] for k in ("head_dim", "causal", "qk_format", "clocks_per_tile",
+                                                             "sparse_clocks_per_tile")}
                                         for r in rows], indent=1) + "\n")
     if args.check:
         failures = check_baseline(rows, json.loads(BASELINE.read_text()))

@@ -9,9 +9,12 @@ Runs, in order, and writes ``<out>/report.md`` with tables and PNG plots next to
 3. an end-to-end tiny text-to-video generation, dense vs NVFP4 from the same seed
    (``generate_video.py --attention compare``): per-step DiT time, attention share, latent
    cosine and PSNR;
-4. a per-layer / per-step replay of captured attention calls (``capture_attention.py`` +
+4. the calibrated per-layer policy against the uniform one;
+5. block-sparse NVFP4 (``--keep-mass 0.9``): density per layer and step, the modelled sm_120 time
+   at that density (``model_sm120.py``'s recorded baseline), latent cosine to exact;
+6. a per-layer / per-step replay of captured attention calls (``capture_attention.py`` +
    ``replay_attention.py``);
-5. the kernel benchmark (``bench_attention.py``) when a CUDA GPU is present.
+7. the kernel benchmark (``bench_attention.py``) when a CUDA GPU is present.
 
 On a CPU the FP4 numbers are the reference numerics (``backend="reference"``); on a GPU the
 compiled kernel (``--backend cuda``).
@@ -167,6 +170,41 @@ def section_calibration(out: Path, device: str, backend: str, quick: bool) -> li
     return lines + ["", "Per-layer table of the calibrated policy:", "", format_table(policy), ""]
 
 
+def section_sparse(out: Path, device: str, backend: str, quick: bool) -> list[str]:
+    """Block-sparse NVFP4 (keep_mass 0.9) against the dense run: density per layer and step, the
+    modelled sm_120 attention time at that density, latent cos to exact."""
+    import model_sm120
+
+    js = out / "tiny_sparse.json"
+    argv = ["--attention", "compare", "--device", device, "--backend", backend, "--dense-steps", "1,1", "--no-video",
+            "--keep-mass", "0.9", "--sparse-off-steps", "1,0", "--sparse-min-seq-len", "0",
+            "--out", str(out / "tiny_sparse.mp4"), "--json", str(js)] + (["--steps", "4"] if quick else [])
+    with contextlib.redirect_stdout(io.StringIO()):
+        generate_video.main(argv)
+    rep = json.loads(js.read_text())
+    run, c = rep["runs"]["nvfp4"], rep["compare"]
+    # The recorded model of the native kernel (scripts/model_sm120_baseline.json): dense and
+    # block-sparse clocks per tile, non-causal NVFP4.
+    baseline = {(r["head_dim"], r["causal"], r["qk_format"]): r for r in json.loads(model_sm120.BASELINE.read_text())}
+    lines = ["## 5. Block-sparse NVFP4 (tiny model)", "",
+             "`generate_video.py --attention compare --keep-mass 0.9 --sparse-off-steps 1,0 --sparse-min-seq-len 0`"
+             f" (FP4 back-end `{backend}`): the share of key tiles each layer's estimate kept per step, the "
+             "modelled sm_120 attention time at that density against dense (`scripts/model_sm120.py`, its "
+             "recorded baseline) and the latent against the exact run. The tiny model has 3 key tiles per call, "
+             "so its densities say little about a real model's.", "",
+             f"Latent cosine to exact {c.get('latent_cos', float('nan')):.6f}, rel-L2 "
+             f"{c.get('latent_rel_l2', float('nan')):.5f}.", "",
+             "| layer | step | density | modelled sm_120 time vs dense |", "|---|---|---|---|"]
+    seqs = run["sequence_lengths"]
+    for layer, per_step in run["sparse_density"].items():
+        shape = seqs[layer]
+        row = baseline.get((shape["head_dim"], False, "nvfp4"))
+        for step, density in per_step.items():
+            modelled = "-" if row is None else f"{model_sm120.time_vs_dense(row, density, shape['k_len']):.3f}"
+            lines.append(f"| {layer} | {step} | {density:.3f} | {modelled} |")
+    return lines + [""]
+
+
 def section_replay(out: Path, device: str, backend: str, quick: bool) -> list[str]:
     cap = out / "capture.safetensors"
     n_steps = 2 if quick else 4
@@ -181,7 +219,7 @@ def section_replay(out: Path, device: str, backend: str, quick: bool) -> list[st
     agg = {}
     for r in rows:
         agg.setdefault((r["layer"], r["backend"]), []).append(r)
-    lines = ["## 5. Per-layer replay of captured attention calls", "",
+    lines = ["## 6. Per-layer replay of captured attention calls", "",
              f"`capture_attention.py` on a dense tiny run ({n_steps} steps, both CFG branches), then "
              "`replay_attention.py` against float64 exact attention.  alpha = <out, exact>/<out, out>.", "",
              "| layer | back-end | calls | cos (mean) | rel-L2 (mean / max) | alpha (mean) | mean abs LSE err |",
@@ -198,7 +236,7 @@ def section_replay(out: Path, device: str, backend: str, quick: bool) -> list[st
 
 
 def section_bench(out: Path, device: str, seqs: str) -> list[str]:
-    head = ["## 6. Kernel benchmark", ""]
+    head = ["## 7. Kernel benchmark", ""]
     if device != "cuda":
         return head + ["Needs a CUDA GPU: `python scripts/report.py --device cuda`.", ""]
     stem = out / "bench"
@@ -219,7 +257,7 @@ def main(argv=None) -> int:
     ap.add_argument("--bench-seqs", default=None, help="sequence lengths for the benchmark (default 8192,32768; "
                     "--quick: 8192)")
     ap.add_argument("--skip", default="", help="comma-separated sections to skip: "
-                    "accuracy,families,generation,calibration,replay,bench")
+                    "accuracy,families,generation,calibration,sparse,replay,bench")
     args = ap.parse_args(argv)
 
     device = "cuda" if args.device == "auto" and torch.cuda.is_available() else (
@@ -238,6 +276,7 @@ def main(argv=None) -> int:
         ("families", lambda: section_families(out, device, backend)),
         ("generation", lambda: section_generation(out, device, backend, args.quick)),
         ("calibration", lambda: section_calibration(out, device, backend, args.quick)),
+        ("sparse", lambda: section_sparse(out, device, backend, args.quick)),
         ("replay", lambda: section_replay(out, device, backend, args.quick)),
         ("bench", lambda: section_bench(out, device, args.bench_seqs or ("8192" if args.quick else "8192,32768"))),
     ]

@@ -304,6 +304,14 @@ def test_dense_first_and_last_steps(gen, first, last, dense_steps):
     assert func.calls == []
 
 
+def test_video_tokens_from_the_grid_comfyui_reports():
+    from nvfp4_dit.sparse import VideoTokens
+
+    assert ao.video_tokens({"grid_sizes": torch.Size([2, 4, 6])}) == VideoTokens((2, 4, 6))
+    assert ao.video_tokens({}) is None
+    assert ao.video_tokens({"grid_sizes": (2, 0, 6)}) is None
+
+
 def test_layer_names_from_the_block_comfyui_reports():
     assert ao.layer_name({}, cross=False) is None
     assert ao.layer_name({"block_index": 3}, cross=False) == "blocks.3.self"
@@ -336,6 +344,23 @@ def test_a_calibrated_policy_picks_each_blocks_precision(gen, op_calls):
     op_calls.clear()
     override(RecordingFunc(), q, k, v, 2, transformer_options=_options(2, 0))  # first third: no entry
     assert len(op_calls) == 1
+
+
+def test_calibrating_override_with_keep_mass_measures_the_sparse_ladder(gen, tmp_path):
+    from nvfp4_dit.policy import FP4_PRECISIONS
+
+    path = tmp_path / "policy.json"
+    q, k, v = qkv(gen, False, lq=256, lk=256)
+    policy = AttentionPolicy(backend="reference", min_seq_len=0, dense_steps=(0, 0), keep_mass=0.9,
+                             sparse_off_steps=(0, 0), sparse_min_seq_len=0)
+    override = ao.CalibratingOverride(policy, path=path, budget=0.25, model_class="WanModel")
+    func = exact_func = lambda *a, **kw: exact(*a, skip_reshape=False, skip_output_reshape=False,  # noqa: E731
+                                              **{k_: v_ for k_, v_ in kw.items() if k_ in ("mask", "scale")})
+    out = override(func, q, k, v, 2, transformer_options=_options(0, 1))
+    assert torch.equal(out, exact_func(q, k, v, 2))
+    (entry,) = AttentionPolicy.load(path).per_layer
+    assert {(p, m) for p, m, _, _ in entry.sparse_errors} == {(p, m) for p in FP4_PRECISIONS for m in (0.95, 0.9, 0.8)}
+    assert entry.keep_mass is not None and 0.0 < entry.density <= 1.0
 
 
 def test_calibrating_override_samples_exactly_and_writes_the_policy(gen, tmp_path):
@@ -627,13 +652,25 @@ def test_dense_steps_follow_the_schedule_comfyui_passes(comfyui, tiny_cases, unp
 
 
 @pytest.mark.comfyui
-def test_keep_mass_runs_block_sparse_after_the_sparse_first_steps(comfyui, tiny_cases, unpatched, op_calls):
+def test_keep_mass_runs_block_sparse_after_the_sparse_first_steps(comfyui, tiny_cases, unpatched, op_calls,
+                                                                   monkeypatch):
     case = tiny_cases["wan"]
     _, reference_calls = unpatched[case.name]
     per_step = len([c for c in reference_calls if c["lq"] == c["lk"]]) // 3
     patched = _patch_with_node(comfyui, case.patcher, backend="reference", keep_mass=0.9, sparse_first_steps=1,
                                sparse_min_seq_len=0)
+    from nvfp4_dit import planner
+
+    videos, real_plan = [], planner.plan_call
+
+    def recording_plan(*args, **kwargs):
+        videos.append(kwargs.get("video"))
+        return real_plan(*args, **kwargs)
+
+    monkeypatch.setattr(planner, "plan_call", recording_plan)
     out = comfyui_env.sample(comfyui, patched, case)
+    # Wan reports its patched latent grid: 2 frames of 8x8 latents at patch 1x2x2.
+    assert videos and all(v is not None and v.grid == (2, 4, 4) for v in videos)
     assert torch.isfinite(out).all() and len(op_calls) == 3 * per_step
     sparsity = [c["sparsity"] for c in op_calls]
     assert all(s is None for s in sparsity[:per_step])                        # step 0: dense NVFP4
@@ -825,7 +862,7 @@ def test_real_server_runs_a_prompt_through_the_node(server):
 
 
 _FILE_INPUTS = {"unet_name", "clip_name", "vae_name", "lora_name", "image"}
-_EXAMPLES = ("wan2.1_t2v", "wan2.2_14b_i2v", "cosmos_predict2_video2world")
+_EXAMPLES = ("wan2.1_t2v", "wan2.1_t2v_sparse", "wan2.2_14b_i2v", "cosmos_predict2_video2world")
 
 
 @pytest.mark.comfyui

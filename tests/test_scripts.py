@@ -122,8 +122,9 @@ def test_report_writes_markdown_with_figures(tmp_path):
     assert "## 1. Op accuracy" in md and "| RoPE Q/K |" in md
     assert "## 4. Calibrated per-layer policy" in md and "| calibrated | " in md and "| uniform | " in md
     assert "| transformer.blocks.1.attn1 | last |" in md
-    assert "## 5. Per-layer replay" in md and "reproduced bit-exactly by the replay: yes" in md
-    assert "Needs a CUDA GPU" in md or "## 6. Kernel benchmark" in md
+    assert "## 5. Block-sparse NVFP4" in md and "| transformer.blocks.0.attn1 | 1 | " in md
+    assert "## 6. Per-layer replay" in md and "reproduced bit-exactly by the replay: yes" in md
+    assert "Needs a CUDA GPU" in md or "## 7. Kernel benchmark" in md
     for png in ("accuracy.png", "replay.png"):
         assert f"({png})" in md and (out / png).stat().st_size > 1000
 
@@ -263,7 +264,14 @@ def test_generate_video_runs_block_sparse_with_keep_mass(tmp_path, monkeypatch):
     assert generate_video.main(["--steps", "3", "--dense-steps", "0,0", "--keep-mass", "0.9", "--sparse-off-steps",
                                 "1,0", "--sparse-min-seq-len", "0", "--no-video", "--device", "cpu",
                                 "--json", str(out)]) == 0
-    policy = json.loads(out.read_text())["policy"]
+    report = json.loads(out.read_text())
+    policy = report["policy"]
     assert policy["keep_mass"] == 0.9 and policy["sparse_off_steps"] == [1, 0]
     per_step = len(seen) // 3
     assert all(s is None for s in seen[:per_step]) and all(s.keep_mass == 0.9 for s in seen[per_step:])
+    # The JSON gives each block-sparse call's density, and per layer and step their mean.
+    (run,) = report["runs"].values()
+    sparse_calls = [c for c in run["attention_calls"] if c["keep_mass"] is not None]
+    assert sparse_calls and all(0 < c["density"] <= 1 for c in sparse_calls)
+    assert set(run["sparse_density"]) == {c["layer"] for c in sparse_calls}
+    assert all(set(per) == {"1", "2"} for per in run["sparse_density"].values())   # JSON keys: steps 1, 2
