@@ -256,7 +256,7 @@ class NVFP4AttentionOverride:
         scale = extra.get("scale")
         call = planner.plan_call(q4, k4, v4, layout=layout, policy=policy, attn_mask=mask, enable_gqa=True,
                                  scale=scale, cross=cross, step=step, layer=layer_name(options, cross),
-                                 video=video_tokens(options) if policy.keep_mass is not None else None)
+                                 video=video_tokens(options) if policy.may_run_sparse else None)
         if not call.run_op:
             if call.warn:
                 _warn_once(call.reason)

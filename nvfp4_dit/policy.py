@@ -318,6 +318,11 @@ class AttentionPolicy:
         unknown step (None) is not."""
         return _in_edge_steps(step, self.dense_steps)
 
+    @property
+    def may_run_sparse(self) -> bool:
+        """Whether a call may run block-sparse: a ``keep_mass`` below 1, the policy's or a layer's."""
+        return any(k is not None and k < 1.0 for k in (self.keep_mass, *(e.keep_mass for e in self.per_layer or ())))
+
     def keep_mass_for(self, step: Optional[tuple[int, int]], seq_q: int, seq_k: int,
                       layer: Optional[str] = None) -> Optional[float]:
         """The ``keep_mass`` of an NVFP4 call at ``step`` (None: unknown) with these lengths, in

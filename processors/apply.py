@@ -236,6 +236,7 @@ def apply(
         handle._swaps.append(_Swap(module, proc, wrapper))
         handle.processors[full] = wrapper
 
+    sparse = policy.may_run_sparse   # the video tokens serve block-sparse calls only
     for _, model in models:
         pos = _timestep_position(model)
 
@@ -243,7 +244,7 @@ def apply(
             t = kwargs.get("timestep")
             if t is None and _pos is not None and len(args) > _pos:
                 t = args[_pos]
-            steps.begin_forward(t, video_tokens_of(module, args, kwargs))
+            steps.begin_forward(t, video_tokens_of(module, args, kwargs) if sparse else None)
 
         handle._hooks.append(model.register_forward_pre_hook(pre_hook, with_kwargs=True))
     return handle

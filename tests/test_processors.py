@@ -600,7 +600,7 @@ def test_each_forward_learns_its_video_tokens(family, grid, position):
     """The grid each tiny model's latent input and patch size give (frames x size x size latents,
     spatial patch 2 but HunyuanVideo's 1), read in the forward's pre-hook."""
     case = build(family, head_dim=64)
-    with apply(case.model, backend="reference") as handle, torch.no_grad():
+    with apply(case.model, backend="reference", keep_mass=0.9) as handle, torch.no_grad():
         case.run()
         video = handle.steps.current_video
     if grid is None:
@@ -608,9 +608,13 @@ def test_each_forward_learns_its_video_tokens(family, grid, position):
     else:
         assert (video.grid, video.position) == (grid, position)
     other = build("wan", head_dim=64, frames=3, size=12)   # recomputed in every forward
-    with apply(other.model, backend="reference") as handle, torch.no_grad():
+    with apply(other.model, backend="reference", keep_mass=0.9) as handle, torch.no_grad():
         other.run()
         assert handle.steps.current_video.grid == (3, 6, 6)
+    dense = build("wan", head_dim=64)
+    with apply(dense.model, backend="reference") as handle, torch.no_grad():
+        dense.run()
+        assert handle.steps.current_video is None   # a dense policy does not read them
 
 
 @pytest.mark.parametrize("family, video_count, first", [("hunyuan_video", 256, True), ("cogvideox", 128, False),
