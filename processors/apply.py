@@ -244,7 +244,7 @@ def apply(
             t = kwargs.get("timestep")
             if t is None and _pos is not None and len(args) > _pos:
                 t = args[_pos]
-            steps.begin_forward(t, video_tokens_of(module, args, kwargs) if sparse else None)
+            steps.begin_forward(t, video=video_tokens_of(module, args, kwargs) if sparse else None)
 
         handle._hooks.append(model.register_forward_pre_hook(pre_hook, with_kwargs=True))
     return handle

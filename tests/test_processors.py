@@ -332,8 +332,8 @@ def test_dense_steps_from_pipeline_scheduler(spy):
     with apply(pipe, backend="reference", min_seq_len=0, dense_steps=(1, 2)) as h:
         orig = h.steps.begin_forward
 
-        def record(t=None):
-            orig(t)
+        def record(t=None, video=None):
+            orig(t, video=video)
             steps_seen.append((h.steps.current_step, h.policy.step_is_dense(h.steps.current_step)))
 
         h.steps.begin_forward = record
