@@ -119,15 +119,65 @@ def layer_name(transformer_options: dict, cross: bool) -> Optional[str]:
 PLANNED = object()   # NVFP4AttentionOverride.run: the plan's own sparsity
 
 
+# Where the apply_model wrapper leaves the forward's video tokens (in that forward's own options).
+VIDEO_TOKENS_OPTION = "nvfp4_dit_video_tokens"
+# ComfyUI diffusion models whose input is a [B, C, T, H, W] latent: how to read their patch size,
+# and where the video sits in their attention's sequence ("first": alone or before other tokens;
+# HunyuanVideo puts the text first).
+_LATENT_MODELS = {
+    "WanModel": (lambda m: tuple(m.patch_size), "first"),
+    "HunyuanVideo": (lambda m: tuple(m.patch_size), "last"),
+    "MiniTrainDIT": (lambda m: (m.patch_temporal, m.patch_spatial, m.patch_spatial), "first"),
+    "LTXVModel": (lambda m: (1, 1, 1), "first"),
+}
+
+
+def latent_video_tokens(diffusion_model, x) -> Optional[VideoTokens]:
+    """The video tokens of a forward of ``diffusion_model`` on latent ``x``, or None for a model
+    (or an input) this module does not know."""
+    known = _LATENT_MODELS.get(type(diffusion_model).__name__)
+    if known is None or not isinstance(x, torch.Tensor) or x.dim() != 5:
+        return None
+    read_patch, position = known
+    try:
+        patch = tuple(int(n) for n in read_patch(diffusion_model))
+        grid = tuple(n // p for n, p in zip(x.shape[2:], patch))
+        return VideoTokens(grid, position) if len(patch) == 3 else None
+    except (AttributeError, TypeError, ValueError, ZeroDivisionError):
+        return None
+
+
 def video_tokens(transformer_options: dict) -> Optional[VideoTokens]:
-    """The video tokens of the forward in progress where the model reports its latent token grid
-    (ComfyUI's Wan: ``grid_sizes``, the patched latent's (T, H, W)), else None. Read in every call
-    from that forward's options: nothing is kept."""
+    """The video tokens of the forward in progress: what the apply_model wrapper read off its latent
+    (:func:`install_video_tokens`), else the latent token grid the model reports (ComfyUI's Wan:
+    ``grid_sizes``), else None. Read from that forward's options in every call: nothing is kept."""
+    found = transformer_options.get(VIDEO_TOKENS_OPTION)
+    if isinstance(found, VideoTokens):
+        return found
     grid = transformer_options.get("grid_sizes")
     try:
         return VideoTokens(tuple(int(n) for n in grid)) if grid is not None else None
     except (TypeError, ValueError):
         return None
+
+
+def _video_tokens_wrapper(executor, x, t, c_concat=None, c_crossattn=None, control=None, transformer_options=None,
+                          **kwargs):
+    """An ``apply_model`` wrapper: the forward's video tokens into its own transformer_options."""
+    if transformer_options is not None:
+        model = getattr(executor.class_obj, "diffusion_model", None)
+        video = latent_video_tokens(model, x)
+        if video is not None:
+            transformer_options[VIDEO_TOKENS_OPTION] = video
+    return executor(x, t, c_concat, c_crossattn, control, transformer_options, **kwargs)
+
+
+def install_video_tokens(patched) -> None:
+    """Have every forward of the ``ModelPatcher`` ``patched`` read its video tokens (for a
+    block-sparse call's estimate, which always keeps the keys that are not video)."""
+    import comfy.patcher_extension
+
+    patched.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.APPLY_MODEL, "nvfp4_dit", _video_tokens_wrapper)
 
 
 def diffusion_model_class(model) -> str:
@@ -357,11 +407,13 @@ class CalibratingOverride(NVFP4AttentionOverride):
         return self.table.policy(self.base, self.budget, self.model_class)
 
 
-def _install(model, make_override: Callable[[Optional[Callable]], Callable]):
+def _install(model, make_override: Callable[[Optional[Callable]], Callable], policy: AttentionPolicy):
     patched = model.clone()
     transformer_options = patched.model_options.setdefault("transformer_options", {})
     previous = transformer_options.get("optimized_attention_override")
     transformer_options["optimized_attention_override"] = make_override(previous)
+    if policy.may_run_sparse:
+        install_video_tokens(patched)
     return patched
 
 
@@ -376,10 +428,10 @@ def patch_model(model, policy: AttentionPolicy):
     if policy.per_layer is not None and policy.model_class not in (None, diffusion_model_class(model)):
         raise ValueError(f"the policy was calibrated on {policy.model_class}, this model is "
                          f"{diffusion_model_class(model)}: calibrate this model (the node's calibrate option)")
-    return _install(model, lambda previous: NVFP4AttentionOverride(policy, previous))
+    return _install(model, lambda previous: NVFP4AttentionOverride(policy, previous), policy)
 
 
 def patch_model_for_calibration(model, policy: AttentionPolicy, path, budget: float):
     """A clone of the ``ModelPatcher`` that samples exactly and writes a calibrated policy to ``path``."""
     return _install(model, lambda previous: CalibratingOverride(policy, previous, path=path, budget=budget,
-                                                                model_class=diffusion_model_class(model)))
+                                                                model_class=diffusion_model_class(model)), policy)

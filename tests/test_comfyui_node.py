@@ -681,6 +681,38 @@ def test_keep_mass_runs_block_sparse_after_the_sparse_first_steps(comfyui, tiny_
 
 
 @pytest.mark.comfyui
+@pytest.mark.parametrize("name, position", [("wan", "first"), ("cosmos_predict2", "first"),
+                                            ("hunyuan_video", "last"), ("ltxv", "first")])
+def test_each_forward_reads_its_video_tokens_off_the_latent(comfyui, tiny_cases, op_calls, monkeypatch, name,
+                                                            position):
+    """The apply_model wrapper reads each forward's latent grid (2 latent frames of 8x8 at patch
+    1x2x2, LTXV's 4x4 at patch 1: 2 x 4 x 4 tokens); a block-sparse joint call keeps the prompt
+    (ComfyUI's HunyuanVideo puts its 8 text tokens first)."""
+    from nvfp4_dit import planner
+
+    case = tiny_cases[name]
+    videos, real_plan = [], planner.plan_call
+
+    def recording_plan(*args, **kwargs):
+        videos.append(kwargs.get("video"))
+        return real_plan(*args, **kwargs)
+
+    monkeypatch.setattr(planner, "plan_call", recording_plan)
+    patched = _patch_with_node(comfyui, case.patcher, backend="reference", keep_mass=0.9, sparse_first_steps=0,
+                               sparse_min_seq_len=0, min_seq_len=0, dense_first_steps=0, dense_last_steps=0)
+    out = comfyui_env.sample(comfyui, patched, case)
+    assert torch.isfinite(out).all()
+    assert videos and all(v is not None and v.grid == (2, 4, 4) and v.position == position for v in videos)
+    joint = [c["sparsity"] for c in op_calls if c["sparsity"] is not None and c["sparsity"].always_keep is not None]
+    assert bool(joint) == (name == "hunyuan_video")
+    assert all(s.always_keep == (0, 8) for s in joint)
+    # Without keep_mass nothing reads the latent.
+    videos.clear()
+    comfyui_env.sample(comfyui, _patch_with_node(comfyui, case.patcher, backend="reference"), case)
+    assert all(v is None for v in videos)
+
+
+@pytest.mark.comfyui
 def test_chains_an_override_already_on_the_model(comfyui, tiny_cases, unpatched, op_calls):
     case = tiny_cases["wan"]
     expected, reference_calls = unpatched[case.name]
