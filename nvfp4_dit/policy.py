@@ -411,6 +411,11 @@ class AttentionPolicy:
             counts = {p: sum(e.precision == p for e in self.per_layer) for p in PRECISIONS}
             text += (f", calibrated on {self.model_class} (budget {self.budget}): "
                      + ", ".join(f"{n} {p.label}" for p, n in counts.items() if n))
+            sparse = [e for e in self.per_layer if e.keep_mass is not None and e.keep_mass < 1.0]
+            if sparse:
+                mean = sum(e.density for e in sparse if e.density is not None) / max(
+                    1, sum(e.density is not None for e in sparse))
+                text += f"; {len(sparse)} block-sparse (mean density {mean:.3f})"
         return text
 
     # -- JSON -------------------------------------------------------------------------------------

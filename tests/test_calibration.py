@@ -75,6 +75,7 @@ def test_the_sparse_ladder_picks_the_least_modelled_time_within_budget():
     tight = t.policy(AttentionPolicy(keep_mass=0.9), budget=0.055, model_class=None).per_layer[0]
     assert (tight.precision, tight.keep_mass) == (NV, 1.0)
     assert "| a | middle | nvfp4 | 0.9 | 0.400 |" in format_table(pol)
+    assert pol.describe().endswith("1 block-sparse (mean density 0.400)")
     # Nothing ran dense: nothing is added.
     assert not t.measure("c", None, exact, lambda p, k: None, ladder=(0.9,))
 
