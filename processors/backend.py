@@ -84,7 +84,13 @@ def _nvfp4_attention(
     return nvfp4_forward_op(None, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse)
 
 
-def _route_nhd(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse):
+def _ring_sharded(parallel_config) -> bool:
+    """Whether a context-parallel call attends one ring shard of the keys (ring degree > 1)."""
+    cp = getattr(parallel_config, "context_parallel_config", None)
+    return (getattr(cp, "ring_degree", None) or 1) > 1
+
+
+def _route_nhd(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse, dense=False):
     sdpa_mask = attn_mask
     if (attn_mask is not None and attn_mask.dim() == 2 and attn_mask.shape[0] == query.shape[0]
             and attn_mask.shape[1] == key.shape[1]):
@@ -96,9 +102,13 @@ def _route_nhd(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
         return _native_fn()(query=query, key=key, value=value, attn_mask=attn_mask, dropout_p=dropout_p,
                             is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
 
+    policy = routing.current_policy()
+    if dense and policy.keep_mass is not None:
+        policy = policy.replace(keep_mass=None)
+
     return routing.routed_attention(
         query, key, value, layout="NHD", attn_mask=sdpa_mask, dropout_p=dropout_p, is_causal=is_causal,
-        scale=scale, enable_gqa=enable_gqa, return_lse=return_lse, policy=routing.current_policy(),
+        scale=scale, enable_gqa=enable_gqa, return_lse=return_lse, policy=policy,
         observe=routing.current_observe(), exact=exact,
     )
 
@@ -121,10 +131,13 @@ def nvfp4_forward_op(
 
     Ring attention calls this once per K/V chunk with ``return_lse=True`` and merges the chunks by
     their LSEs; the FP4 LSE is the true log-sum-exp of the chunk's scaled scores (the K-mean
-    smoothing term is given back), so the merge is the same as for exact attention.
+    smoothing term is given back), so the merge is the same as for exact attention. A ring chunk is
+    no 3D box of the video and its estimate would see a part of each row's mass, so block-sparse
+    policies run ring calls dense (Ulysses calls see the whole sequence and stay sparse).
     Inference only: nothing is saved for backward.
     """
-    res = _route_nhd(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse)
+    res = _route_nhd(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
+                     dense=_ring_sharded(_parallel_config))
     if return_lse:
         out, lse = res
         return out, lse.permute(0, 2, 1)

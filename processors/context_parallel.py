@@ -22,7 +22,9 @@ pipeline with the same inputs and seed and gets the whole output.  What the nume
 * Ring: each rank attends its query shard to one K/V shard at a time.  Each shard is quantised
   with its own statistics (K and V means, tensor scales, channel balance), so the output differs
   from the single-GPU one by about the FP4 error itself, not more.  The policy's ``min_seq_len``
-  is compared with the shard lengths.
+  is compared with the shard lengths.  A block-sparse policy (``keep_mass``) runs ring calls
+  dense: a shard is no 3D box of the video, and its estimate would see only a part of each row's
+  mass.  Ulysses calls see the whole sequence and run block-sparse as on one GPU.
 """
 
 from __future__ import annotations

@@ -48,12 +48,17 @@ CONFIGS = [
     ("minimax_h3", "ulysses", "reference", "cp"),
     ("minimax_h3", "ulysses", "sdpa", "apply"),
     ("minimax_h3", "ring", "reference", "apply"),
+    ("wan", "ulysses", "reference", "sparse"),
+    ("wan", "ring", "reference", "sparse"),
 ]
+# "sparse": apply(keep_mass=0.9) before enable_context_parallel: Ulysses calls run block-sparse, ring
+# calls (one K/V shard each) dense.
+SPARSE = dict(keep_mass=0.9, sparse_off_steps=(0, 0), sparse_min_seq_len=0)
 
 
-def _run_single(family, backend, device="cpu"):
+def _run_single(family, backend, device="cpu", **policy):
     case = build(family, **SIZES[family]).to(device)
-    with nvfp4_dit.apply(case.model, backend=backend, min_seq_len=MIN_SEQ_LEN, dense_steps=None):
+    with nvfp4_dit.apply(case.model, backend=backend, min_seq_len=MIN_SEQ_LEN, dense_steps=None, **policy):
         return [t.cpu() for t in case.run()]
 
 
@@ -62,12 +67,13 @@ def _run_rank(family, mode, backend, order, device):
     calls = []
 
     def observe(info, q, k, v, out):
-        calls.append((info.path, int(q.shape[1]), int(k.shape[1]), int(q.shape[2])))  # NHD
+        calls.append((info.path, int(q.shape[1]), int(k.shape[1]), int(q.shape[2]), info.sparsity is not None))  # NHD
 
     if order == "cp":
         enable_context_parallel(case.model, mode)
-    handle = nvfp4_dit.apply(case.model, backend=backend, min_seq_len=MIN_SEQ_LEN, dense_steps=None)
-    if order == "apply":
+    handle = nvfp4_dit.apply(case.model, backend=backend, min_seq_len=MIN_SEQ_LEN, dense_steps=None,
+                             **(SPARSE if order == "sparse" else {}))
+    if order in ("apply", "sparse"):
         enable_context_parallel(case.model, mode)
     routing.add_observer(observe)
     try:
@@ -103,7 +109,7 @@ def _rel(a, b):
 
 
 def _check(ranks, cfg, single, exact, bitwise_ulysses, tol=1e-5):
-    family, mode, backend, _ = cfg
+    family, mode, backend, order = cfg
     seq = SELF_ATTENTION_TOKENS[family]
     for rank, res in enumerate(ranks):
         got = res[cfg]
@@ -115,6 +121,8 @@ def _check(ranks, cfg, single, exact, bitwise_ulysses, tol=1e-5):
                 assert all(c[1] == c[2] == seq and c[3] == 1 for c in fp4), got["calls"]
             else:
                 assert all(c[1] == c[2] == seq // WORLD for c in fp4), got["calls"]
+            # Block-sparse under Ulysses (the whole sequence), dense on ring shards.
+            assert all(c[4] == (order == "sparse" and mode == "ulysses") for c in fp4), got["calls"]
         for out, ref, ex in zip(got["outputs"], single, exact):
             assert out.shape == ref.shape
             if backend == "sdpa" or (mode == "ulysses" and not bitwise_ulysses):
@@ -133,10 +141,17 @@ def cpu_ranks():
     return _spawn(CONFIGS, "cpu")
 
 
+def _single_policy(cfg) -> dict:
+    """The one-process policy a config compares with: a sparse config's is block-sparse under
+    Ulysses, dense as the ring runs it."""
+    _, mode, _, order = cfg
+    return SPARSE if order == "sparse" and mode == "ulysses" else {}
+
+
 @pytest.mark.parametrize("cfg", CONFIGS, ids=["-".join(c) for c in CONFIGS])
 def test_context_parallel_on_cpu_matches_one_process(cpu_ranks, cfg):
     family, _, backend, _ = cfg
-    single = _run_single(family, backend)
+    single = _run_single(family, backend, **_single_policy(cfg))
     exact = _run_single(family, "sdpa")
     _check(cpu_ranks, cfg, single, exact, bitwise_ulysses=family == "wan")
 
@@ -150,7 +165,7 @@ def test_context_parallel_on_two_gpus_matches_one_gpu():
     for cfg in configs:
         family, _, backend, _ = cfg
         # GEMMs of a sharded sequence may pick other kernels on a GPU: no bitwise claim there.
-        _check(ranks, cfg, _run_single(family, backend, "cuda"), _run_single(family, "sdpa", "cuda"),
+        _check(ranks, cfg, _run_single(family, backend, "cuda", **_single_policy(cfg)), _run_single(family, "sdpa", "cuda"),
                bitwise_ulysses=False, tol=1e-4)
 
 
