@@ -140,11 +140,10 @@ def latent_video_tokens(diffusion_model, x) -> Optional[VideoTokens]:
         return None
     read_patch, position = known
     try:
-        patch = tuple(int(n) for n in read_patch(diffusion_model))
-        grid = tuple(n // p for n, p in zip(x.shape[2:], patch))
-        return VideoTokens(grid, position) if len(patch) == 3 else None
-    except (AttributeError, TypeError, ValueError, ZeroDivisionError):
+        patch = read_patch(diffusion_model)
+    except (AttributeError, TypeError):
         return None
+    return VideoTokens.of_latent(x.shape[2:], patch, position)
 
 
 def video_tokens(transformer_options: dict) -> Optional[VideoTokens]:

@@ -124,13 +124,13 @@ class CalibrationTable:
             sparse = tuple(sorted(((p, k, e, d) for (p, k), (e, d) in measured.items() if k is not None),
                                   key=lambda r: (PRECISION_COST[r[0]], -r[1])))
             precision, keep_mass, density = choose_layer(measured, budget)
-            if sparse and not precision.exact and keep_mass is None:
+            if not sparse or precision.exact:   # no ladder measured, or no FP4 run within the budget
+                keep_mass = density = None
+            elif keep_mass is None:
                 keep_mass = 1.0   # measured, and dense is the cheapest within the budget
             entries.append(LayerPrecision(layer, bucket, precision,
                                           tuple(sorted(dense.items(), key=lambda pe: PRECISION_COST[pe[0]])),
-                                          keep_mass=keep_mass if sparse else None,
-                                          density=density if sparse and not precision.exact else None,
-                                          sparse_errors=sparse))
+                                          keep_mass=keep_mass, density=density, sparse_errors=sparse))
         return base.replace(per_layer=tuple(entries), model_class=model_class, budget=float(budget))
 
 

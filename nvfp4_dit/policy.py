@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import functools
 import json
 import os
 import re
@@ -318,10 +319,23 @@ class AttentionPolicy:
         unknown step (None) is not."""
         return _in_edge_steps(step, self.dense_steps)
 
-    @property
+    # Derived once per policy (it is frozen), read per call. functools.cached_property writes the
+    # instance __dict__ directly, which a frozen dataclass allows; equality compares fields only.
+
+    @functools.cached_property
     def may_run_sparse(self) -> bool:
         """Whether a call may run block-sparse: a ``keep_mass`` below 1, the policy's or a layer's."""
         return any(k is not None and k < 1.0 for k in (self.keep_mass, *(e.keep_mass for e in self.per_layer or ())))
+
+    @functools.cached_property
+    def without_sparsity(self) -> "AttentionPolicy":
+        """This policy with no ``keep_mass`` (calls it cannot run block-sparse: ring shards)."""
+        return self if self.keep_mass is None else dataclasses.replace(self, keep_mass=None)
+
+    @functools.cached_property
+    def _entries(self) -> dict:
+        """``per_layer`` by (layer, bucket)."""
+        return {(e.layer, e.bucket): e for e in self.per_layer or ()}
 
     def keep_mass_for(self, step: Optional[tuple[int, int]], seq_q: int, seq_k: int,
                       layer: Optional[str] = None) -> Optional[float]:
@@ -354,11 +368,7 @@ class AttentionPolicy:
         """The ``per_layer`` entry of module ``layer`` at ``step``, or None."""
         if self.per_layer is None or layer is None:
             return None
-        bucket = step_bucket(step)
-        for e in self.per_layer:
-            if e.layer == layer and e.bucket == bucket:
-                return e
-        return None
+        return self._entries.get((layer, step_bucket(step)))
 
     def precision_for(self, layer: Optional[str], step: Optional[tuple[int, int]]) -> Optional[Precision]:
         """The calibrated precision of module ``layer`` at ``step``, or None where ``per_layer``

@@ -128,6 +128,19 @@ class VideoTokens:
         if self.position not in ("first", "last"):
             raise ValueError(f"position must be 'first' or 'last', got {self.position!r}")
 
+    @classmethod
+    def of_latent(cls, dims, patch, position: str = "first") -> Optional["VideoTokens"]:
+        """The tokens of a latent of ``dims`` (T, H, W) cut into patches of ``patch`` (pt, ph, pw),
+        or None where that makes no grid (an unreadable patch size, or one past the latent)."""
+        try:
+            dims, patch = tuple(int(n) for n in dims), tuple(int(n) for n in patch)
+        except (TypeError, ValueError):
+            return None
+        if len(dims) != 3 or len(patch) != 3 or min(patch) <= 0:
+            return None
+        grid = tuple(n // p for n, p in zip(dims, patch))
+        return cls(grid, position) if min(grid) > 0 else None
+
     @property
     def count(self) -> int:
         t, h, w = self.grid
@@ -241,14 +254,26 @@ def pooled_scores(stats: BlockStatistics, i0: int, i1: int) -> torch.Tensor:
     return torch.matmul(q_rows, km[..., :d].float().transpose(-1, -2)).view(b, h, rows, nk)
 
 
+def map_device(stats: Optional[BlockStatistics], sparsity: Sparsity, device=None) -> torch.device:
+    """Where a call's block map is made: on its statistics' device, else its block mask's, else
+    ``device`` (a map of every allowed tile needs neither)."""
+    if stats is not None:
+        return stats.q_mean.device
+    if sparsity.block_mask is not None:
+        return sparsity.block_mask.device
+    if device is None:
+        raise ValueError("a block map needs the block statistics, a block_mask or a device")
+    return torch.device(device)
+
+
 def map_rows(stats: Optional[BlockStatistics], sparsity: Sparsity, grid: TileGrid, i0: int, i1: int,
-             log_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+             log_weights: Optional[torch.Tensor] = None, device=None) -> torch.Tensor:
     """The block map of Q blocks [i0, i1): bool [B, H, i1 - i0, nk] (contiguous).
 
     ``stats`` is read only when the map is estimated (``keep_mass < 1``); ``log_weights`` is
     :meth:`TileGrid.tile_log_weights`, passed in when several row ranges share it."""
     b, h, nk, rows = grid.batch, grid.heads, grid.nk, i1 - i0
-    device = sparsity.block_mask.device if stats is None else stats.q_mean.device
+    device = map_device(stats, sparsity, device)
     allowed = grid.allowed(i0, i1, device)
     if sparsity.block_mask is not None:
         allowed = allowed & sparsity.block_mask[:, :, i0:i1]
@@ -282,11 +307,12 @@ def row_groups(num_q_blocks: int, rows_per_group: int, elements_per_row: int,
     return [(i, min(i + per, num_q_blocks)) for i in range(0, num_q_blocks, per)]
 
 
-def block_map(stats: Optional[BlockStatistics], sparsity: Sparsity, grid: TileGrid) -> torch.Tensor:
-    """The whole block map of a call, bool [B, H, nq, nk], estimated in bounded groups of rows."""
-    device = sparsity.block_mask.device if stats is None else stats.q_mean.device
+def block_map(stats: Optional[BlockStatistics], sparsity: Sparsity, grid: TileGrid, device=None) -> torch.Tensor:
+    """The whole block map of a call, bool [B, H, nq, nk], estimated in bounded groups of rows
+    (``device``: where, if neither statistics nor a block mask say, :func:`map_device`)."""
+    device = map_device(stats, sparsity, device)
     weights = grid.tile_log_weights(device) if sparsity.estimated else None
-    parts = [map_rows(stats, sparsity, grid, i0, i1, weights)
+    parts = [map_rows(stats, sparsity, grid, i0, i1, weights, device)
              for i0, i1 in row_groups(grid.nq, 1, grid.batch * grid.heads * grid.nk)]
     return torch.cat(parts, dim=2)
 
@@ -365,6 +391,12 @@ def visiting_order(counts: torch.Tensor, chunk_lengths: Sequence[int], nk: int) 
     return torch.argsort(key.view(chunks, bh * step), dim=1, stable=True).to(torch.int32)
 
 
+def check_list_size(bh: int, step: int, nk: int) -> None:
+    """The lists of a chunk of ``step`` Q blocks are int32: ValueError past their range."""
+    if bh * step * nk >= 2**31:
+        raise ValueError(f"a correction chunk's block map of {bh * step * nk} elements exceeds int32 lists")
+
+
 def build_lists(rows_map: torch.Tensor, chunk_lengths: Sequence[int]) -> BlockLists:
     """The lists of a block map ``rows_map`` bool [B, H, n, nk] whose rows are the Q blocks of
     consecutive correction chunks of ``chunk_lengths`` blocks (all but the last equal). Device ops
@@ -372,8 +404,7 @@ def build_lists(rows_map: torch.Tensor, chunk_lengths: Sequence[int]) -> BlockLi
     b, h, n, nk = rows_map.shape
     step, chunks, bh = max(chunk_lengths), len(chunk_lengths), b * h
     device = rows_map.device
-    if bh * step * nk >= 2**31:
-        raise ValueError(f"a correction chunk's block map of {bh * step * nk} elements exceeds int32 lists")
+    check_list_size(bh, step, nk)
     padded = torch.zeros(bh, chunks * step, nk, dtype=torch.bool, device=device)
     padded[:, :n] = rows_map.reshape(bh, n, nk)
     by_chunk = padded.view(bh, chunks, step, nk).transpose(0, 1).contiguous()   # [C, BH, step, nk]
@@ -433,8 +464,7 @@ def lists_by_group(stats: Optional[BlockStatistics], sparsity: Sparsity, grid: T
     """Per group of consecutive correction ``chunks`` (:func:`chunk_groups`): ``(group, rows_map,
     lists)``, the group's block map (:func:`map_rows`) and its lists (:func:`build_lists`), made
     on the device when the group is reached."""
-    device = sparsity.block_mask.device if stats is None else stats.q_mean.device
-    weights = grid.tile_log_weights(device) if sparsity.estimated else None
+    weights = grid.tile_log_weights(map_device(stats, sparsity)) if sparsity.estimated else None
     for group in chunk_groups(chunks, grid.batch * grid.heads, grid.nk):
         rows_map = map_rows(stats, sparsity, grid, group[0][0], group[-1][1], weights)
         yield group, rows_map, build_lists(rows_map, [c1 - c0 for c0, c1 in group])
@@ -447,10 +477,8 @@ def lists_by_group(stats: Optional[BlockStatistics], sparsity: Sparsity, grid: T
 def inputs_block_map(qh: torch.Tensor, kh: torch.Tensor, sparsity: Sparsity, grid: TileGrid) -> torch.Tensor:
     """The block map of a call from its [B, H, S, D] inputs (the statistics in PyTorch): what the
     exact and SDPA paths attend."""
-    # The statistics are read only by the estimate; without a block mask they also place the map.
-    stats = BlockStatistics.of_inputs(qh, kh, grid.kv_lens) if sparsity.estimated or sparsity.block_mask is None \
-        else None
-    return block_map(stats, sparsity, grid)
+    stats = BlockStatistics.of_inputs(qh, kh, grid.kv_lens) if sparsity.estimated else None
+    return block_map(stats, sparsity, grid, qh.device)
 
 
 def expand_rows(block_map: torch.Tensor, r0: int, r1: int, seq_k: int) -> torch.Tensor:

@@ -103,8 +103,8 @@ def _route_nhd(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
                             is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
 
     policy = routing.current_policy()
-    if dense and policy.keep_mass is not None:
-        policy = policy.replace(keep_mass=None)
+    if dense:
+        policy = policy.without_sparsity
 
     return routing.routed_attention(
         query, key, value, layout="NHD", attn_mask=sdpa_mask, dropout_p=dropout_p, is_causal=is_causal,

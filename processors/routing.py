@@ -240,17 +240,18 @@ def block_density(info: CallInfo, query, key, sparsity: Sparsity) -> float:
     statistics in PyTorch; reads the result on the host): for calibration and reports."""
     b, h, sq, _ = fmt.hnd_shape(query, info.layout)
     sk = fmt.hnd_shape(key, info.layout)[2]
-    mask = info.attn_mask
-    if mask is not None and mask.dim() == 2:
-        mask = mask[None, None]   # SDPA reads a 2-D mask as [Sq, Sk]
+    mask = _sdpa_mask_4d(info.attn_mask)
     key_mask = None if mask is None else reduce_key_mask(mask, b, h, sq, sk)
     return ops.block_density(query, key, layout=info.layout, causal=info.is_causal, scale=info.scale,
                              key_mask=key_mask, sparsity=sparsity)
 
 
+def _sdpa_mask_4d(attn_mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """An SDPA mask in 4-D: SDPA reads a 2-D mask as [Sq, Sk], the op (and the mask reduction) as [B, Sk]."""
+    return attn_mask[None, None] if attn_mask is not None and attn_mask.dim() == 2 else attn_mask
+
+
 def _exact_with_lse(query, key, value, layout, attn_mask, is_causal, scale):
     """Exact attention and its LSE [B, H, Sq] (fp32) for calls that must return an LSE."""
-    if attn_mask is not None and attn_mask.dim() == 2:
-        attn_mask = attn_mask[None, None]   # SDPA reads a 2-D mask as [Sq, Sk]; the op as [B, Sk]
     return nvfp4_dit.attention(query, key, value, layout=layout, causal=bool(is_causal), scale=scale,
-                               attn_mask=attn_mask, return_lse=True, backend="sdpa")
+                               attn_mask=_sdpa_mask_4d(attn_mask), return_lse=True, backend="sdpa")

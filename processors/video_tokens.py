@@ -28,8 +28,6 @@ import torch
 
 from nvfp4_dit.sparse import VideoTokens
 
-_BCTHW = {"WanTransformer3DModel": "alone", "CosmosTransformer3DModel": "alone",
-          "HunyuanVideoTransformer3DModel": "first", "MochiTransformer3DModel": "first"}
 _SIGNATURES: dict[type, inspect.Signature] = {}
 
 
@@ -52,44 +50,42 @@ def _patch(value, dims: int) -> Optional[tuple[int, ...]]:
     return None
 
 
-def _tokens(frames: int, height: int, width: int, patch: Optional[tuple[int, int, int]],
-            position: str) -> Optional[VideoTokens]:
-    if patch is None or min(frames, height, width) <= 0:
-        return None
-    grid = (frames // patch[0], height // patch[1], width // patch[2])
-    if min(grid) <= 0:
-        return None
-    return VideoTokens(grid, "first" if position == "alone" else position)
+def _spatial(config, temporal) -> Optional[tuple[int, int, int]]:
+    """(temporal, *the config's spatial patch size), None if unreadable."""
+    spatial = _patch(getattr(config, "patch_size", None), 2)
+    return None if spatial is None else (temporal, *spatial)
+
+
+# Per model class: where the latent dims come from ("BCTHW" / "BFCHW": hidden_states' shape;
+# "args": the forward's num_frames, height, width), its (pt, ph, pw) patch size, and the video's
+# place in the attention's sequence ("first" also where it is alone).
+_FAMILIES = {
+    "WanTransformer3DModel": ("BCTHW", lambda c: _patch(getattr(c, "patch_size", None), 3), "first"),
+    "CosmosTransformer3DModel": ("BCTHW", lambda c: _patch(getattr(c, "patch_size", None), 3), "first"),
+    "HunyuanVideoTransformer3DModel": ("BCTHW", lambda c: _spatial(c, getattr(c, "patch_size_t", 1)), "first"),
+    "MochiTransformer3DModel": ("BCTHW", lambda c: _spatial(c, 1), "first"),
+    "CogVideoXTransformer3DModel": ("BFCHW", lambda c: _spatial(c, getattr(c, "patch_size_t", None) or 1), "last"),
+    "LTXVideoTransformer3DModel": ("args", lambda c: _spatial(c, getattr(c, "patch_size_t", 1)), "first"),
+}
 
 
 def video_tokens_of(model: torch.nn.Module, args: tuple, kwargs: dict) -> Optional[VideoTokens]:
     """The video tokens of ``model``'s forward called with ``args`` / ``kwargs`` (the pre-hook's
     view of the call), or None for a model (or an input) this module does not know."""
-    name = type(model).__name__
+    family = _FAMILIES.get(type(model).__name__)
     config = getattr(model, "config", None)
-    if config is None or name not in (*_BCTHW, "CogVideoXTransformer3DModel", "LTXVideoTransformer3DModel"):
+    if family is None or config is None:
         return None
+    source, read_patch, position = family
     arguments = _arguments(model, args, kwargs)
-    x = arguments.get("hidden_states")
-    if name == "LTXVideoTransformer3DModel":
+    if source == "args":
         dims = [arguments.get(k) for k in ("num_frames", "height", "width")]
         if not all(isinstance(n, int) for n in dims):
             return None
-        patch = _patch(getattr(config, "patch_size", None), 2)
-        pt = getattr(config, "patch_size_t", 1)
-        return _tokens(*dims, None if patch is None else (pt, *patch), "alone")
-    if not isinstance(x, torch.Tensor) or x.dim() != 5:
-        return None
-    if name == "CogVideoXTransformer3DModel":
-        _, frames, _, height, width = x.shape
-        patch = _patch(getattr(config, "patch_size", None), 2)
-        pt = getattr(config, "patch_size_t", None) or 1
-        return _tokens(frames, height, width, None if patch is None else (pt, *patch), "last")
-    _, _, frames, height, width = x.shape
-    if name in ("HunyuanVideoTransformer3DModel", "MochiTransformer3DModel"):
-        patch = _patch(getattr(config, "patch_size", None), 2)
-        pt = getattr(config, "patch_size_t", 1) if name == "HunyuanVideoTransformer3DModel" else 1
-        patch = None if patch is None else (pt, *patch)
     else:
-        patch = _patch(getattr(config, "patch_size", None), 3)
-    return _tokens(frames, height, width, patch, _BCTHW[name])
+        x = arguments.get("hidden_states")
+        if not isinstance(x, torch.Tensor) or x.dim() != 5:
+            return None
+        dims = x.shape[2:] if source == "BCTHW" else (x.shape[1], *x.shape[3:])
+    patch = read_patch(config)
+    return None if patch is None else VideoTokens.of_latent(dims, patch, position)

@@ -44,12 +44,12 @@ def lists_by_group(dk: DeviceKernels, stats: Optional[sp.BlockStatistics], spars
         raise ValueError(f"the block-list kernels take at most {abi.BLOCK_LISTS_MAX_TILES} key tiles, got {nk}")
     bh, words = b * h, -(-nk // 32)
     estimated = sparsity.estimated
-    device = sparsity.block_mask.device if stats is None else stats.q_mean.device
+    device = sp.map_device(stats, sparsity)
     i32 = dict(dtype=torch.int32, device=device)
     p = abi.BlockListsParams(
         scale=grid.scale, similarity_threshold=sp.SIMILARITY_THRESHOLD, causal=int(grid.causal),
         batch=b, heads=h, seq_k=grid.seq_k, num_q_blocks=nq, num_k_tiles=nk, words=words)
-    keep = []   # tensors whose addresses the launches hold
+    # The tensors behind the parameters' addresses stay referenced by this frame while it launches.
     if estimated:
         weights = grid.tile_log_weights(device)
         similarity = stats.q_similarity.float().contiguous()
@@ -57,23 +57,19 @@ def lists_by_group(dk: DeviceKernels, stats: Optional[sp.BlockStatistics], spars
         p.q_similarity, p.keep_mass = similarity.data_ptr(), sparsity.keep_mass
         if sparsity.always_keep is not None:
             p.always_keep_begin, p.always_keep_end = sparsity.always_keep
-        keep += [weights, similarity]
     if sparsity.block_mask is not None:
         mask = sparsity.block_mask if sparsity.block_mask.stride(-1) == 1 else sparsity.block_mask.contiguous()
         p.block_mask = mask.data_ptr()
         p.block_mask_stride_b, p.block_mask_stride_h, p.block_mask_stride_q, _ = _strides_or_zero(mask)
-        keep.append(mask)
     if grid.kv_lens is not None:
         lens = grid.kv_lens.to(device=device, dtype=torch.int32).contiguous()
         p.kv_lens = lens.data_ptr()
-        keep.append(lens)
     map_rows, list_rows, list_columns = (dk.kernel(name) for name in (_MAP_ROWS, _LIST_ROWS, _LIST_COLUMNS))
     for group in sp.chunk_groups(chunks, bh, nk):
         g0, g1 = group[0][0], group[-1][1]
         lengths = [c1 - c0 for c0, c1 in group]
         step, n_chunks, rows = max(lengths), len(group), g1 - g0
-        if bh * step * nk >= 2**31:
-            raise ValueError(f"a correction chunk's block map of {bh * step * nk} elements exceeds int32 lists")
+        sp.check_list_size(bh, step, nk)
         scores = sp.pooled_scores(stats, g0, g1) if estimated else None
         bits = torch.empty(n_chunks, bh * step, words, **i32)
         row_counts = torch.empty(n_chunks, bh, step, **i32)
@@ -99,7 +95,6 @@ def lists_by_group(dk: DeviceKernels, stats: Optional[sp.BlockStatistics], spars
         order = sp.visiting_order(row_counts, lengths, nk)
         yield group, rows_map, sp.BlockLists(offsets=offsets, tiles=tiles, order=order, col_offsets=col_offsets,
                                              col_rows=col_rows, col_entries=col_entries, step=step)
-    del keep
 
 
 def block_map(dk: DeviceKernels, stats: Optional[sp.BlockStatistics], sparsity: sp.Sparsity, grid: sp.TileGrid,
