@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from . import format as fmt
 from . import preprocess
 from . import sparse
+from . import token_order as tok
 from .checks import BACKENDS, LAYOUTS, validate_attention_args
 from .fallback import FallbackWarning, reset_fallback_warnings, warn_once
 from .masks import KeyMask, NotPerKeyMask, combine_kv_lens, reduce_key_mask
@@ -144,6 +145,32 @@ def _poison_non_finite(out, lse, layout, q_blocks_bad, kv_bad):
     return out, lse
 
 
+def _seq_dim(layout: str) -> int:
+    return 1 if layout == "NHD" else 2
+
+
+def _in_tile_order(order: tok.TokenOrder, layout: str, *tensors):
+    """Q, K, V ([B, S, H, D] or [B, H, S, D]) permuted into tile order (the reference and exact
+    paths; the kernels read through the order instead)."""
+    rows = order.source_rows(fmt.hnd_shape(tensors[0], layout)[2], tensors[0].device)
+    return tuple(t.index_select(_seq_dim(layout), rows) for t in tensors)
+
+
+def _to_caller_order(order: tok.TokenOrder, layout: str, out: torch.Tensor, lse: Optional[torch.Tensor]):
+    """``out`` (layout) and ``lse`` [B, H, S] from tile order back to the caller's."""
+    rows = order.source_rows(fmt.hnd_shape(out, layout)[2], out.device)
+    out = torch.empty_like(out).index_copy_(_seq_dim(layout), rows, out)
+    if lse is not None:
+        lse = torch.empty_like(lse).index_copy_(2, rows, lse)
+    return out, lse
+
+
+def _order_of(video_grid, video_tokens) -> Optional[tok.TokenOrder]:
+    if video_grid is None:
+        return None
+    return tok.TokenOrder(tuple(video_grid), tuple(video_tokens))
+
+
 def _sparsity_of(block_mask, keep_mass, always_keep) -> Optional[sparse.Sparsity]:
     if block_mask is None and keep_mass is None:
         return None
@@ -163,9 +190,23 @@ def _inputs_block_map(q, k, layout, causal, scale, kv_lens, key_bias, sparsity: 
 
 
 def _fp4(q, k, v, key_bias, kv_lens, mask_nonfinite, layout, causal, scale, return_lse, backend, balance_qk,
-         qk_format, sparsity: Optional[sparse.Sparsity] = None):
+         qk_format, sparsity: Optional[sparse.Sparsity] = None, order: Optional[tok.TokenOrder] = None):
     """The back-ends on checked arguments with a reduced mask: ``(out, lse or None)``. ``sparsity``: a
-    block-sparse call (:func:`nvfp4_dit.sparse.check_sparsity`), None for dense."""
+    block-sparse call (:func:`nvfp4_dit.sparse.check_sparsity`), None for dense. ``order``: a video
+    call's tile order (:mod:`nvfp4_dit.token_order`), the masks in the caller's order."""
+    if order is not None and q.numel() and not (backend == "sdpa" and sparsity is None):
+        # Exact dense attention is the same in any order; everything else attends in tile order.
+        kv_lens, key_bias = tok.keys_in_tile_order(order, kv_lens, key_bias, fmt.hnd_shape(k, layout)[2])
+        if backend == "cuda":
+            from .cuda import attention as cuda_attention
+
+            return cuda_attention.attention(q, k, v, layout=layout, causal=causal, scale=scale, kv_lens=kv_lens,
+                                            return_lse=return_lse, balance_qk=balance_qk, qk_format=qk_format,
+                                            key_bias=key_bias, mask_nonfinite=mask_nonfinite, sparsity=sparsity,
+                                            order=order)
+        out, lse = _fp4(*_in_tile_order(order, layout, q, k, v), key_bias, kv_lens, mask_nonfinite, layout, causal,
+                        scale, return_lse, backend, balance_qk, qk_format, sparsity)
+        return _to_caller_order(order, layout, out, lse)
     if q.numel() == 0 or fmt.hnd_shape(k, layout)[2] == 0:
         # Empty query, or no keys at all: nothing to attend (0 output, -inf LSE).
         b, h, sq, _ = fmt.hnd_shape(q, layout)
@@ -222,15 +263,18 @@ def _attention_op(
     block_mask: Optional[torch.Tensor] = None,
     keep_mass: Optional[float] = None,
     always_keep: Optional[list[int]] = None,
+    video_grid: Optional[list[int]] = None,
+    video_tokens: Optional[list[int]] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     out, lse = _fp4(q, k, v, key_bias, kv_lens, mask_nonfinite, layout, causal, scale, return_lse, backend,
-                    balance_qk, qk_format, _sparsity_of(block_mask, keep_mass, always_keep))
+                    balance_qk, qk_format, _sparsity_of(block_mask, keep_mass, always_keep),
+                    _order_of(video_grid, video_tokens))
     return out, (lse.float().contiguous() if return_lse else q.new_empty(0, dtype=torch.float32))
 
 
 @_attention_op.register_fake
 def _attention_fake(q, k, v, key_bias, kv_lens, mask_nonfinite, layout, causal, scale, return_lse, backend, balance_qk,
-                    qk_format, block_mask=None, keep_mass=None, always_keep=None):
+                    qk_format, block_mask=None, keep_mass=None, always_keep=None, video_grid=None, video_tokens=None):
     b, h, sq, _ = fmt.hnd_shape(q, layout)
     out = q.new_empty(_out_shape(q, v, layout))
     lse = q.new_empty((b, h, sq) if return_lse else (0,), dtype=torch.float32)
@@ -245,23 +289,27 @@ def _through_custom_op(q, k, v) -> bool:
 
 
 def block_density(q, k, *, layout: str, causal: bool, scale: Optional[float], key_mask: Optional[KeyMask],
-                  sparsity: sparse.Sparsity) -> float:
+                  sparsity: sparse.Sparsity, order: Optional[tok.TokenOrder] = None) -> float:
     """The share of key tiles the block map of a :func:`run_fp4` call with these arguments keeps
     (its statistics in PyTorch, as the exact paths take them): for calibration and reports (it
     reads the result on the host)."""
-    lens = combine_kv_lens(key_mask, None)
-    block_map = _inputs_block_map(q, k, layout, causal, scale, lens, None if key_mask is None else key_mask.bias,
-                                  sparsity)
+    lens, bias = combine_kv_lens(key_mask, None), None if key_mask is None else key_mask.bias
+    if order is not None:
+        lens, bias = tok.keys_in_tile_order(order, lens, bias, fmt.hnd_shape(k, layout)[2])
+        q, k = _in_tile_order(order, layout, q, k)
+    block_map = _inputs_block_map(q, k, layout, causal, scale, lens, bias, sparsity)
     return float(block_map.float().mean())
 
 
 def run_fp4(q, k, v, *, layout: str, causal: bool, scale: Optional[float], key_mask: Optional[KeyMask],
             kv_lens: Optional[torch.Tensor], return_lse: bool, backend: str, balance_qk: bool, qk_format: str,
-            sparsity: Optional[sparse.Sparsity] = None):
+            sparsity: Optional[sparse.Sparsity] = None, order: Optional[tok.TokenOrder] = None):
     """The op on arguments already checked (:func:`attention`, or a planner's
     :class:`~nvfp4_dit.planner.CallPlan`): ``backend`` "cuda" or "reference" (FP4) or "sdpa"
     (exact), ``key_mask`` reduced on the device, ``kv_lens`` on the device, ``sparsity`` from
-    :func:`nvfp4_dit.sparse.check_sparsity` (None: dense). Returns ``out``, or ``(out, lse)``."""
+    :func:`nvfp4_dit.sparse.check_sparsity` (None: dense), ``order`` from
+    :func:`nvfp4_dit.token_order.check_token_order` (None: the caller's order). Returns ``out``, or
+    ``(out, lse)``."""
     lens = combine_kv_lens(key_mask, kv_lens)
     key_bias = None if key_mask is None else key_mask.bias
     nonfinite = None if key_mask is None else key_mask.nonfinite
@@ -269,12 +317,13 @@ def run_fp4(q, k, v, *, layout: str, causal: bool, scale: Optional[float], key_m
         block_mask, keep_mass, always_keep = (None, None, None) if sparsity is None else (
             sparsity.block_mask, sparsity.keep_mass,
             None if sparsity.always_keep is None else list(sparsity.always_keep))
+        video_grid, video_tokens = (None, None) if order is None else (list(order.grid), list(order.span))
         out, lse = torch.ops.nvfp4_dit.attention(q, k, v, key_bias, lens, nonfinite, layout, causal, scale,
                                                   return_lse, backend, balance_qk, qk_format, block_mask, keep_mass,
-                                                  always_keep)
+                                                  always_keep, video_grid, video_tokens)
     else:
         out, lse = _fp4(q, k, v, key_bias, lens, nonfinite, layout, causal, scale, return_lse, backend, balance_qk,
-                        qk_format, sparsity)
+                        qk_format, sparsity, order)
     return (out, lse) if return_lse else out
 
 
@@ -307,6 +356,8 @@ def attention(
     block_mask: Optional[torch.Tensor] = None,
     keep_mass: Optional[float] = None,
     always_keep: Optional[tuple[int, int]] = None,
+    video_grid: Optional[tuple[int, int, int]] = None,
+    video_tokens: Optional[tuple[int, int]] = None,
 ):
     """Scaled dot-product attention with NVFP4 (FP4 microscaling) Q, K, P and V.
 
@@ -349,6 +400,17 @@ def attention(
             alone is dense attention. :func:`nvfp4_dit.sparse.estimate_block_mask` returns the map.
         always_keep: with ``keep_mass``, a key range ``(start, end)`` whose tiles every Q block
             keeps (text tokens, attention sinks).
+        video_grid: ``(T, H, W)``, the latent token grid of a video's self-attention: the call
+            quantises and attends the video tokens in 3D tiles (compact boxes of the grid, 2 x 8 x 8
+            where it divides; :mod:`nvfp4_dit.token_order`), so a block-sparse call keeps fewer
+            tiles for the same accuracy. The output and LSE come back in the caller's order;
+            ``block_mask`` and the estimated map index tiles in tile order; masks, ``kv_lens`` and
+            ``always_keep`` stay in the caller's order (positions outside the video are the same
+            in both). Needs Sq == Sk and no ``causal``. The CUDA kernels read and write through the
+            order (no permuted copy); the reference and the exact fallback permute in PyTorch.
+        video_tokens: ``(start, end)``, the video's span in a joint sequence (text, audio tokens
+            elsewhere keep their places); default the whole sequence, which then must hold
+            ``T * H * W`` tokens.
 
     Returns:
         ``out`` in q's layout and dtype, or ``(out, lse)`` with ``return_lse=True``.
@@ -366,8 +428,9 @@ def attention(
     kv_lens = _key_lengths_on(kv_lens, q.device, sk)
     sparsity = sparse.check_sparsity(block_mask, keep_mass, always_keep, batch=b, heads=h, seq_q=sq, seq_k=sk,
                                      device=q.device)
+    order = tok.check_token_order(video_grid, video_tokens, seq_q=sq, seq_k=sk, causal=causal)
     if backend == "sdpa":
-        return _exact(q, k, v, layout, causal, scale, attn_mask, kv_lens, return_lse, sparsity)
+        return _exact(q, k, v, layout, causal, scale, attn_mask, kv_lens, return_lse, sparsity, order=order)
 
     reason, key_mask = None, None
     if attn_mask is not None:
@@ -385,15 +448,45 @@ def attention(
         if backend != "auto" and hard:
             raise BackendUnavailableError(f"backend={backend!r} cannot run this call: {reason}")
         _warn_fallback(reason)
-        return _exact(q, k, v, layout, causal, scale, attn_mask, kv_lens, return_lse, sparsity, key_mask)
+        return _exact(q, k, v, layout, causal, scale, attn_mask, kv_lens, return_lse, sparsity, key_mask, order)
     return run_fp4(q, k, v, layout=layout, causal=causal, scale=scale, key_mask=key_mask, kv_lens=kv_lens,
                    return_lse=return_lse, backend=resolved, balance_qk=balance_qk, qk_format=qk_format,
-                   sparsity=sparsity)
+                   sparsity=sparsity, order=order)
 
 
-def _exact(q, k, v, layout, causal, scale, attn_mask, kv_lens, return_lse, sparsity=None, key_mask=None):
-    """Exact attention; with ``sparsity``, of the block map the FP4 paths would use. ``key_mask``:
-    ``attn_mask`` reduced already (the op's fallback), else reduced here when a map needs it."""
+def _mask_in_tile_order(order: tok.TokenOrder, attn_mask, kv_lens, sq: int, sk: int):
+    """``attn_mask`` (any SDPA form) and ``kv_lens`` of a call as one mask in tile order."""
+    if attn_mask is None and kv_lens is None:
+        return None
+    rows = order.source_rows(sk, (attn_mask if attn_mask is not None else kv_lens).device)
+    if attn_mask is not None:
+        if attn_mask.dim() == 2:   # [B, Sk] key padding
+            attn_mask = attn_mask[:, None, None, :]
+        if attn_mask.dim() >= 2 and attn_mask.shape[-2] == sq:
+            attn_mask = attn_mask.index_select(-2, rows)
+        if attn_mask.shape[-1] == sk:
+            attn_mask = attn_mask.index_select(-1, rows)
+    if kv_lens is not None:
+        valid = (rows[None, :] < kv_lens.to(rows.device)[:, None])[:, None, None, :]
+        if attn_mask is None:
+            attn_mask = valid
+        elif attn_mask.dtype == torch.bool:
+            attn_mask = attn_mask & valid
+        else:
+            attn_mask = attn_mask.masked_fill(~valid, -math.inf)
+    return attn_mask
+
+
+def _exact(q, k, v, layout, causal, scale, attn_mask, kv_lens, return_lse, sparsity=None, key_mask=None, order=None):
+    """Exact attention; with ``sparsity``, of the block map the FP4 paths would use (in tile order
+    with ``order``). ``key_mask``: ``attn_mask`` reduced already (the op's fallback), else reduced
+    here when a map needs it."""
+    if order is not None and sparsity is not None and q.numel():
+        b, h, sq, _ = fmt.hnd_shape(q, layout)
+        mask = _mask_in_tile_order(order, attn_mask, kv_lens, sq, fmt.hnd_shape(k, layout)[2])
+        res = _exact(*_in_tile_order(order, layout, q, k, v), layout, causal, scale, mask, None, return_lse, sparsity)
+        out, lse = _to_caller_order(order, layout, *(res if return_lse else (res, None)))
+        return (out, lse) if return_lse else out
     block_map = None
     if sparsity is not None:
         if key_mask is None and attn_mask is not None:

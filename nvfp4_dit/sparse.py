@@ -155,6 +155,14 @@ class VideoTokens:
             return None
         return (0, n) if self.position == "first" else (seq_len - n, seq_len)
 
+    def order(self, seq_q: int, seq_k: int):
+        """The 3D tile order (:class:`nvfp4_dit.token_order.TokenOrder`) of a self-attention call
+        over these tokens, or None for other calls (cross-attention, a shard without the video)."""
+        from .token_order import TokenOrder
+
+        span = self.span(seq_k)
+        return None if span is None or seq_q != seq_k else TokenOrder(self.grid, span)
+
     def other_keys(self, seq_len: int) -> Optional[tuple[int, int]]:
         """The keys that are not video (text, audio) as one ``(start, end)`` range, to be kept by
         a block-sparse call's estimate (``always_keep``); None where every key is video or the
@@ -501,7 +509,9 @@ def estimate_block_mask(q: torch.Tensor, k: torch.Tensor, keep_mass: float, *, l
                         causal: bool = False, scale: Optional[float] = None,
                         kv_lens: Optional[torch.Tensor] = None, attn_mask: Optional[torch.Tensor] = None,
                         always_keep: Optional[tuple[int, int]] = None,
-                        block_mask: Optional[torch.Tensor] = None, backend: str = "auto") -> torch.Tensor:
+                        block_mask: Optional[torch.Tensor] = None, backend: str = "auto",
+                        video_grid: Optional[tuple[int, int, int]] = None,
+                        video_tokens: Optional[tuple[int, int]] = None) -> torch.Tensor:
     """The block map a call of :func:`nvfp4_dit.attention` with these arguments would use: bool
     ``[B, H, ceil(Sq/128), ceil(Sk/128)]``, True = visited (to inspect or log it).
 
@@ -509,11 +519,13 @@ def estimate_block_mask(q: torch.Tensor, k: torch.Tensor, keep_mass: float, *, l
     the block-list kernels (:mod:`nvfp4_dit.cuda.block_lists`) where ``backend`` resolves to the
     kernel, PyTorch otherwise (whose means and mass sums may differ in the last bits, so a tile on
     the edge of ``keep_mass`` may differ). ``attn_mask`` must have a per-key form
-    (:mod:`nvfp4_dit.masks`).
+    (:mod:`nvfp4_dit.masks`). With ``video_grid`` the map indexes 3D tiles (tile order,
+    :mod:`nvfp4_dit.token_order`), as the call's own does.
     """
     from .checks import validate_attention_args
     from .masks import combine_kv_lens, reduce_key_mask
     from .planner import resolve_backend
+    from .token_order import check_token_order, keys_in_tile_order
 
     validate_attention_args(q, k, k, layout, causal, scale, attn_mask, kv_lens, False, backend, False)
     qh, kh = fmt.to_hnd(q, layout), fmt.to_hnd(k, layout)
@@ -523,6 +535,7 @@ def estimate_block_mask(q: torch.Tensor, k: torch.Tensor, keep_mass: float, *, l
         raise TypeError("keep_mass must be a float in (0, 1], got None")
     sparsity = check_sparsity(block_mask, keep_mass, always_keep, batch=b, heads=h, seq_q=sq, seq_k=sk,
                               device=q.device) or Sparsity(keep_mass=1.0)   # 1.0: every visible tile
+    order = check_token_order(video_grid, video_tokens, seq_q=sq, seq_k=sk, causal=causal)
     if kv_lens is not None:
         kv_lens = kv_lens.to(q.device)
     key_bias = None
@@ -530,6 +543,8 @@ def estimate_block_mask(q: torch.Tensor, k: torch.Tensor, keep_mass: float, *, l
         mask = attn_mask[:, None, None, :] if attn_mask.dim() == 2 else attn_mask
         key_mask = reduce_key_mask(mask, b, h, sq, sk)
         kv_lens, key_bias = combine_kv_lens(key_mask, kv_lens), key_mask.bias
+    if order is not None:
+        kv_lens, key_bias = keys_in_tile_order(order, kv_lens, key_bias, sk)
     grid = TileGrid(b, h, sq, sk, fmt.default_scale(d) if scale is None else float(scale), causal, kv_lens, key_bias)
     resolved = None
     if fmt.padded_head_dim(d) is not None:
@@ -538,12 +553,15 @@ def estimate_block_mask(q: torch.Tensor, k: torch.Tensor, keep_mass: float, *, l
         from .cuda import block_lists, launch
         from .cuda import quantize as cuda_quantize
 
-        qq = cuda_quantize.quantize_qkv(q, k, k, layout=layout, kv_lens=kv_lens, balance_qk=False)
+        qq = cuda_quantize.quantize_qkv(q, k, k, layout=layout, kv_lens=kv_lens, balance_qk=False, order=order)
         stats = BlockStatistics.of(qq)
         if block_lists.supported(grid):   # the kernels' own map
             dk = launch.device_kernels(q.device)
             chunks = cuda_quantize.correction_chunks(grid.nq, b, h, grid.nk * fmt.SEQ_TILE)
             return block_lists.block_map(dk, stats, sparsity, grid, chunks, launch.current_stream(dk.index))
     else:
+        if order is not None:
+            rows = order.source_rows(sq, q.device)
+            qh, kh = qh.index_select(2, rows), kh.index_select(2, rows)
         stats = BlockStatistics.of_inputs(qh, kh, kv_lens)
     return block_map(stats, sparsity, grid)

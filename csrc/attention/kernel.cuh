@@ -408,7 +408,8 @@ __device__ __forceinline__ void attention_fwd_body(const AttentionFwdParams& p) 
     for (int r = 0; r < 2; ++r) {
       const int row = r ? row_g8 : row_g;
       if (row >= p.seq_q) continue;
-      const int64_t base = b * p.out_stride_b + h * p.out_stride_h + int64_t(row) * p.out_stride_s;
+      const int64_t out_row = source_row(p.out_order, row);  // the caller's row of a video call
+      const int64_t base = b * p.out_stride_b + h * p.out_stride_h + out_row * p.out_stride_s;
       const bool has_keys = l[r] > 0.0f || poisoned;
 #pragma unroll
       for (int j = 0; j < T::kNTilesO; ++j) {
@@ -429,7 +430,7 @@ __device__ __forceinline__ void attention_fwd_body(const AttentionFwdParams& p) 
             const float qdk = p.q_dot_km[b * p.qdk_stride_b + h * p.qdk_stride_h + row];
             lse = m_run[r] * (p.scale * score_unit) + logf(l[r]) - kLnPRange + p.scale * qdk;
           }
-          p.lse[b * p.lse_stride_b + h * p.lse_stride_h + row] = lse;
+          p.lse[b * p.lse_stride_b + h * p.lse_stride_h + out_row] = lse;
         }
       }
     }

@@ -3,6 +3,7 @@
 // int64 (the correction tensor alone passes 2^31 elements near 80k tokens at 40 heads).
 #pragma once
 #include "common/portable.h"
+#include "common/token_order.h"
 
 namespace nvfp4_dit {
 
@@ -79,6 +80,9 @@ struct AttentionFwdParams {
   int out_bf16;          // 1: bf16 output, 0: fp16
   int out_vec2;          // 1: column pairs are 4-byte aligned (even strides and pointer)
   int grid_size;         // persistent CTAs launched
+  // Query row s (in the quantiser's tile order) is written to row source_row(out_order, s) of out
+  // and lse (a video call's 3D tiles, common/token_order.h); the identity for other calls.
+  TokenOrder out_order;
 };
 
 }  // namespace nvfp4_dit

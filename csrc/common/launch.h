@@ -10,12 +10,13 @@
 //     nvfp4_dit_mma_probe_nvfp4_{native,emulated}_{4 * thread-id-a + thread-id-b}(a, b, sfa, sfb, c, d)
 //     nvfp4_dit_mma_probe_mxfp8_{native,emulated}_{16 * thread-id-a + 4 * thread-id-b + byte-id}(...)
 //   quantize/quantize_tiles.cu, for each input {bf16,fp16,fp32}, padded head dim d{64,128} and
-//   load width {vec,scalar} (16-byte vector loads need D == Dp, unit stride and 16-byte rows):
+//   load {vec,scalar,rows} (16-byte vector loads need D == Dp, unit stride and 16-byte rows; "rows"
+//   reads them in a video call's tile order, QuantizeQkvParams::order):
 //     nvfp4_dit_balance_statistics_<dtype>_d<DP>_<load>(QuantizeQkvParams)      launch 0 (balance_qk)
 //     nvfp4_dit_key_stats_<dtype>_d<DP>_<load>(QuantizeQkvParams)               launch 1
 //     nvfp4_dit_quantize_tiles_<dtype>_d<DP>_<load>_{nvfp4,mxfp8}(QuantizeQkvParams, int64 prefetch)  launch 2
 //   quantize/correction.cu:
-//     nvfp4_dit_correction_<dtype>_d<DP>_<load>_{vecstore,scalarstore}(CorrectionParams)
+//     nvfp4_dit_correction_<dtype>_d<DP>_{vec,scalar}_{vecstore,scalarstore}(CorrectionParams)
 //   quantize/block_lists.cu:
 //     nvfp4_dit_block_map_rows(BlockListsParams)       grid (chunks * step, B * H)
 //     nvfp4_dit_block_list_rows(BlockListsParams)      grid (ceil(chunks * step / warps), B * H)

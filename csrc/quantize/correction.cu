@@ -210,7 +210,7 @@ __device__ __forceinline__ void correction_kernel(const CorrectionParams& p) {
   const int64_t key = key0 + (threadIdx.x >> 1);
   const bool key_valid = key < n_valid;
   const Raw* k_row = static_cast<const Raw*>(p.k.ptr) + b * p.k.stride_b + kvh * p.k.stride_h +
-                     (key_valid ? key : 0) * p.k.stride_s;
+                     (key_valid ? source_row(p.k_order, key) : 0) * p.k.stride_s;
   convert_keys<DT, DP, VEC_LOAD>(s, p, k_row, key_valid);
 
   const float k_scale = p.k_scale[b * p.heads_kv + kvh];

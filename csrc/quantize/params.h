@@ -12,6 +12,7 @@
 #include "common/portable.h"
 
 #include "common/config.h"
+#include "common/token_order.h"
 
 namespace nvfp4_dit {
 
@@ -84,6 +85,11 @@ struct QuantizeQkvParams {
   // Q and K are NVFP4 (above) or, from the quantize_tiles_*_mxfp8 entry points, MXFP8: e4m3 data
   // q_data [B, H, Sqp, Dp], k_data [B, Hkv, Skp, Dp] and one ue8m0 byte per 32 elements,
   // q_sf [B, H, Sqp, Dp/32], k_sf [B, Hkv, Skp, Dp/32].
+
+  // The "rows" entry points (16-byte loads) read row s of Q, K and V from row source_row(order, s)
+  // (a video call's 3D tiles, common/token_order.h; seq_q == seq_k): every output above is in tile
+  // order, as if the inputs had been permuted first. The other entry points ignore it.
+  TokenOrder order;
 };
 
 constexpr int kTileRows = 128;  // rows of a Q/K tile and tokens of a V^T tile, in every kernel
@@ -153,6 +159,8 @@ struct CorrectionParams {
   int64_t num_q_blocks;
   int64_t block_begin;  // Q blocks [block_begin, block_end) of q_mean
   int64_t block_end;
+  // Key s (in tile order) is row source_row(k_order, s) of k; key_bias is in tile order already.
+  TokenOrder k_order;
 };
 
 

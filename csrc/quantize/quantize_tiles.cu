@@ -84,6 +84,24 @@ __device__ __forceinline__ int64_t row_offset(const StridedInput& t, int64_t b, 
   return b * t.stride_b + h * t.stride_h + s * t.stride_s;
 }
 
+// How a kernel reads its inputs (the entry points' "scalar", "vec" and "rows"): strided scalars,
+// 16-byte vectors, or 16-byte vectors of the rows of a video call's tile order (p.order), so the
+// tiles come out in tile order without a permuted copy of the inputs.
+enum class Load { kScalar, kVec, kRows };
+
+template <Load L>
+constexpr bool kVectorLoads = L != Load::kScalar;
+
+// The input row of sequence position s.
+template <Load L>
+__device__ __forceinline__ int64_t input_row(const QuantizeQkvParams& p, int64_t s) {
+  if constexpr (L == Load::kRows) {
+    return source_row(p.order, s);
+  } else {
+    return s;
+  }
+}
+
 // Elements d0 .. d0+15 of one row. VEC: D == Dp, unit stride along D and 16-byte alignment, so
 // the block is two (bf16/fp16) or four (fp32) 16-byte loads; otherwise strided scalar loads,
 // with zeros past head_dim (the zero padding of D).
@@ -116,27 +134,30 @@ __device__ __forceinline__ void load_block16(Block16<DT>& blk, const typename In
   }
 }
 
-// Asks L2 to fetch rows [row0, row0 + rows) of head (b, h) of input t (contiguous rows of DP
-// elements, VEC), one 128-byte line per thread and step. No registers wait for it, so DRAM has
+// Asks L2 to fetch the input rows of positions [row0, row0 + rows) of head (b, h) of input t
+// (rows of DP elements with unit stride, vector loads), one 128-byte line per thread and step. No registers wait for it, so DRAM has
 // work while the CTAs compute and the tile's own loads later hit L2.
-template <typename Raw, int DP>
-__device__ __forceinline__ void prefetch_rows_l2(const StridedInput& t, int64_t b, int64_t h, int64_t row0,
-                                                 int64_t rows) {
+template <typename Raw, int DP, Load L>
+__device__ __forceinline__ void prefetch_rows_l2(const QuantizeQkvParams& p, const StridedInput& t, int64_t b,
+                                                 int64_t h, int64_t row0, int64_t rows) {
   constexpr int kLinesPerRow = (DP * int(sizeof(Raw)) + 127) / 128;
-  const char* base = reinterpret_cast<const char*>(static_cast<const Raw*>(t.ptr) + row_offset(t, b, h, row0));
+  const int64_t first = L == Load::kRows ? 0 : row0;
+  const char* base = reinterpret_cast<const char*>(static_cast<const Raw*>(t.ptr) + row_offset(t, b, h, first));
   const int64_t row_bytes = t.stride_s * int64_t(sizeof(Raw));
-  for (int64_t i = threadIdx.x; i < rows * kLinesPerRow; i += kThreads)
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(base + (i / kLinesPerRow) * row_bytes + (i % kLinesPerRow) * 128));
+  for (int64_t i = threadIdx.x; i < rows * kLinesPerRow; i += kThreads) {
+    const int64_t row = L == Load::kRows ? input_row<L>(p, row0 + i / kLinesPerRow) : i / kLinesPerRow;
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(base + row * row_bytes + (i % kLinesPerRow) * 128));
+  }
 }
 
 // prefetch_rows_l2 of the valid rows of 128-row tile `tile` of [B, heads, S] input t (n_blocks
 // tiles per head): keys (valid up to kv_lens) or queries (valid up to seq_q).
-template <typename Raw, int DP>
+template <typename Raw, int DP, Load L>
 __device__ __forceinline__ void prefetch_tile_l2(const QuantizeQkvParams& p, const StridedInput& t, int64_t heads,
                                                  int64_t n_blocks, int64_t tile, bool keys) {
   const int64_t bh = tile / n_blocks, blk = tile % n_blocks, b = bh / heads;
   const int64_t n_valid = keys ? valid_key_count(p, b) : p.seq_q;
-  prefetch_rows_l2<Raw, DP>(t, b, bh % heads, blk * kTileRows, rows_below(n_valid, blk * kTileRows, kTileRows));
+  prefetch_rows_l2<Raw, DP, L>(p, t, b, bh % heads, blk * kTileRows, rows_below(n_valid, blk * kTileRows, kTileRows));
 }
 
 ////////////////////////////////////////////////////////////////////////////////////////////////
@@ -165,6 +186,7 @@ struct SharedStorage {
   float km[DP + DP / 4];      // Q tiles: km of the tile's kv head (q . km)
   float mean[DP + DP / 4];    // Q tiles: the tile's column means qm
   float warp_partial[kWarps];
+  int32_t input_rows[kTileRows];  // "rows" loads: each tile row's input row, relative to the tile's first
   ScaleTables tables;
   uint32_t last_arrival;  // this CTA added a head's last statistics chunk
 };
@@ -243,7 +265,7 @@ __device__ __forceinline__ void cta_column_stats(const SharedStorage<DP>& sm, co
 // Item (bh, tensor, chunk): the sum, min and max per channel of chunk `chunk` of K (tensor 0) or
 // V (1) of kv head bh over its valid keys. The CTA that adds a head's last chunk finishes the head
 // (finish_head_statistics: means, balance, tensor scales).
-template <InputDtype DT, int DP, bool VEC>
+template <InputDtype DT, int DP, Load L>
 __device__ __forceinline__ void key_stats_item(const QuantizeQkvParams& p, SharedStorage<DP>& sm, int64_t item) {
   using Raw = typename InputTraits<DT>::Raw;
   constexpr int kColGroups = DP / 16;             // threads per row, 16 columns each
@@ -258,9 +280,9 @@ __device__ __forceinline__ void key_stats_item(const QuantizeQkvParams& p, Share
   const int cg = threadIdx.x % kColGroups;
   const int r0 = threadIdx.x / kColGroups;
   const Raw* base = static_cast<const Raw*>(in.ptr) + row_offset(in, b, h, 0);
-  if constexpr (VEC) {  // the whole chunk at once, not kUnroll loads per thread at a time
+  if constexpr (kVectorLoads<L>) {  // the whole chunk at once, not kUnroll loads per thread at a time
     const int64_t first = chunk * kKeyMeanChunk;
-    prefetch_rows_l2<Raw, DP>(in, b, h, first, rows_below(n_valid, first, kKeyMeanChunk));
+    prefetch_rows_l2<Raw, DP, L>(p, in, b, h, first, rows_below(n_valid, first, kKeyMeanChunk));
   }
 
   constexpr ColumnStat kKinds[kStatVectors] = {kColumnSum, kColumnMin, kColumnMax};
@@ -275,7 +297,9 @@ __device__ __forceinline__ void key_stats_item(const QuantizeQkvParams& p, Share
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t key = key0 + (pass + u) * kRowsPerPass + r0;
       blk[u].zero();
-      if (key < n_valid) load_block16<DT, VEC>(blk[u], base + key * in.stride_s, in.stride_d, cg * 16, int(p.head_dim));
+      if (key < n_valid)
+        load_block16<DT, kVectorLoads<L>>(blk[u], base + input_row<L>(p, key) * in.stride_s, in.stride_d, cg * 16,
+                                          int(p.head_dim));
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u)
@@ -356,16 +380,25 @@ struct RowTile {
   }
 
   // Loads this thread's kPasses blocks of 16 columns of input t into x (zeros past valid_rows).
-  template <InputDtype DT, bool VEC>
-  __device__ __forceinline__ void load(const QuantizeQkvParams& p, const StridedInput& t,
+  // "rows" loads first stage the tile's input rows in shared memory (one barrier): computed at each
+  // load site, next to the zeroed registers of every pass, they spilled at 128 registers.
+  template <InputDtype DT, Load L>
+  __device__ __forceinline__ void load(const QuantizeQkvParams& p, const StridedInput& t, int32_t* input_rows,
                                        Block16<DT> (&x)[RowTileMap<DP>::kPasses]) const {
     using Raw = typename InputTraits<DT>::Raw;
+    if constexpr (L == Load::kRows) {
+      if (threadIdx.x < kTileRows) input_rows[threadIdx.x] = int32_t(input_row<L>(p, row0 + threadIdx.x) - row0);
+      __syncthreads();
+    }
     const Raw* base = static_cast<const Raw*>(t.ptr) + row_offset(t, b, h, row0);
 #pragma unroll
     for (int ps = 0; ps < RowTileMap<DP>::kPasses; ++ps) {
       const int r = r0 + ps * RowTileMap<DP>::kRowsPerPass;
       x[ps].zero();
-      if (r < valid_rows) load_block16<DT, VEC>(x[ps], base + r * t.stride_s, t.stride_d, cb * 16, int(p.head_dim));
+      if (r < valid_rows) {
+        const int rel = L == Load::kRows ? input_rows[r] : r;
+        load_block16<DT, kVectorLoads<L>>(x[ps], base + rel * t.stride_s, t.stride_d, cb * 16, int(p.head_dim));
+      }
     }
   }
 };
@@ -394,11 +427,11 @@ __device__ __forceinline__ float tile_column_sum(SharedStorage<DP>& sm, const Bl
 // the valid rows into sm.mean; thread c < DP also returns qm_c. Ends with a barrier. Shared by the
 // Q tiles and the balance statistics, which then take max |fl(q - qm)| from the registers: two
 // passes over registers rather than a min and a max per column, which would not fit in 64 of them.
-template <InputDtype DT, int DP, bool VEC>
+template <InputDtype DT, int DP, Load L>
 __device__ __forceinline__ float q_tile_load(const QuantizeQkvParams& p, SharedStorage<DP>& sm,
                                              const RowTile<DP>& t, Block16<DT> (&x)[RowTileMap<DP>::kPasses]) {
   using Map = RowTileMap<DP>;
-  t.template load<DT, VEC>(p, p.q, x);
+  t.template load<DT, L>(p, p.q, sm.input_rows, x);
   const float sum = tile_column_sum(sm, x);
   float qm = 0.0f;
   if (threadIdx.x < DP) {
@@ -506,7 +539,7 @@ __device__ __forceinline__ bool quantize_qk_block(const float (&v)[16], bool val
   }
 }
 
-template <InputDtype DT, int DP, bool VEC, class QkFmt>
+template <InputDtype DT, int DP, Load L, class QkFmt>
 __device__ __forceinline__ void q_tile(const QuantizeQkvParams& p, SharedStorage<DP>& sm, int64_t tile) {
   using Map = RowTileMap<DP>;
   const RowTile<DP> t = RowTile<DP>::queries(p, tile);  // tile = bh * n_blocks + blk
@@ -514,7 +547,7 @@ __device__ __forceinline__ void q_tile(const QuantizeQkvParams& p, SharedStorage
   const int cb = t.cb, r0 = t.r0, valid_rows = t.valid_rows;
 
   Block16<DT> x[Map::kPasses];
-  const float qm = q_tile_load<DT, DP, VEC>(p, sm, t, x);
+  const float qm = q_tile_load<DT, DP, L>(p, sm, t, x);
   q_tile_similarity<DT, DP>(p, sm, t, x, tile);
   // The block's tensor scale t(max |fl(q - qm_c)| * s_c); then quantise (q - qm) * s_c / t.
   const int c = int(threadIdx.x);
@@ -582,14 +615,14 @@ __device__ __forceinline__ void key_tile_columns(const QuantizeQkvParams& p, Sha
   }
 }
 
-template <InputDtype DT, int DP, bool VEC, class QkFmt>
+template <InputDtype DT, int DP, Load L, class QkFmt>
 __device__ __forceinline__ void k_tile(const QuantizeQkvParams& p, SharedStorage<DP>& sm, int64_t tile) {
   using Map = RowTileMap<DP>;
   const RowTile<DP> t = RowTile<DP>::keys(p, tile);  // tile = bh * n_blocks + blk
   const int64_t bh = t.bh;
   const int cb = t.cb, r0 = t.r0, valid_rows = t.valid_rows;
   Block16<DT> x[Map::kPasses];
-  t.template load<DT, VEC>(p, p.k, x);
+  t.template load<DT, L>(p, p.k, sm.input_rows, x);
   // While the loads are in flight: km and the scales (written by the previous launch), the tables.
   key_tile_columns(p, sm, bh, false);
   fill_scale_tables(sm.tables);
@@ -623,7 +656,7 @@ __device__ __forceinline__ void k_tile(const QuantizeQkvParams& p, SharedStorage
   raise_flag(p.nonfinite_kv + bh, nonfinite);
 }
 
-template <InputDtype DT, int DP, bool VEC>
+template <InputDtype DT, int DP, Load L>
 __device__ __forceinline__ void v_tile(const QuantizeQkvParams& p, SharedStorage<DP>& sm, int64_t tile) {
   using Raw = typename InputTraits<DT>::Raw;
   // A sub-tile of kSubRows tokens x DP fits kVTileBytes; fp32 input needs two per 128 rows.
@@ -653,7 +686,7 @@ __device__ __forceinline__ void v_tile(const QuantizeQkvParams& p, SharedStorage
   for (int sub = 0; sub < kTileRows / kSubRows; ++sub) {
     const int64_t tok0 = blk * kTileRows + sub * kSubRows;
     if (sub) __syncthreads();  // the previous sub-tile is consumed
-    if constexpr (VEC) {
+    if constexpr (kVectorLoads<L>) {
       // Every load of the sub-tile in flight at once (one memory latency), then the stores.
       constexpr int kLoads = kSubRows * kChunksPerRow / kThreads;
       static_assert(kSubRows * kChunksPerRow % kThreads == 0, "whole 16-byte chunks per thread");
@@ -663,7 +696,8 @@ __device__ __forceinline__ void v_tile(const QuantizeQkvParams& p, SharedStorage
         const int i = int(threadIdx.x) + j * kThreads;
         const int64_t tok = tok0 + i / kChunksPerRow;
         val[j] = make_uint4(0, 0, 0, 0);
-        if (tok < n_valid) val[j] = __ldg(reinterpret_cast<const uint4*>(base + tok * p.v.stride_s) + i % kChunksPerRow);
+        if (tok < n_valid)
+          val[j] = __ldg(reinterpret_cast<const uint4*>(base + input_row<L>(p, tok) * p.v.stride_s) + i % kChunksPerRow);
       }
 #pragma unroll
       for (int j = 0; j < kLoads; ++j) reinterpret_cast<uint4*>(stile)[int(threadIdx.x) + j * kThreads] = val[j];
@@ -726,51 +760,51 @@ __device__ __forceinline__ void v_tile(const QuantizeQkvParams& p, SharedStorage
 }
 
 // Launch 1: the K and V statistics items (key_stats_item; each prefetches its own chunk).
-template <InputDtype DT, int DP, bool VEC>
+template <InputDtype DT, int DP, Load L>
 __device__ __forceinline__ void key_stats_kernel(const QuantizeQkvParams& p) {
   __shared__ __align__(16) SharedStorage<DP> sm;
-  key_stats_item<DT, DP, VEC>(p, sm, blockIdx.x);
+  key_stats_item<DT, DP, L>(p, sm, blockIdx.x);
 }
 
 // Launch 2: blocks [0, kv_tiles) quantize K tiles, then the Q tiles, then the V^T tiles. Each
 // CTA first prefetches (L2) the input tile of the block `prefetch_distance` ahead, about one wave
 // of resident CTAs (launch::kPrefetchWaves): that CTA starts about when this one ends.
-template <InputDtype DT, int DP, bool VEC, class QkFmt>
+template <InputDtype DT, int DP, Load L, class QkFmt>
 __device__ __forceinline__ void tiles_kernel(const QuantizeQkvParams& p, int64_t prefetch_distance) {
   using Raw = typename InputTraits<DT>::Raw;
   __shared__ __align__(16) SharedStorage<DP> sm;
   const int64_t n_kblocks = p.seq_k_padded / kTileRows, n_qblocks = p.seq_q_padded / kTileRows;
   const int64_t kv_tiles = p.batch * p.heads_kv * n_kblocks, q_tiles = p.batch * p.heads_q * n_qblocks;
   const int64_t item = blockIdx.x;
-  if constexpr (VEC) {
+  if constexpr (kVectorLoads<L>) {
     const int64_t ahead = item + prefetch_distance;
     if (ahead < kv_tiles)
-      prefetch_tile_l2<Raw, DP>(p, p.k, p.heads_kv, n_kblocks, ahead, true);
+      prefetch_tile_l2<Raw, DP, L>(p, p.k, p.heads_kv, n_kblocks, ahead, true);
     else if (ahead < kv_tiles + q_tiles)
-      prefetch_tile_l2<Raw, DP>(p, p.q, p.heads_q, n_qblocks, ahead - kv_tiles, false);
+      prefetch_tile_l2<Raw, DP, L>(p, p.q, p.heads_q, n_qblocks, ahead - kv_tiles, false);
     else if (ahead < 2 * kv_tiles + q_tiles)
-      prefetch_tile_l2<Raw, DP>(p, p.v, p.heads_kv, n_kblocks, ahead - kv_tiles - q_tiles, true);
+      prefetch_tile_l2<Raw, DP, L>(p, p.v, p.heads_kv, n_kblocks, ahead - kv_tiles - q_tiles, true);
   }
   if (item < kv_tiles) {
-    k_tile<DT, DP, VEC, QkFmt>(p, sm, item);
+    k_tile<DT, DP, L, QkFmt>(p, sm, item);
   } else if (item < kv_tiles + q_tiles) {
-    q_tile<DT, DP, VEC, QkFmt>(p, sm, item - kv_tiles);
+    q_tile<DT, DP, L, QkFmt>(p, sm, item - kv_tiles);
   } else {
     fill_scale_tables(sm.tables);  // v_tile synchronises before its first block
-    v_tile<DT, DP, VEC>(p, sm, item - kv_tiles - q_tiles);
+    v_tile<DT, DP, L>(p, sm, item - kv_tiles - q_tiles);
   }
 }
 
 // The balance statistics: one CTA per Q tile, max |q - qm| per column into the kv head's
 // q_channel_amax (fp32 bits of non-negative values, or NaN: they order like unsigned integers).
-template <InputDtype DT, int DP, bool VEC>
+template <InputDtype DT, int DP, Load L>
 __device__ __forceinline__ void balance_statistics_kernel(const QuantizeQkvParams& p) {
   __shared__ __align__(16) SharedStorage<DP> sm;
   const int64_t tile = blockIdx.x;
   using Map = RowTileMap<DP>;
   const RowTile<DP> t = RowTile<DP>::queries(p, tile);
   Block16<DT> x[Map::kPasses];
-  q_tile_load<DT, DP, VEC>(p, sm, t, x);
+  q_tile_load<DT, DP, L>(p, sm, t, x);
   constexpr ColumnStat kKinds[1] = {kColumnMax};
   float dev[1][16];
   q_tile_deviation<true>(sm, t, x, nullptr, dev[0]);
@@ -787,28 +821,29 @@ __device__ __forceinline__ void balance_statistics_kernel(const QuantizeQkvParam
 }  // namespace nvfp4_dit
 
 // Entry points (common/launch.h): every input dtype, padded head dim and load width.
-#define NVFP4_DIT_TILES_ENTRIES(NAME, DT, DP, LOAD, VEC)                                                        \
+#define NVFP4_DIT_TILES_ENTRIES(NAME, DT, DP, LOAD, L)                                                          \
   extern "C" __global__ void __launch_bounds__(nvfp4_dit::kThreads, nvfp4_dit::kMinCtasPerSm)                   \
       nvfp4_dit_balance_statistics_##NAME##_d##DP##_##LOAD(const __grid_constant__ nvfp4_dit::QuantizeQkvParams p) {               \
-    nvfp4_dit::balance_statistics_kernel<nvfp4_dit::InputDtype::DT, DP, VEC>(p);                                \
+    nvfp4_dit::balance_statistics_kernel<nvfp4_dit::InputDtype::DT, DP, nvfp4_dit::Load::L>(p);                                \
   }                                                                                                              \
   extern "C" __global__ void __launch_bounds__(nvfp4_dit::kThreads, nvfp4_dit::kKeyStatsMinCtasPerSm)           \
       nvfp4_dit_key_stats_##NAME##_d##DP##_##LOAD(const __grid_constant__ nvfp4_dit::QuantizeQkvParams p) {                        \
-    nvfp4_dit::key_stats_kernel<nvfp4_dit::InputDtype::DT, DP, VEC>(p);                                         \
+    nvfp4_dit::key_stats_kernel<nvfp4_dit::InputDtype::DT, DP, nvfp4_dit::Load::L>(p);                                         \
   }                                                                                                              \
   extern "C" __global__ void __launch_bounds__(nvfp4_dit::kThreads, nvfp4_dit::kMinCtasPerSm)                   \
       nvfp4_dit_quantize_tiles_##NAME##_d##DP##_##LOAD##_nvfp4(const __grid_constant__ nvfp4_dit::QuantizeQkvParams p,            \
                                                                int64_t prefetch_distance) {                      \
-    nvfp4_dit::tiles_kernel<nvfp4_dit::InputDtype::DT, DP, VEC, nvfp4_dit::QkFormatNvfp4>(p, prefetch_distance);                   \
+    nvfp4_dit::tiles_kernel<nvfp4_dit::InputDtype::DT, DP, nvfp4_dit::Load::L, nvfp4_dit::QkFormatNvfp4>(p, prefetch_distance);                   \
   }                                                                                                              \
   extern "C" __global__ void __launch_bounds__(nvfp4_dit::kThreads, nvfp4_dit::kMxfp8MinCtasPerSm)             \
       nvfp4_dit_quantize_tiles_##NAME##_d##DP##_##LOAD##_mxfp8(const __grid_constant__ nvfp4_dit::QuantizeQkvParams p,            \
                                                                int64_t prefetch_distance) {                      \
-    nvfp4_dit::tiles_kernel<nvfp4_dit::InputDtype::DT, DP, VEC, nvfp4_dit::QkFormatMxfp8>(p, prefetch_distance);                    \
+    nvfp4_dit::tiles_kernel<nvfp4_dit::InputDtype::DT, DP, nvfp4_dit::Load::L, nvfp4_dit::QkFormatMxfp8>(p, prefetch_distance);                    \
   }
-#define NVFP4_DIT_TILES_LOADS(NAME, DT, DP)          \
-  NVFP4_DIT_TILES_ENTRIES(NAME, DT, DP, vec, true) \
-  NVFP4_DIT_TILES_ENTRIES(NAME, DT, DP, scalar, false)
+#define NVFP4_DIT_TILES_LOADS(NAME, DT, DP)            \
+  NVFP4_DIT_TILES_ENTRIES(NAME, DT, DP, vec, kVec)       \
+  NVFP4_DIT_TILES_ENTRIES(NAME, DT, DP, scalar, kScalar) \
+  NVFP4_DIT_TILES_ENTRIES(NAME, DT, DP, rows, kRows)
 NVFP4_DIT_TILES_LOADS(bf16, kBFloat16, 64)
 NVFP4_DIT_TILES_LOADS(bf16, kBFloat16, 128)
 NVFP4_DIT_TILES_LOADS(fp16, kFloat16, 64)

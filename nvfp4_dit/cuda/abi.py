@@ -39,6 +39,11 @@ def head_dim_index(head_dim_padded: int) -> int:
     return (64, 128).index(head_dim_padded)
 
 
+class TokenOrder(ctypes.Structure):
+    _fields_ = [("begin", c_int64), ("end", c_int64), ("t", c_int32), ("h", c_int32), ("w", c_int32),
+                ("tile_t", c_int32), ("tile_h", c_int32), ("reserved", c_int32)]
+
+
 class AttentionFwdParams(ctypes.Structure):
     _fields_ = [
         ("q_data", c_void_p), ("q_sf", c_void_p), ("k_data", c_void_p), ("k_sf", c_void_p),
@@ -63,6 +68,7 @@ class AttentionFwdParams(ctypes.Structure):
         ("head_dim_out", c_int), ("q_block_begin", c_int), ("q_block_end", c_int),
         ("scale", c_float), ("scale_log2", c_float),
         ("causal", c_int), ("out_bf16", c_int), ("out_vec2", c_int), ("grid_size", c_int),
+        ("out_order", TokenOrder),
     ]
 
 
@@ -84,7 +90,7 @@ class QuantizeQkvParams(ctypes.Structure):
         ("balance", c_void_p), ("q_dot_km", c_void_p), ("k_tile_mean", c_void_p), ("q_similarity", c_void_p),
         ("balance_qk", c_bool), ("q_channel_amax", c_void_p),
         ("nonfinite_kv", c_void_p), ("nonfinite_q_blocks", c_void_p),
-        ("k_partial_sums", c_void_p), ("work_counters", c_void_p),
+        ("k_partial_sums", c_void_p), ("work_counters", c_void_p), ("order", TokenOrder),
     ]
 
 
@@ -97,7 +103,7 @@ class CorrectionParams(ctypes.Structure):
         ("col_offsets", c_void_p), ("col_rows", c_void_p), ("col_entries", c_void_p),
         ("batch", c_int64), ("heads_q", c_int64), ("heads_kv", c_int64), ("seq_k", c_int64),
         ("seq_k_padded", c_int64), ("head_dim", c_int64), ("head_dim_padded", c_int64),
-        ("num_q_blocks", c_int64), ("block_begin", c_int64), ("block_end", c_int64),
+        ("num_q_blocks", c_int64), ("block_begin", c_int64), ("block_end", c_int64), ("k_order", TokenOrder),
     ]
 
 
@@ -118,7 +124,7 @@ class BlockListsParams(ctypes.Structure):
     ]
 
 
-STRUCTS = {"AttentionFwdParams": AttentionFwdParams, "StridedInput": StridedInput,
+STRUCTS = {"AttentionFwdParams": AttentionFwdParams, "StridedInput": StridedInput, "TokenOrder": TokenOrder,
            "QuantizeQkvParams": QuantizeQkvParams, "CorrectionParams": CorrectionParams,
            "BlockListsParams": BlockListsParams}
 
@@ -148,20 +154,25 @@ def probe_entry(probe: str, kind: str, combination: int) -> str:
     return f"nvfp4_dit_mma_probe_{probe}_{kind}_{combination}"
 
 
+QUANTIZE_LOADS = ("scalar", "vec", "rows")
+"""How the quantiser reads its inputs: strided scalars, 16-byte vectors, or 16-byte vectors in a
+video call's tile order (csrc/common/token_order.h)."""
+
+
 def _load(vector: bool) -> str:
     return "vec" if vector else "scalar"
 
 
-def balance_statistics_entry(dtype: str, head_dim_padded: int, vector: bool) -> str:
-    return f"nvfp4_dit_balance_statistics_{dtype}_d{head_dim_padded}_{_load(vector)}"
+def balance_statistics_entry(dtype: str, head_dim_padded: int, load: str) -> str:
+    return f"nvfp4_dit_balance_statistics_{dtype}_d{head_dim_padded}_{load}"
 
 
-def key_stats_entry(dtype: str, head_dim_padded: int, vector: bool) -> str:
-    return f"nvfp4_dit_key_stats_{dtype}_d{head_dim_padded}_{_load(vector)}"
+def key_stats_entry(dtype: str, head_dim_padded: int, load: str) -> str:
+    return f"nvfp4_dit_key_stats_{dtype}_d{head_dim_padded}_{load}"
 
 
-def quantize_tiles_entry(dtype: str, head_dim_padded: int, vector: bool, qk_format: str) -> str:
-    return f"nvfp4_dit_quantize_tiles_{dtype}_d{head_dim_padded}_{_load(vector)}_{qk_format}"
+def quantize_tiles_entry(dtype: str, head_dim_padded: int, load: str, qk_format: str) -> str:
+    return f"nvfp4_dit_quantize_tiles_{dtype}_d{head_dim_padded}_{load}_{qk_format}"
 
 
 def correction_entry(dtype: str, head_dim_padded: int, vector_load: bool, vector_store: bool) -> str:
@@ -181,8 +192,9 @@ def launcher_entries(kind: str) -> set[str]:
               for i in range(n)}
     for dt in INPUT_DTYPES:
         for d in head_dims:
+            for load in QUANTIZE_LOADS:
+                names |= {balance_statistics_entry(dt, d, load), key_stats_entry(dt, d, load)}
+                names |= {quantize_tiles_entry(dt, d, load, f) for f in formats}
             for vec in (False, True):
-                names |= {balance_statistics_entry(dt, d, vec), key_stats_entry(dt, d, vec)}
-                names |= {quantize_tiles_entry(dt, d, vec, f) for f in formats}
                 names |= {correction_entry(dt, d, vec, st) for st in (False, True)}
     return names | set(BLOCK_LISTS_ENTRIES)

@@ -98,7 +98,7 @@ def _output(q: torch.Tensor, layout: str, b: int, h: int, sq: int, d: int):
 def attention(q, k, v, *, layout: str, causal: bool, scale: Optional[float], kv_lens: Optional[torch.Tensor],
               return_lse: bool, balance_qk: bool = fmt.BALANCE_QK_DEFAULT, qk_format: str = fmt.QK_FORMAT_DEFAULT,
               key_bias: Optional[torch.Tensor] = None, mask_nonfinite: Optional[torch.Tensor] = None,
-              quantizer: str = "cuda", sparsity: Optional[sp.Sparsity] = None):
+              quantizer: str = "cuda", sparsity: Optional[sp.Sparsity] = None, order=None):
     """NVFP4 attention on the GPU; the caller has validated the arguments (:func:`nvfp4_dit.attention`)
     and made the device's kernels loadable (:func:`unsupported_reason`).
 
@@ -109,7 +109,10 @@ def attention(q, k, v, *, layout: str, causal: bool, scale: Optional[float], kv_
     on the GPU: the reference's own bytes, for tests). ``sparsity``: a block-sparse call
     (:mod:`nvfp4_dit.sparse`): per group of correction chunks the block map is estimated from the
     quantiser's statistics and listed on the device, and the correction and the kernel visit only
-    the listed tiles.
+    the listed tiles. ``order``: a video call's :class:`~nvfp4_dit.token_order.TokenOrder`: the
+    quantiser and the correction read the inputs in tile order and the kernel writes the output
+    rows back to the caller's (``kv_lens``, ``key_bias`` and the map are in tile order already);
+    inputs the quantiser cannot read as 16-byte vectors are gathered into tile order first.
 
     Returns ``(out [q's layout and dtype], lse [B, H, Sq] fp32 or None)``. Rows whose Q block or
     kv head met a NaN/inf input (or whose batch's mask holds NaN/+inf) are NaN.
@@ -117,6 +120,13 @@ def attention(q, k, v, *, layout: str, causal: bool, scale: Optional[float], kv_
     qh, kh, vh = (fmt.to_hnd(t, layout) for t in (q, k, v))
     b, h, sq, d = qh.shape
     sk = kh.shape[2]
+    read_order = order
+    if order is not None and (quantizer == "torch" or not all(
+            launch.vector_loads(t, fmt.padded_head_dim(d)) for t in (qh, kh, vh))):
+        rows = order.source_rows(sq, q.device)
+        q, k, v = (t.index_select(1 if layout == "NHD" else 2, rows) for t in (q, k, v))
+        qh, kh, vh = (fmt.to_hnd(t, layout) for t in (q, k, v))
+        read_order = None
     scale = fmt.default_scale(d) if scale is None else float(scale)
     dk = launch.device_kernels(q.device)
     launch.ensure_current(dk.index)
@@ -129,7 +139,7 @@ def attention(q, k, v, *, layout: str, causal: bool, scale: Optional[float], kv_
         rows = chunks[0][1] - chunks[0][0]
         ws = launch.Workspace(quantize.workspace_layout(qh, kh, balance_qk, qk_format, rows), q.device)
         ws.clear(stream)
-        launch.launch_quantize(dk, ws, qh, kh, vh, lens, balance_qk, qk_format, stream)
+        launch.launch_quantize(dk, ws, qh, kh, vh, lens, balance_qk, qk_format, stream, order=read_order)
         planes = _workspace_planes(ws)
         if mask_nonfinite is not None:
             ws.view("nonfinite_kv").bitwise_or_(mask_nonfinite[:, None].to(torch.int32))
@@ -165,7 +175,7 @@ def attention(q, k, v, *, layout: str, causal: bool, scale: Optional[float], kv_
             chunk_lists = None if lists is None else lists.chunk(c)
             if k_input is not None:
                 launch.launch_correction(dk, ws, k_input, lens, bias, scale, b0, b1 - b0, delta_ptr, delta_strides,
-                                         stream, columns=chunk_lists)
+                                         stream, columns=chunk_lists, k_order=read_order)
             else:
                 delta = preprocess.correction(qq, b0, b1, key_bias=bias, scale=scale)
                 delta_strides = delta.stride()[:3]
@@ -174,7 +184,7 @@ def attention(q, k, v, *, layout: str, causal: bool, scale: Optional[float], kv_
                 keep.append(delta)   # alive until the launch is queued (the allocator orders its reuse)
                 delta_ptr = delta.data_ptr()
             launch.launch_attention(dk, planes, sq, sk, b0, b1, delta_ptr, delta_strides, out_hnd, lse, lens, scale,
-                                    causal, qk_format, stream, lists=chunk_lists)
+                                    causal, qk_format, stream, lists=chunk_lists, out_order=order)
     if out.dtype != q.dtype:
         out = out.to(q.dtype)
     return out, lse

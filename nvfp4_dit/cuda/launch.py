@@ -176,9 +176,12 @@ def vector_loads(t: torch.Tensor, head_dim_padded: int) -> bool:
 
 
 def launch_quantize(dk: DeviceKernels, ws: Workspace, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    kv_lens: Optional[torch.Tensor], balance_qk: bool, qk_format: str, stream: int) -> None:
+                    kv_lens: Optional[torch.Tensor], balance_qk: bool, qk_format: str, stream: int,
+                    order=None) -> None:
     """Quantise logical [B, H, S, D] views (any strides) into ``ws`` (cleared by the caller): the
-    balance statistics (``balance_qk``), the K and V statistics chunks, then the tiles."""
+    balance statistics (``balance_qk``), the K and V statistics chunks, then the tiles. ``order``: a
+    video call's :class:`~nvfp4_dit.token_order.TokenOrder`, read through (the "rows" entry points;
+    every input must allow :func:`vector_loads`): the outputs are in tile order."""
     b, h, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     dp = fmt.padded_head_dim(d)
@@ -199,6 +202,11 @@ def launch_quantize(dk: DeviceKernels, ws: Workspace, q: torch.Tensor, k: torch.
         nonfinite_kv=ws.ptr("nonfinite_kv"), nonfinite_q_blocks=ws.ptr("nonfinite_q"),
         k_partial_sums=ws.ptr("partial"), work_counters=ws.ptr("arrivals"))
     vector = vector_loads(q, dp) and vector_loads(k, dp) and vector_loads(v, dp)
+    load = "vec" if vector else "scalar"
+    if order is not None:
+        if not vector:
+            raise ValueError("a token order needs inputs the quantiser reads as 16-byte vectors (vector_loads)")
+        p.order, load = order.abi(), "rows"
     kv_tiles = b * hkv * (skp // fmt.SEQ_TILE)
     q_tiles = b * h * (sqp // fmt.SEQ_TILE)
     first = b * hkv * abi.STAT_TENSORS * abi.k_chunks(sk)
@@ -207,9 +215,9 @@ def launch_quantize(dk: DeviceKernels, ws: Workspace, q: torch.Tensor, k: torch.
         raise ValueError(f"too many tiles for one quantiser launch ({max(first, second)})")
     args = [p]
     if balance_qk:  # the balance needs every row of Q before any K or Q tile
-        dk.kernel(abi.balance_statistics_entry(dtype, dp, vector)).launch((q_tiles,), abi.QUANTIZE_THREADS, args, stream)
-    dk.kernel(abi.key_stats_entry(dtype, dp, vector)).launch((first,), abi.QUANTIZE_THREADS, args, stream)
-    tiles = dk.kernel(abi.quantize_tiles_entry(dtype, dp, vector, qk_format))
+        dk.kernel(abi.balance_statistics_entry(dtype, dp, load)).launch((q_tiles,), abi.QUANTIZE_THREADS, args, stream)
+    dk.kernel(abi.key_stats_entry(dtype, dp, load)).launch((first,), abi.QUANTIZE_THREADS, args, stream)
+    tiles = dk.kernel(abi.quantize_tiles_entry(dtype, dp, load, qk_format))
     prefetch = abi.PREFETCH_WAVES * dk.sms * tiles.blocks_per_sm(abi.QUANTIZE_THREADS)
     tiles.launch((second,), abi.QUANTIZE_THREADS, [p, ctypes.c_int64(prefetch)], stream)
 
@@ -220,13 +228,15 @@ def launch_quantize(dk: DeviceKernels, ws: Workspace, q: torch.Tensor, k: torch.
 
 def launch_correction(dk: DeviceKernels, ws: Workspace, k: torch.Tensor, kv_lens: Optional[torch.Tensor],
                       key_bias: Optional[torch.Tensor], scale: float, block_begin: int, rows: int,
-                      delta: int, delta_strides: tuple, stream: int, columns=None) -> None:
+                      delta: int, delta_strides: tuple, stream: int, columns=None, k_order=None) -> None:
     """delta = qm . (k - km)^T / (q_scale k_scale) (+ key_bias / (scale q_scale k_scale)) for Q blocks
     [block_begin, block_begin + rows) at address ``delta`` ([B, H, rows, Skp] fp32 with element
     strides ``delta_strides`` (b, h, blk), the last dim contiguous), in one launch. ``k`` is the raw
     [B, Hkv, Sk, D] input; the Q statistics come from ``ws``. With ``columns`` (a block-sparse
     chunk's :class:`nvfp4_dit.sparse.ChunkLists`) only the listed tiles are computed, into the
-    compact layout the attention kernel reads (128 floats per entry, ``delta_strides`` unused)."""
+    compact layout the attention kernel reads (128 floats per entry, ``delta_strides`` unused).
+    ``k_order``: a video call's :class:`~nvfp4_dit.token_order.TokenOrder`: key s is row
+    ``source_row(s)`` of ``k`` (``key_bias`` is in tile order already)."""
     b, h, nq, dp = ws.layout.regions["q_mean"].shape
     hkv, sk, d = k.shape[1:]
     skp = fmt.round_up(max(sk, 1), fmt.SEQ_TILE)
@@ -257,6 +267,8 @@ def launch_correction(dk: DeviceKernels, ws: Workspace, k: torch.Tensor, kv_lens
         num_q_blocks=nq, block_begin=block_begin, block_end=block_begin + rows)
     if columns is not None:
         p.col_offsets, p.col_rows, p.col_entries = columns.col_offsets, columns.col_rows, columns.col_entries
+    if k_order is not None:
+        p.k_order = k_order.abi()
     kernel.launch(grid, abi.CORRECTION_THREADS, [p], stream, smem)
 
 
@@ -267,7 +279,7 @@ def launch_correction(dk: DeviceKernels, ws: Workspace, k: torch.Tensor, kv_lens
 def launch_attention(dk: DeviceKernels, planes: dict, seq_q: int, seq_k: int, block_begin: int, block_end: int,
                      delta: int, delta_strides: tuple, out: torch.Tensor, lse: Optional[torch.Tensor],
                      kv_lens: Optional[torch.Tensor], scale: float, causal: bool, qk_format: str,
-                     stream: int, lists=None) -> None:
+                     stream: int, lists=None, out_order=None) -> None:
     """The attention kernel over Q blocks [block_begin, block_end), writing those rows of ``out``
     [B, H, Sq, D] (any batch/head/row strides, bf16/fp16, last dim contiguous) and of ``lse``
     [B, H, Sq] fp32 (last dim contiguous). ``planes`` maps each quantised operand to its
@@ -275,7 +287,9 @@ def launch_attention(dk: DeviceKernels, planes: dict, seq_q: int, seq_k: int, bl
     is int32 [B] or None; ``delta`` is the chunk's correction ([B, H, nblk, Skp] fp32 through element
     strides (b, h, blk); a blk stride of 0 repeats one row). With ``lists`` (a block-sparse chunk's
     :class:`nvfp4_dit.sparse.ChunkLists`) each Q block visits only its listed key tiles and
-    ``delta`` is the chunk's compact correction (:func:`launch_correction` with ``columns``)."""
+    ``delta`` is the chunk's compact correction (:func:`launch_correction` with ``columns``).
+    ``out_order``: a video call's :class:`~nvfp4_dit.token_order.TokenOrder`: the operands are in
+    tile order and query row s is written to row ``source_row(s)`` of ``out`` and ``lse``."""
     qd, qd_shape = planes["q_data"]
     b, h, sqp = qd_shape[:3]
     kd, kd_shape = planes["k_data"]
@@ -308,6 +322,8 @@ def launch_attention(dk: DeviceKernels, planes: dict, seq_q: int, seq_k: int, bl
     if lists is not None:
         p.block_offsets, p.block_tiles, p.work_order = lists.offsets, lists.tiles, lists.order
         p.block_row_stride = lists.row_stride
+    if out_order is not None:
+        p.out_order = out_order.abi()
     smem = abi.ATTENTION_SMEM_BYTES[fmt.QK_FORMATS.index(qk_format)][abi.head_dim_index(dp)]
     kernel = dk.kernel(abi.attention_entry(dk.kind, qk_format, dp, lse is not None, lists is not None))
     work = b * h * nblk

@@ -46,11 +46,12 @@ class KernelQuantizedQKV(fmt.QuantizedQKV):
     # (q_blocks [B, H, nblk], kv [B, Hkv]) bool: NaN/inf met while quantising (preprocess.nonfinite_blocks)
     nonfinite: Optional[tuple[torch.Tensor, torch.Tensor]] = None
     workspace: Optional[launch.Workspace] = None
+    order: Optional[object] = None   # the TokenOrder k_input is read through (tile order), or None
 
 
 def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: str = "NHD",
                  kv_lens: Optional[torch.Tensor] = None, balance_qk: bool = fmt.BALANCE_QK_DEFAULT,
-                 qk_format: str = fmt.QK_FORMAT_DEFAULT) -> KernelQuantizedQKV:
+                 qk_format: str = fmt.QK_FORMAT_DEFAULT, order=None) -> KernelQuantizedQKV:
     """Smooth and quantise Q, K, V on the GPU into the attention kernel's layouts.
 
     Parameters
@@ -61,6 +62,9 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: s
         statistics and quantised as zero padding, as in :func:`nvfp4_dit.preprocess.quantize_qkv`.
     balance_qk : balance Q and K per channel (one more read of Q, by a statistics kernel).
     qk_format : "nvfp4" or "mxfp8" (Q and K as e4m3 with ue8m0 scales per 32).
+    order : a video call's :class:`~nvfp4_dit.token_order.TokenOrder`: the outputs are those of the
+        inputs in tile order (read through the order, or from a permuted copy where the inputs do
+        not allow 16-byte loads); ``kv_lens`` counts positions in tile order.
 
     Returns
     -------
@@ -76,14 +80,20 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: s
     if fmt.padded_head_dim(d) is None:
         raise ValueError(f"head dim {d} is not supported (at most {fmt.SUPPORTED_HEAD_DIMS[-1]})")
     qh, kh, vh = (fmt.to_hnd(t, layout) for t in (q, k, v))
+    if order is not None and not all(launch.vector_loads(t, fmt.padded_head_dim(d)) for t in (qh, kh, vh)):
+        rows = order.source_rows(qh.shape[2], q.device)
+        qh, kh, vh = (t.index_select(2, rows) for t in (qh, kh, vh))
+        order = None
     dk = launch.device_kernels(q.device)
     launch.ensure_current(dk.index)
     ws = launch.Workspace(workspace_layout(qh, kh, balance_qk, qk_format, 0), q.device)
     stream = launch.current_stream(dk.index)
     ws.clear(stream)
     launch.launch_quantize(dk, ws, qh, kh, vh, None if kv_lens is None else kv_lens.contiguous(), balance_qk,
-                           qk_format, stream)
-    return quantized_from_workspace(ws, qh, kh, kv_lens, balance_qk, qk_format)
+                           qk_format, stream, order=order)
+    qq = quantized_from_workspace(ws, qh, kh, kv_lens, balance_qk, qk_format)
+    qq.order = order
+    return qq
 
 
 def workspace_layout(qh: torch.Tensor, kh: torch.Tensor, balance_qk: bool, qk_format: str,
@@ -206,7 +216,7 @@ def correction(qq: KernelQuantizedQKV, block_start: int = 0, block_end: Optional
         launch.ensure_current(dk.index)
         launch.launch_correction(dk, qq.workspace, qq.k_input, _lens(qq.kv_lens), key_bias,
                                  1.0 if scale is None else scale, block_start, block_end - block_start,
-                                 out.data_ptr(), out.stride()[:3], launch.current_stream(dk.index))
+                                 out.data_ptr(), out.stride()[:3], launch.current_stream(dk.index), k_order=qq.order)
     return out
 
 
