@@ -329,7 +329,7 @@ class NVFP4AttentionOverride:
                           key_mask=call.key_mask, kv_lens=None, return_lse=False, backend=call.backend,
                           balance_qk=call.balance_qk if precision is None else precision.balance_qk,
                           qk_format=call.qk_format if precision is None else precision.qk_format,
-                          sparsity=sparsity)
+                          sparsity=sparsity, order=call.order_for(sparsity))
         batch, heads, queries, head_dim = plan["batch"], plan["heads"], plan["queries"], plan["head_dim"]
         if plan["layout"] == "NHD":  # out [B, Lq, H, D]
             if plan["skip_output_reshape"]:
@@ -389,7 +389,8 @@ class CalibratingOverride(NVFP4AttentionOverride):
                 return self.run(plan, precision, None), 1.0
             sparsity = Sparsity(keep_mass=keep_mass, always_keep=call.always_keep)
             density = ops.block_density(plan["q"], plan["k"], layout=plan["layout"], causal=False,
-                                        scale=plan["scale"], key_mask=call.key_mask, sparsity=sparsity)
+                                        scale=plan["scale"], key_mask=call.key_mask, sparsity=sparsity,
+                                        order=call.order_for(sparsity))
             return self.run(plan, precision, sparsity), density
 
         try:

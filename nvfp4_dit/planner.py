@@ -45,21 +45,22 @@ class CallPlan:
     ``run_op``: run :func:`nvfp4_dit.ops.run_fp4` with ``backend`` ("cuda" or "reference": FP4;
     "sdpa": the op's exact attention, e.g. to compare through the same wrapper), ``balance_qk``,
     ``qk_format``, ``key_mask`` and ``sparsity`` (from ``keep_mass``: block-sparse, None: dense;
-    ``always_keep``: the keys its estimate keeps, the text of a joint video sequence);
+    ``always_keep``: the keys its estimate keeps, the text of a joint video sequence; ``video_order``:
+    the 3D tile order of a video self-attention, which block-sparse calls run in, :meth:`order_for`);
     else the caller's own exact attention, for ``reason``, worth one warning when ``warn``.
     ``fp4``: whether the call runs in FP4.
     """
 
     __slots__ = ("run_op", "reason", "warn", "backend", "balance_qk", "qk_format", "key_mask", "keep_mass",
-                 "always_keep")
+                 "always_keep", "video_order")
 
     def __init__(self, run_op: bool, reason: Optional[str] = None, warn: bool = False, backend: str = "sdpa",
                  balance_qk: bool = fmt.BALANCE_QK_DEFAULT, qk_format: str = fmt.QK_FORMAT_DEFAULT,
                  key_mask: Optional[KeyMask] = None, keep_mass: Optional[float] = None,
-                 always_keep: Optional[tuple[int, int]] = None):
+                 always_keep: Optional[tuple[int, int]] = None, video_order=None):
         self.run_op, self.reason, self.warn = run_op, reason, warn
         self.backend, self.balance_qk, self.qk_format, self.key_mask = backend, balance_qk, qk_format, key_mask
-        self.keep_mass, self.always_keep = keep_mass, always_keep
+        self.keep_mass, self.always_keep, self.video_order = keep_mass, always_keep, video_order
 
     @property
     def fp4(self) -> bool:
@@ -70,6 +71,11 @@ class CallPlan:
         """The block-sparse call of ``keep_mass`` (estimated per call), or None for dense."""
         return None if self.keep_mass is None else sparse.Sparsity(keep_mass=self.keep_mass,
                                                                      always_keep=self.always_keep)
+
+    def order_for(self, sparsity: Optional[sparse.Sparsity]):
+        """The token order a call with ``sparsity`` runs in: a block-sparse call over video tokens
+        in 3D tiles (:mod:`nvfp4_dit.token_order`), a dense one in the caller's order (None)."""
+        return None if sparsity is None else self.video_order
 
     def __repr__(self) -> str:
         if self.run_op:
@@ -202,5 +208,6 @@ def plan_call(q, k, v, *, layout: str, policy: AttentionPolicy, attn_mask: Optio
             return exact(str(e), warn=True)
     keep_mass = policy.keep_mass_for(step, sq, sk, layer)
     always_keep = None if keep_mass is None or video is None else video.other_keys(sk)
+    video_order = None if video is None or is_causal else video.order(sq, sk)
     return CallPlan(True, backend=backend, balance_qk=balance_qk, qk_format=qk_format, key_mask=key_mask,
-                    keep_mass=keep_mass, always_keep=always_keep)
+                    keep_mass=keep_mass, always_keep=always_keep, video_order=video_order)

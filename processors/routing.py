@@ -231,7 +231,8 @@ def _route(query, key, value, layout, attn_mask, dropout_p, is_causal, scale, en
         return res, "exact", plan.reason, "sdpa", None
     res = ops.run_fp4(query, key, value, layout=layout, causal=bool(is_causal), scale=scale,
                             key_mask=plan.key_mask, kv_lens=None, return_lse=return_lse, backend=plan.backend,
-                            balance_qk=plan.balance_qk, qk_format=plan.qk_format, sparsity=plan.sparsity)
+                            balance_qk=plan.balance_qk, qk_format=plan.qk_format, sparsity=plan.sparsity,
+                            order=plan.order_for(plan.sparsity))
     return res, ("fp4" if plan.fp4 else "exact"), None, plan.backend, plan.sparsity
 
 
@@ -242,8 +243,10 @@ def block_density(info: CallInfo, query, key, sparsity: Sparsity) -> float:
     sk = fmt.hnd_shape(key, info.layout)[2]
     mask = _sdpa_mask_4d(info.attn_mask)
     key_mask = None if mask is None else reduce_key_mask(mask, b, h, sq, sk)
+    video = _STATE.video
+    order = None if video is None or info.is_causal else video.order(sq, sk)
     return ops.block_density(query, key, layout=info.layout, causal=info.is_causal, scale=info.scale,
-                             key_mask=key_mask, sparsity=sparsity)
+                             key_mask=key_mask, sparsity=sparsity, order=order)
 
 
 def _sdpa_mask_4d(attn_mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:

@@ -706,6 +706,10 @@ def test_each_forward_reads_its_video_tokens_off_the_latent(comfyui, tiny_cases,
     joint = [c["sparsity"] for c in op_calls if c["sparsity"] is not None and c["sparsity"].always_keep is not None]
     assert bool(joint) == (name == "hunyuan_video")
     assert all(s.always_keep == (0, 8) for s in joint)
+    # block-sparse self-attention over the video runs in its 3D tiles, with the text in place
+    ordered = [c["order"] for c in op_calls if c.get("order") is not None]
+    assert ordered and all(o.grid == (2, 4, 4) for o in ordered)
+    assert all(o.span == ((8, 40) if name == "hunyuan_video" else (0, 32)) for o in ordered)
     # Without keep_mass nothing reads the latent.
     videos.clear()
     comfyui_env.sample(comfyui, _patch_with_node(comfyui, case.patcher, backend="reference"), case)

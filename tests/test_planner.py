@@ -8,6 +8,7 @@ import torch
 
 from nvfp4_dit import planner, sparse
 from nvfp4_dit.policy import EXACT, AttentionPolicy, LayerPrecision, Precision
+from nvfp4_dit.token_order import TokenOrder
 
 OPEN = AttentionPolicy(backend="reference", min_seq_len=0, dense_steps=(0, 0), cross_attention=True)
 
@@ -105,8 +106,13 @@ def test_a_sparse_call_keeps_the_keys_that_are_not_video():
     for video, text in cases.items():
         plan = planner.plan_call(q, k, v, layout="NHD", policy=policy, video=video)
         assert plan.sparsity.always_keep == text, video
+        span = video.span(160)   # a sparse self-attention over the video runs in 3D tiles
+        want = None if span is None else TokenOrder(video.grid, span)
+        assert plan.video_order == want and plan.order_for(plan.sparsity) == want
+    cross = planner.plan_call(q, k[:, :128], v[:, :128], layout="NHD", policy=policy, video=sparse.VideoTokens((2, 8, 8)))
+    assert cross.video_order is None
     dense = planner.plan_call(q, k, v, layout="NHD", policy=OPEN, video=sparse.VideoTokens((2, 8, 8)))
-    assert dense.sparsity is None and dense.always_keep is None
+    assert dense.sparsity is None and dense.always_keep is None and dense.order_for(dense.sparsity) is None
 
 
 def test_video_tokens_are_checked():

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import gc
 import inspect
+import math
 import weakref
 
 import pytest
@@ -624,11 +625,12 @@ def test_a_sparse_joint_call_always_keeps_the_text(family, video_count, first, m
     attention (HunyuanVideo and Mochi after the video, CogVideoX before it); video-only calls keep
     none by rule."""
     case = build(family, head_dim=64)
-    seen = []
+    seen, orders = [], []
     real = ops.run_fp4
 
     def recording(q, k, v, **kw):
         seen.append((fmt.hnd_shape(k, kw["layout"])[2], kw.get("sparsity")))
+        orders.append((fmt.hnd_shape(k, kw["layout"])[2], kw.get("order")))
         return real(q, k, v, **kw)
 
     monkeypatch.setattr(ops, "run_fp4", recording)
@@ -641,6 +643,13 @@ def test_a_sparse_joint_call_always_keeps_the_text(family, video_count, first, m
         text = None if sk == video_count else ((video_count, sk) if first else (0, sk - video_count))
         assert s.always_keep == text, (sk, s)
     assert (family == "wan") == all(sk == video_count for sk, _ in video_calls)
+    # ... and runs its video tokens in 3D tiles (self-attention only; cross-attention keys are text)
+    for sk, order in orders:
+        if sk >= video_count:
+            assert order is not None and math.prod(order.grid) == video_count, (sk, order)
+            assert order.span == ((0, video_count) if first else (sk - video_count, sk))
+        else:
+            assert order is None
 
 
 def test_a_layers_calibrated_keep_mass_reaches_the_op(monkeypatch):
