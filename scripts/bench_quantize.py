@@ -4,6 +4,8 @@ For B=1, H=40, D=128, bf16 NHD inputs at S = 8k, 32k, 77k and 118.8k tokens:
 
 * default: ``nvfp4_dit.cuda.quantize.quantize_qkv`` with the default per-channel Q/K balance;
 * no balance: the default kernel with ``balance_qk=False`` (no statistics pass over Q);
+* 3D tiles: the default kernel reading a video call's tile order (``order=``, the "rows" entry
+  points; the grid of each length in :data:`VIDEO_GRIDS`) instead of the caller's rows;
 * copy: a device-to-device copy moving the same number of bytes (the bandwidth ceiling);
 * torch-ops: ``nvfp4_dit.preprocess.quantize_qkv`` on the GPU (the plain-PyTorch preprocessing);
 * correction: every chunk of ``qm . (k - km)^T`` under the default 1 GiB budget;
@@ -11,7 +13,7 @@ For B=1, H=40, D=128, bf16 NHD inputs at S = 8k, 32k, 77k and 118.8k tokens:
   (cuDNN SDPA where torch has it, else the default SDPA back-end; the column says which) and as a
   ratio to a device-to-device copy of Q, K and V.
 
-Default, no balance and copy are timed in interleaved rounds (``--rounds``), each peer's
+Default, no balance, 3D tiles and copy are timed in interleaved rounds (``--rounds``), each peer's
 best round kept. "Bytes" = the inputs read once plus every output written (the minimum traffic);
 the copy moves half that many bytes (read + write = the same traffic). Peak memory is the
 allocator's peak above what was allocated before the call. Prints a markdown table, writes JSON
@@ -38,8 +40,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from nvfp4_dit.cuda import quantize as cq  # noqa: E402
 from nvfp4_dit import format as fmt  # noqa: E402
 from nvfp4_dit import preprocess  # noqa: E402
+from nvfp4_dit.token_order import TokenOrder  # noqa: E402
 
 GiB = float(1 << 30)
+
+VIDEO_GRIDS = {8192: (2, 64, 64), 32768: (8, 64, 64), 77_000: (14, 50, 110), 118_800: (33, 45, 80)}
+"""Latent grids (T, H, W) of the benchmark's lengths (118,800: HunyuanVideo 720p); other lengths
+use (1, 1, S), whose tile order is the caller's."""
+
+
+def video_order(seq: int) -> TokenOrder:
+    return TokenOrder(VIDEO_GRIDS.get(seq, (1, 1, seq)), (0, seq))
 
 
 def cuda_time(fn, iters: int, warmup: int = 1) -> float:
@@ -113,9 +124,11 @@ def bench_one(seq: int, heads: int, dim: int, iters: int, rounds: int) -> dict:
         default=lambda: cuda_time(default, iters, warmup=2),
         no_balance=lambda: cuda_time(lambda: cq.quantize_qkv(q, k, v, layout="NHD", balance_qk=False), iters,
                                      warmup=2),
+        tiles3d=lambda: cuda_time(lambda: cq.quantize_qkv(q, k, v, layout="NHD", order=video_order(seq)), iters,
+                                  warmup=2),
         copy=lambda: cuda_time(lambda: dst.copy_(src), iters, warmup=2)), rounds)
     t_default, t_copy = best["default"], best["copy"]
-    t_no_balance = best["no_balance"]
+    t_no_balance, t_tiles3d = best["no_balance"], best["tiles3d"]
     del src, dst
 
     def torch_ops():
@@ -135,6 +148,7 @@ def bench_one(seq: int, heads: int, dim: int, iters: int, rounds: int) -> dict:
     del qq
     torch.cuda.empty_cache()
     return dict(seq=seq, heads=heads, dim=dim, traffic_bytes=traffic, t_default=t_default, t_no_balance=t_no_balance,
+                t_tiles3d=t_tiles3d, video_grid=list(video_order(seq).grid),
                 t_copy=t_copy, t_torch=t_torch, t_corr=t_corr, t_sdpa=t_sdpa,
                 sdpa_backend=sdpa_backend, t_qkv_copy=t_qkv_copy, mem_default=mem_default, mem_torch=mem_torch,
                 mem_corr=mem_corr, corr_chunks=n_chunks)
@@ -163,6 +177,7 @@ def smoke() -> int:
                 lens = torch.tensor([300, 170], device="cuda", dtype=torch.int32)
                 for balance_qk in (True, False):
                     qq = cq.quantize_qkv(q, k, v, layout=layout, kv_lens=lens, balance_qk=balance_qk)
+                cq.quantize_qkv(q, k, v, layout=layout, kv_lens=lens, order=TokenOrder((3, 10, 10), (0, 300)))
                 for _ in cq.iter_corrections(qq, budget=2 * 2 * 384 * 4):
                     pass
     torch.cuda.synchronize()
@@ -171,7 +186,7 @@ def smoke() -> int:
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| S | bytes (GB) | default GB/s | copy GB/s | default / copy | no balance / copy "
+    head = ("| S | bytes (GB) | default GB/s | copy GB/s | default / copy | no balance / copy | 3D tiles / default "
             "| torch-ops GB/s "
             "| default speed-up vs torch-ops "
             "| peak mem default (GiB) | peak mem torch-ops (GiB) | correction ms (chunks) | SDPA ms | correction / SDPA "
@@ -180,10 +195,11 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         gb = r["traffic_bytes"] / 1e9
         no_balance = f"{r['t_copy'] / r['t_no_balance']:.0%}" if r.get("t_no_balance") else "-"
+        tiles3d = f"{r['t_tiles3d'] / r['t_default']:.2f}" if r.get("t_tiles3d") else "-"
         qkv_copy = f"{(r['t_default'] + r['t_corr']) / r['t_qkv_copy']:.1f}x" if r.get("t_qkv_copy") else "-"
         lines.append(
             f"| {r['seq']:,} | {gb:.2f} | {gb / r['t_default']:.0f} | {gb / r['t_copy']:.0f} | "
-            f"{r['t_copy'] / r['t_default']:.0%} | {no_balance} | {gb / r['t_torch']:.0f} | "
+            f"{r['t_copy'] / r['t_default']:.0%} | {no_balance} | {tiles3d} | {gb / r['t_torch']:.0f} | "
             f"{r['t_torch'] / r['t_default']:.1f}x | {r['mem_default'] / GiB:.2f} | {r['mem_torch'] / GiB:.2f} | {r['t_corr'] * 1e3:.1f} ({r['corr_chunks']}) | "
             f"{r['t_sdpa'] * 1e3:.0f} ({r.get('sdpa_backend', '-')}) | {r['t_corr'] / r['t_sdpa']:.1%} | "
             f"{r['mem_corr'] / GiB:.2f} | {(r['t_default'] + r['t_corr']) / r['t_sdpa']:.1%} | {qkv_copy} |")
