@@ -15,8 +15,10 @@ compiled kernel the same way.
 estimated in the call): cos, relative L2 and LSE error to exact fp64 attention over all keys, and
 the density of the map chosen, on iid inputs (diffuse attention: the estimate must keep nearly
 every tile) and on video-structured inputs (``scripts/video_inputs.py``: a 21-frame latent grid,
-3D RoPE, smooth content plus noise) in raster order and regrouped into 2x8x8 (t, h, w) tiles of
-128 tokens, at ``--sparse-seq`` tokens (default 16,384).
+3D RoPE, smooth content plus noise, logit gain ``--sparse-gain``) in raster order and in the op's
+3D tiles (``video_grid=``, :mod:`nvfp4_dit.token_order`), at ``--sparse-seq`` tokens (default
+16,384); then, at matched cos (interpolated over ``keep_mass`` 0.8-0.99), the tiles the 3D order
+keeps against raster order.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from nvfp4_dit import format as fmt  # noqa: E402
 from nvfp4_dit import sparse  # noqa: E402
 from nvfp4_dit.reference import attention_exact  # noqa: E402
 
-KEEP_MASSES = (0.8, 0.85, 0.9, 0.95, 1.0)
+KEEP_MASSES = (0.8, 0.85, 0.9, 0.95, 0.99, 1.0)
 
 
 def rope(x: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
@@ -130,29 +132,54 @@ def sparse_report(args) -> list[dict]:
     s, h, d = args.sparse_seq, args.heads, args.head_dim
     g = torch.Generator().manual_seed(args.seed)
     grid = video_inputs.grid_for(s)
-    video = video_inputs.video_qkv(grid, h, d, seed=args.seed, dtype=torch.float32)
-    order = video_inputs.tile_order(grid, (2, 8, 8))
-    families = {"iid": tuple(torch.randn(1, s, h, d, generator=g) for _ in range(3)),
-                f"video {grid[0]}x{grid[1]}x{grid[2]}": video,
-                # The same tokens regrouped into 2x8x8 (t, h, w) tiles of 128: each Q block a small cube.
-                f"video {grid[0]}x{grid[1]}x{grid[2]}, 2x8x8 tiles": tuple(x[:, order] for x in video)}
+    video = video_inputs.video_qkv(grid, h, d, gain=args.sparse_gain, seed=args.seed, dtype=torch.float32)
+    name = f"video {grid[0]}x{grid[1]}x{grid[2]}"
+    # (inputs, the op's video_grid): the video again in 3D tiles, each Q block a compact box.
+    families = {"iid": (tuple(torch.randn(1, s, h, d, generator=g) for _ in range(3)), None),
+                name: (video, None), f"{name}, 3D tiles": (video, grid)}
     rows = []
     print(f"Block-sparse NVFP4 attention ({args.backend}, {str(dtype).replace('torch.', '')} inputs) vs exact fp64 "
           f"attention over all keys: S={s} H={h} D={d}, seed {args.seed}; the map estimated in each call\n")
     print("| input | keep_mass | density | cos | rel-L2 | mean abs LSE error |")
     print("|---|---|---|---|---|---|")
-    for name, (q, k, v) in families.items():
+    for family, ((q, k, v), video_grid) in families.items():
         q, k, v = (t.to(args.device, dtype) for t in (q, k, v))
         exact, lse_exact = attention_exact(q, k, v)
         for keep_mass in KEEP_MASSES:
-            bmap = sparse.estimate_block_mask(q, k, keep_mass, backend=args.backend)
-            out, lse = nvfp4_dit.attention(q, k, v, backend=args.backend, return_lse=True, keep_mass=keep_mass)
+            bmap = sparse.estimate_block_mask(q, k, keep_mass, backend=args.backend, video_grid=video_grid)
+            out, lse = nvfp4_dit.attention(q, k, v, backend=args.backend, return_lse=True, keep_mass=keep_mass,
+                                           video_grid=video_grid)
             cos, rel, _, lse_err = metrics(out.cpu(), exact.cpu(), lse.cpu(), lse_exact.cpu())
             density = bmap.float().mean().item()
-            rows.append({"input": name, "keep_mass": keep_mass, "density": density, "cos": cos, "rel_l2": rel,
+            rows.append({"input": family, "keep_mass": keep_mass, "density": density, "cos": cos, "rel_l2": rel,
                          "lse_err": lse_err})
-            print(f"| {name} | {keep_mass} | {density:.3f} | {cos:.5f} | {rel:.4f} | {lse_err:.4f} |", flush=True)
+            print(f"| {family} | {keep_mass} | {density:.3f} | {cos:.5f} | {rel:.4f} | {lse_err:.4f} |", flush=True)
+    print(matched_accuracy([r for r in rows if r["input"] == name], [r for r in rows if r["input"] == f"{name}, 3D tiles"]))
     return rows
+
+
+def density_at(rows: list[dict], cos: float):
+    """The density reaching ``cos``, interpolated linearly between the ``keep_mass`` < 1 rows (None
+    outside their range)."""
+    pts = sorted((r["cos"], r["density"]) for r in rows if r["keep_mass"] < 1.0)
+    for (c0, d0), (c1, d1) in zip(pts, pts[1:]):
+        if c0 <= cos <= c1:
+            return d0 if c1 == c0 else d0 + (d1 - d0) * (cos - c0) / (c1 - c0)
+    return None
+
+
+def matched_accuracy(raster: list[dict], tiles: list[dict]) -> str:
+    """At each raster row's cos, the density 3D tiles need for the same cos (interpolated)."""
+    lines = ["\nAt matched accuracy (3D-tile density interpolated at each raster cos):\n",
+             "| raster keep_mass | cos | raster density | 3D-tile density | 3D / raster |", "|---|---|---|---|---|"]
+    for r in raster:
+        if r["keep_mass"] >= 1.0:
+            continue
+        d3 = density_at(tiles, r["cos"])
+        ratio = "-" if d3 is None else f"{d3 / r['density']:.2f}"
+        lines.append(f"| {r['keep_mass']} | {r['cos']:.5f} | {r['density']:.3f} | "
+                     f"{'-' if d3 is None else f'{d3:.3f}'} | {ratio} |")
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
@@ -169,6 +196,8 @@ def main(argv=None) -> int:
     ap.add_argument("--png", default="out/accuracy_report.png", help="where to save the plot ('' for none)")
     ap.add_argument("--sparse", action="store_true", help="report block-sparse attention (keep_mass) instead")
     ap.add_argument("--sparse-seq", type=int, default=16_384, help="tokens for --sparse (default 16384)")
+    ap.add_argument("--sparse-gain", type=float, default=1.2,
+                    help="logit gain of the video inputs for --sparse (default 1.2; 2.0: sharper heads)")
     args = ap.parse_args(argv)
     if args.sparse:
         t0 = time.time()

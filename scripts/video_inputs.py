@@ -77,18 +77,3 @@ def grid_for(seq: int, frames: int = 21, aspect: float = 16 / 9) -> tuple[int, i
     hh = max(1, round(math.sqrt(per_frame / aspect)))
     ww = max(1, round(per_frame / hh))
     return frames, hh, ww
-
-
-def tile_order(grid: tuple[int, int, int], tile: tuple[int, int, int] = (2, 8, 8)) -> torch.Tensor:
-    """The raster positions of a (T, H, W) grid's tokens regrouped into 3D tiles of ``tile`` tokens
-    (t, h, w): tile by tile in raster order of the tiles, raster order inside each; edge tiles
-    are partial where the grid does not divide. ``x[:, order]`` is the sequence in tile order."""
-    t, hh, ww = grid
-    tt, th, tw = tile
-    pos = torch.stack(torch.meshgrid(torch.arange(t), torch.arange(hh), torch.arange(ww), indexing="ij"), -1)
-    pos = pos.reshape(-1, 3)
-    tiles = (hh + th - 1) // th, (ww + tw - 1) // tw
-    tile_id = ((pos[:, 0] // tt) * tiles[0] + pos[:, 1] // th) * tiles[1] + pos[:, 2] // tw
-    inside = ((pos[:, 0] % tt) * th + pos[:, 1] % th) * tw + pos[:, 2] % tw
-    return torch.argsort(tile_id * (tt * th * tw) + inside)
-
