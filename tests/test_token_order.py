@@ -277,3 +277,13 @@ def test_a_video_call_on_the_gpu_is_the_permuted_call_put_back(cuda_device, case
     torch.testing.assert_close(lse, ref_lse, rtol=0, atol=0, equal_nan=True)
     if case == "nan":
         assert torch.isnan(out[0, rows[:128], 1]).all() and not torch.isnan(out[0, rows[128:], 1]).any()
+
+
+def test_a_video_call_goes_through_the_custom_op():
+    """Under torch.compile the order travels as the custom op's video_grid / video_tokens."""
+    grid = (2, 8, 8)
+    q, k, v = _video(grid, extra=16, seed=6)
+    kwargs = dict(backend="reference", keep_mass=0.9, video_grid=grid, video_tokens=(0, 128))
+    eager = nvfp4_dit.attention(q, k, v, **kwargs)
+    compiled = torch.compile(lambda a, b, c: nvfp4_dit.attention(a, b, c, **kwargs), backend="eager", fullgraph=True)
+    assert torch.equal(compiled(q, k, v), eager)
