@@ -14,17 +14,18 @@ compiled kernel the same way.
 ``--sparse`` reports block-sparse attention instead (``keep_mass`` 0.8 to 1.0, the block map
 estimated in the call): cos, relative L2 and LSE error to exact fp64 attention over all keys, and
 the density of the map chosen, on iid inputs (diffuse attention: the estimate must keep nearly
-every tile) and on video-structured inputs (``scripts/video_inputs.py``: a 21-frame latent grid,
-3D RoPE, smooth content plus noise, logit gain ``--sparse-gain``) in raster order and in the op's
-3D tiles (``video_grid=``, :mod:`nvfp4_dit.token_order`), at ``--sparse-seq`` tokens (default
-16,384); then, at matched cos (interpolated over ``keep_mass`` 0.8-0.99), the tiles the 3D order
-keeps against raster order.
+every tile) and on video-structured inputs (``scripts/video_inputs.py``: 3D RoPE, smooth content
+plus noise, logit gain ``--sparse-gain``, on the latent grid ``--sparse-grid``, default 10 frames
+of Wan's 480p 30 x 52) in raster order and in the op's 3D tiles (``video_grid=``,
+:mod:`nvfp4_dit.token_order`); then, at matched cos (interpolated over ``keep_mass`` 0.8-0.99),
+the tiles the 3D order keeps against raster order.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -129,9 +130,9 @@ def sparse_report(args) -> list[dict]:
     """The ``--sparse`` table: per input family and keep_mass, accuracy against exact attention over
     every key and the density of the estimated map."""
     dtype = torch.bfloat16 if args.backend == "cuda" else torch.float32
-    s, h, d = args.sparse_seq, args.heads, args.head_dim
+    grid = tuple(int(n) for n in args.sparse_grid.lower().split("x"))
+    s, h, d = math.prod(grid), args.heads, args.head_dim
     g = torch.Generator().manual_seed(args.seed)
-    grid = video_inputs.grid_for(s)
     video = video_inputs.video_qkv(grid, h, d, gain=args.sparse_gain, seed=args.seed, dtype=torch.float32)
     name = f"video {grid[0]}x{grid[1]}x{grid[2]}"
     # (inputs, the op's video_grid): the video again in 3D tiles, each Q block a compact box.
@@ -195,7 +196,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None, help="also write the rows as JSON")
     ap.add_argument("--png", default="out/accuracy_report.png", help="where to save the plot ('' for none)")
     ap.add_argument("--sparse", action="store_true", help="report block-sparse attention (keep_mass) instead")
-    ap.add_argument("--sparse-seq", type=int, default=16_384, help="tokens for --sparse (default 16384)")
+    ap.add_argument("--sparse-grid", default="10x30x52",
+                    help="the video's latent grid TxHxW for --sparse (default 10x30x52: 15,600 tokens)")
     ap.add_argument("--sparse-gain", type=float, default=1.2,
                     help="logit gain of the video inputs for --sparse (default 1.2; 2.0: sharper heads)")
     args = ap.parse_args(argv)
@@ -205,7 +207,7 @@ def main(argv=None) -> int:
         print(f"\n({time.time() - t0:.1f} s)")
         if args.json:
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.json).write_text(json.dumps({"backend": args.backend, "seq": args.sparse_seq, "heads": args.heads,
+            Path(args.json).write_text(json.dumps({"backend": args.backend, "grid": args.sparse_grid, "heads": args.heads,
                                                    "head_dim": args.head_dim, "sparse": rows}, indent=1))
         return 0
     if args.png:

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import nvfp4_dit
-from nvfp4_dit.calibration import DEFAULT_BUDGET, CalibrationTable, choose_precision, format_table, measurement_policy
+from nvfp4_dit.calibration import (DEFAULT_BUDGET, KEEP_MASS_LADDER, CalibrationTable, choose_precision, format_table,
+                                   measurement_policy)
 from nvfp4_dit.policy import EXACT, FP4_PRECISIONS, PRECISIONS, AttentionPolicy, LayerPrecision, Precision, step_bucket
 
 NV, NVB, MXB = FP4_PRECISIONS   # nvfp4, nvfp4 with the channel balance, mxfp8 with it
@@ -372,7 +373,7 @@ def test_calibration_with_keep_mass_measures_the_sparse_ladder(tmp_path):
     entries = [e for e in policy.per_layer if not e.precision.exact]
     assert entries
     for e in entries:
-        assert {(p, k) for p, k, _, _ in e.sparse_errors} == {(p, k) for p in FP4_PRECISIONS for k in (0.95, 0.9, 0.8)}
+        assert {(p, k) for p, k, _, _ in e.sparse_errors} == {(p, k) for p in FP4_PRECISIONS for k in KEEP_MASS_LADDER}
         assert e.keep_mass is not None and 0.0 < e.density <= 1.0
         assert all(0.0 < d <= 1.0 for *_, d in e.sparse_errors)
     path = tmp_path / "sparse.policy.json"

@@ -347,6 +347,7 @@ def test_a_calibrated_policy_picks_each_blocks_precision(gen, op_calls):
 
 
 def test_calibrating_override_with_keep_mass_measures_the_sparse_ladder(gen, tmp_path):
+    from nvfp4_dit.calibration import KEEP_MASS_LADDER
     from nvfp4_dit.policy import FP4_PRECISIONS
 
     path = tmp_path / "policy.json"
@@ -359,7 +360,7 @@ def test_calibrating_override_with_keep_mass_measures_the_sparse_ladder(gen, tmp
     out = override(func, q, k, v, 2, transformer_options=_options(0, 1))
     assert torch.equal(out, exact_func(q, k, v, 2))
     (entry,) = AttentionPolicy.load(path).per_layer
-    assert {(p, m) for p, m, _, _ in entry.sparse_errors} == {(p, m) for p in FP4_PRECISIONS for m in (0.95, 0.9, 0.8)}
+    assert {(p, m) for p, m, _, _ in entry.sparse_errors} == {(p, m) for p in FP4_PRECISIONS for m in KEEP_MASS_LADDER}
     assert entry.keep_mass is not None and 0.0 < entry.density <= 1.0
 
 
