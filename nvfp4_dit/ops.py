@@ -48,12 +48,17 @@ def _sdpa_mask(attn_mask, kv_lens, b, h, sq, sk, causal, device):
     if causal:
         tri = torch.ones(sq, sk, dtype=torch.bool, device=device).tril()
         allowed = tri if allowed is None else allowed & tri
+    return _restricted(attn_mask, allowed)
+
+
+def _restricted(attn_mask, allowed):
+    """An SDPA mask (None, bool or additive) further restricted to the bool ``allowed`` (or None)."""
     if attn_mask is None:
         return allowed
-    if attn_mask.dtype == torch.bool:
-        return attn_mask if allowed is None else attn_mask & allowed
     if allowed is None:
         return attn_mask
+    if attn_mask.dtype == torch.bool:
+        return attn_mask & allowed
     return attn_mask.masked_fill(~allowed, -math.inf)
 
 
@@ -466,15 +471,8 @@ def _mask_in_tile_order(order: tok.TokenOrder, attn_mask, kv_lens, sq: int, sk: 
             attn_mask = attn_mask.index_select(-2, rows)
         if attn_mask.shape[-1] == sk:
             attn_mask = attn_mask.index_select(-1, rows)
-    if kv_lens is not None:
-        valid = (rows[None, :] < kv_lens.to(rows.device)[:, None])[:, None, None, :]
-        if attn_mask is None:
-            attn_mask = valid
-        elif attn_mask.dtype == torch.bool:
-            attn_mask = attn_mask & valid
-        else:
-            attn_mask = attn_mask.masked_fill(~valid, -math.inf)
-    return attn_mask
+    valid = None if kv_lens is None else (rows[None, :] < kv_lens.to(rows.device)[:, None])[:, None, None, :]
+    return _restricted(attn_mask, valid)
 
 
 def _exact(q, k, v, layout, causal, scale, attn_mask, kv_lens, return_lse, sparsity=None, key_mask=None, order=None):
