@@ -365,6 +365,8 @@ class RunRecorder:
             # A block-sparse call: its keep_mass and the share of key tiles its estimate kept.
             "keep_mass": None if info.sparsity is None else info.sparsity.keep_mass,
             "density": None if info.sparsity is None else round(routing.block_density(info, q, k, info.sparsity), 4),
+            # ... and the latent grid whose 3D tiles it ran in (None: the model's token order).
+            "video_grid": None if info.order is None else list(info.order.grid),
         })
 
     def callback(self, pipe, step_index, timestep, callback_kwargs):

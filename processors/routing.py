@@ -105,7 +105,8 @@ class CallInfo:
     resolved) or "exact" (the model's own computation ran, ``backend`` "sdpa"; ``reason`` says why:
     a policy rule such as "cross-attention", "dense step", "short sequence", "observe only", or
     what NVFP4 cannot express).  ``attn_mask`` is the mask with SDPA semantics.  ``sparsity``:
-    the block-sparse call that ran (:class:`nvfp4_dit.sparse.Sparsity`), None for dense.
+    the block-sparse call that ran (:class:`nvfp4_dit.sparse.Sparsity`), None for dense; ``order``
+    the 3D tile order it ran in (:class:`nvfp4_dit.token_order.TokenOrder`), None for the model's.
     """
 
     layer: Optional[str]
@@ -120,6 +121,7 @@ class CallInfo:
     backend: str
     seconds: float
     sparsity: Optional[Sparsity] = None
+    order: Optional[object] = None
 
 
 _OBSERVERS: list = []
@@ -191,12 +193,12 @@ def routed_attention(
     if sync:
         torch.cuda.synchronize(query.device)
     t0 = time.perf_counter()
-    res, path, reason, backend, sparsity = _route(*args)
+    res, path, reason, backend, sparsity, order = _route(*args)
     if sync:
         torch.cuda.synchronize(query.device)
     info = CallInfo(layer=_STATE.layer, step=_STATE.step, layout=layout, is_causal=bool(is_causal), scale=scale,
                     enable_gqa=bool(enable_gqa), attn_mask=attn_mask, path=path, reason=reason,
-                    backend=backend, seconds=time.perf_counter() - t0, sparsity=sparsity)
+                    backend=backend, seconds=time.perf_counter() - t0, sparsity=sparsity, order=order)
     for fn in list(_OBSERVERS):
         fn(info, query, key, value, res)
     return res
@@ -215,7 +217,7 @@ def rerun(info: CallInfo, query, key, value, policy: AttentionPolicy, exact: Cal
 
 def _route(query, key, value, layout, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
            policy, observe, exact):
-    """(result, path, reason, back-end that ran, its block sparsity) -- see :func:`routed_attention`. The decision is the call planner's
+    """(result, path, reason, back-end that ran, its block sparsity, its token order) -- see :func:`routed_attention`. The decision is the call planner's
     (:func:`nvfp4_dit.planner.plan_call`); the processor around the call has already applied the
     role, step and layer rules, so only the tensors' rules are checked here."""
     if observe is not None:
@@ -228,12 +230,12 @@ def _route(query, key, value, layout, attn_mask, dropout_p, is_causal, scale, en
         if plan.warn:
             _warn_once(plan.reason)
         res = _exact_with_lse(query, key, value, layout, attn_mask, is_causal, scale) if return_lse else exact()
-        return res, "exact", plan.reason, "sdpa", None
+        return res, "exact", plan.reason, "sdpa", None, None
     res = ops.run_fp4(query, key, value, layout=layout, causal=bool(is_causal), scale=scale,
                             key_mask=plan.key_mask, kv_lens=None, return_lse=return_lse, backend=plan.backend,
                             balance_qk=plan.balance_qk, qk_format=plan.qk_format, sparsity=plan.sparsity,
                             order=plan.order_for(plan.sparsity))
-    return res, ("fp4" if plan.fp4 else "exact"), None, plan.backend, plan.sparsity
+    return res, ("fp4" if plan.fp4 else "exact"), None, plan.backend, plan.sparsity, plan.order_for(plan.sparsity)
 
 
 def block_density(info: CallInfo, query, key, sparsity: Sparsity) -> float:

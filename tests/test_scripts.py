@@ -275,3 +275,7 @@ def test_generate_video_runs_block_sparse_with_keep_mass(tmp_path, monkeypatch):
     assert sparse_calls and all(0 < c["density"] <= 1 for c in sparse_calls)
     assert set(run["sparse_density"]) == {c["layer"] for c in sparse_calls}
     assert all(set(per) == {"1", "2"} for per in run["sparse_density"].values())   # JSON keys: steps 1, 2
+    # The tiny Wan's self-attention runs in the 3D tiles of its latent grid; its cross-attention has none.
+    grids = {tuple(c["video_grid"]) if c["video_grid"] else None for c in sparse_calls}
+    assert None not in grids and len(grids) == 1
+    assert all(c["video_grid"] is None for c in run["attention_calls"] if c["keep_mass"] is None)
