@@ -19,7 +19,8 @@ attention; every rank runs the pipeline with the same seed and rank 0 writes the
 
 Writes the MP4 (diffusers' export_to_video; needs imageio + imageio-ffmpeg) and a JSON next to it
 with per-step DiT time, the attention share of each step, peak memory and the sequence lengths of
-every attention call.  --attention compare runs dense (sdpa) and NVFP4 from the same seed and
+every attention call (block-sparse calls: their keep_mass, density and the latent grid whose 3D
+tiles they ran in).  --attention compare runs dense (sdpa) and NVFP4 from the same seed and
 reports the latent cosine / PSNR between them.
 
 Notes: Wan2.2 A14B's two experts (transformer, transformer_2) are both swapped.  Cosmos pipelines
