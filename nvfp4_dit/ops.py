@@ -154,16 +154,15 @@ def _seq_dim(layout: str) -> int:
     return 1 if layout == "NHD" else 2
 
 
-def _in_tile_order(order: tok.TokenOrder, layout: str, *tensors):
-    """Q, K, V ([B, S, H, D] or [B, H, S, D]) permuted into tile order (the reference and exact
-    paths; the kernels read through the order instead)."""
-    rows = order.source_rows(fmt.hnd_shape(tensors[0], layout)[2], tensors[0].device)
+def _in_tile_order(rows: torch.Tensor, layout: str, *tensors):
+    """Q, K, V ([B, S, H, D] or [B, H, S, D]) permuted into tile order by ``rows`` (a
+    :class:`~nvfp4_dit.token_order.TokenOrder`'s ``source_rows``; the reference and exact paths,
+    the kernels read through the order instead)."""
     return tuple(t.index_select(_seq_dim(layout), rows) for t in tensors)
 
 
-def _to_caller_order(order: tok.TokenOrder, layout: str, out: torch.Tensor, lse: Optional[torch.Tensor]):
+def _to_caller_order(rows: torch.Tensor, layout: str, out: torch.Tensor, lse: Optional[torch.Tensor]):
     """``out`` (layout) and ``lse`` [B, H, S] from tile order back to the caller's."""
-    rows = order.source_rows(fmt.hnd_shape(out, layout)[2], out.device)
     out = torch.empty_like(out).index_copy_(_seq_dim(layout), rows, out)
     if lse is not None:
         lse = torch.empty_like(lse).index_copy_(2, rows, lse)
@@ -201,17 +200,20 @@ def _fp4(q, k, v, key_bias, kv_lens, mask_nonfinite, layout, causal, scale, retu
     call's tile order (:mod:`nvfp4_dit.token_order`), the masks in the caller's order."""
     if order is not None and q.numel() and not (backend == "sdpa" and sparsity is None):
         # Exact dense attention is the same in any order; everything else attends in tile order.
-        kv_lens, key_bias = tok.keys_in_tile_order(order, kv_lens, key_bias, fmt.hnd_shape(k, layout)[2])
-        if backend == "cuda":
+        sk = fmt.hnd_shape(k, layout)[2]
+        if backend == "cuda":   # the kernels read and write through the order
+            kv_lens, key_bias = tok.keys_in_tile_order(order, kv_lens, key_bias, sk)
             from .cuda import attention as cuda_attention
 
             return cuda_attention.attention(q, k, v, layout=layout, causal=causal, scale=scale, kv_lens=kv_lens,
                                             return_lse=return_lse, balance_qk=balance_qk, qk_format=qk_format,
                                             key_bias=key_bias, mask_nonfinite=mask_nonfinite, sparsity=sparsity,
                                             order=order)
-        out, lse = _fp4(*_in_tile_order(order, layout, q, k, v), key_bias, kv_lens, mask_nonfinite, layout, causal,
+        rows = order.source_rows(sk, q.device)
+        kv_lens, key_bias = tok.keys_in_tile_order(order, kv_lens, key_bias, sk, rows)
+        out, lse = _fp4(*_in_tile_order(rows, layout, q, k, v), key_bias, kv_lens, mask_nonfinite, layout, causal,
                         scale, return_lse, backend, balance_qk, qk_format, sparsity)
-        return _to_caller_order(order, layout, out, lse)
+        return _to_caller_order(rows, layout, out, lse)
     if q.numel() == 0 or fmt.hnd_shape(k, layout)[2] == 0:
         # Empty query, or no keys at all: nothing to attend (0 output, -inf LSE).
         b, h, sq, _ = fmt.hnd_shape(q, layout)
@@ -300,8 +302,9 @@ def block_density(q, k, *, layout: str, causal: bool, scale: Optional[float], ke
     reads the result on the host)."""
     lens, bias = combine_kv_lens(key_mask, None), None if key_mask is None else key_mask.bias
     if order is not None:
-        lens, bias = tok.keys_in_tile_order(order, lens, bias, fmt.hnd_shape(k, layout)[2])
-        q, k = _in_tile_order(order, layout, q, k)
+        rows = order.source_rows(fmt.hnd_shape(k, layout)[2], q.device)
+        lens, bias = tok.keys_in_tile_order(order, lens, bias, rows.numel(), rows)
+        q, k = _in_tile_order(rows, layout, q, k)
     block_map = _inputs_block_map(q, k, layout, causal, scale, lens, bias, sparsity)
     return float(block_map.float().mean())
 
@@ -459,11 +462,11 @@ def attention(
                    sparsity=sparsity, order=order)
 
 
-def _mask_in_tile_order(order: tok.TokenOrder, attn_mask, kv_lens, sq: int, sk: int):
-    """``attn_mask`` (any SDPA form) and ``kv_lens`` of a call as one mask in tile order."""
+def _mask_in_tile_order(rows: torch.Tensor, attn_mask, kv_lens, sq: int, sk: int):
+    """``attn_mask`` (any SDPA form) and ``kv_lens`` of a call as one mask in tile order (``rows``:
+    the order's ``source_rows``)."""
     if attn_mask is None and kv_lens is None:
         return None
-    rows = order.source_rows(sk, (attn_mask if attn_mask is not None else kv_lens).device)
     if attn_mask is not None:
         if attn_mask.dim() == 2:   # [B, Sk] key padding
             attn_mask = attn_mask[:, None, None, :]
@@ -481,9 +484,10 @@ def _exact(q, k, v, layout, causal, scale, attn_mask, kv_lens, return_lse, spars
     here when a map needs it."""
     if order is not None and sparsity is not None and q.numel():
         b, h, sq, _ = fmt.hnd_shape(q, layout)
-        mask = _mask_in_tile_order(order, attn_mask, kv_lens, sq, fmt.hnd_shape(k, layout)[2])
-        res = _exact(*_in_tile_order(order, layout, q, k, v), layout, causal, scale, mask, None, return_lse, sparsity)
-        out, lse = _to_caller_order(order, layout, *(res if return_lse else (res, None)))
+        rows = order.source_rows(sq, q.device)
+        mask = _mask_in_tile_order(rows, attn_mask, kv_lens, sq, fmt.hnd_shape(k, layout)[2])
+        res = _exact(*_in_tile_order(rows, layout, q, k, v), layout, causal, scale, mask, None, return_lse, sparsity)
+        out, lse = _to_caller_order(rows, layout, *(res if return_lse else (res, None)))
         return (out, lse) if return_lse else out
     block_map = None
     if sparsity is not None:

@@ -208,6 +208,6 @@ def plan_call(q, k, v, *, layout: str, policy: AttentionPolicy, attn_mask: Optio
             return exact(str(e), warn=True)
     keep_mass = policy.keep_mass_for(step, sq, sk, layer)
     always_keep = None if keep_mass is None or video is None else video.other_keys(sk)
-    video_order = None if video is None or is_causal else video.order(sq, sk)
+    video_order = None if video is None else video.order(sq, sk, is_causal)
     return CallPlan(True, backend=backend, balance_qk=balance_qk, qk_format=qk_format, key_mask=key_mask,
                     keep_mass=keep_mass, always_keep=always_keep, video_order=video_order)

@@ -155,13 +155,14 @@ class VideoTokens:
             return None
         return (0, n) if self.position == "first" else (seq_len - n, seq_len)
 
-    def order(self, seq_q: int, seq_k: int):
+    def order(self, seq_q: int, seq_k: int, causal: bool = False):
         """The 3D tile order (:class:`nvfp4_dit.token_order.TokenOrder`) of a self-attention call
-        over these tokens, or None for other calls (cross-attention, a shard without the video)."""
+        over these tokens, or None for other calls (cross-attention, causal, a shard without the
+        video)."""
         from .token_order import TokenOrder
 
         span = self.span(seq_k)
-        return None if span is None or seq_q != seq_k else TokenOrder(self.grid, span)
+        return None if span is None or seq_q != seq_k or causal else TokenOrder(self.grid, span)
 
     def other_keys(self, seq_len: int) -> Optional[tuple[int, int]]:
         """The keys that are not video (text, audio) as one ``(start, end)`` range, to be kept by

@@ -73,13 +73,6 @@ class TokenOrder:
         all_rows[start:end] = video
         return all_rows
 
-    def abi(self):
-        """The kernels' ``TokenOrder`` struct (:mod:`nvfp4_dit.cuda.abi`)."""
-        from .cuda import abi
-
-        return abi.TokenOrder(begin=self.span[0], end=self.span[1], t=self.grid[0], h=self.grid[1], w=self.grid[2],
-                              tile_t=self.tile[0], tile_h=self.tile[1])
-
 
 def check_token_order(video_grid, video_tokens, *, seq_q: int, seq_k: int, causal: bool) -> Optional[TokenOrder]:
     """The checked :class:`TokenOrder` of a call, or None without ``video_grid``. Raises TypeError
@@ -120,16 +113,19 @@ def check_token_order(video_grid, video_tokens, *, seq_q: int, seq_k: int, causa
 
 
 def keys_in_tile_order(order: TokenOrder, kv_lens: Optional[torch.Tensor], key_bias: Optional[torch.Tensor],
-                       seq_k: int) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+                       seq_k: int, rows: Optional[torch.Tensor] = None
+                       ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
     """A call's ``kv_lens`` [B] and per-key ``key_bias`` [B, H or 1, Sk] (fp32) carried into tile
     order, on the device without a host sync. A length outside the video span is a prefix in both
     orders; one inside it is not, so such a batch attends the whole span by length and its hidden
     video keys get a -inf bias: they are never attended but, like the keys of any per-key mask,
-    enter the FP4 quantiser's statistics (the integrations' padding is text, outside the span)."""
+    enter the FP4 quantiser's statistics (the integrations' padding is text, outside the span).
+    ``rows``: ``order.source_rows(seq_k)`` on the masks' device, where the caller has it already."""
     if kv_lens is None and key_bias is None:
         return None, None
     device = (kv_lens if kv_lens is not None else key_bias).device
-    rows = order.source_rows(seq_k, device)
+    if rows is None:
+        rows = order.source_rows(seq_k, device)
     if key_bias is not None:
         key_bias = key_bias.index_select(-1, rows)
     if kv_lens is not None:

@@ -245,8 +245,7 @@ def block_density(info: CallInfo, query, key, sparsity: Sparsity) -> float:
     sk = fmt.hnd_shape(key, info.layout)[2]
     mask = _sdpa_mask_4d(info.attn_mask)
     key_mask = None if mask is None else reduce_key_mask(mask, b, h, sq, sk)
-    video = _STATE.video
-    order = None if video is None or info.is_causal else video.order(sq, sk)
+    order = None if _STATE.video is None else _STATE.video.order(sq, sk, info.is_causal)
     return ops.block_density(query, key, layout=info.layout, causal=info.is_causal, scale=info.scale,
                              key_mask=key_mask, sparsity=sparsity, order=order)
 

@@ -117,16 +117,10 @@ def attention(q, k, v, *, layout: str, causal: bool, scale: Optional[float], kv_
     Returns ``(out [q's layout and dtype], lse [B, H, Sq] fp32 or None)``. Rows whose Q block or
     kv head met a NaN/inf input (or whose batch's mask holds NaN/+inf) are NaN.
     """
-    qh, kh, vh = (fmt.to_hnd(t, layout) for t in (q, k, v))
+    qh, kh, vh, read_order = launch.inputs_in_order(order, *(fmt.to_hnd(t, layout) for t in (q, k, v)),
+                                                    copy=quantizer == "torch")
     b, h, sq, d = qh.shape
     sk = kh.shape[2]
-    read_order = order
-    if order is not None and (quantizer == "torch" or not all(
-            launch.vector_loads(t, fmt.padded_head_dim(d)) for t in (qh, kh, vh))):
-        rows = order.source_rows(sq, q.device)
-        q, k, v = (t.index_select(1 if layout == "NHD" else 2, rows) for t in (q, k, v))
-        qh, kh, vh = (fmt.to_hnd(t, layout) for t in (q, k, v))
-        read_order = None
     scale = fmt.default_scale(d) if scale is None else float(scale)
     dk = launch.device_kernels(q.device)
     launch.ensure_current(dk.index)
@@ -147,9 +141,9 @@ def attention(q, k, v, *, layout: str, causal: bool, scale: Optional[float], kv_
         delta_ptr = ws.ptr("delta")
         delta_strides = (h * rows * skp, rows * skp, skp)
     elif quantizer == "torch":
-        qq = preprocess.quantize_qkv(q, k, v, layout=layout, kv_lens=kv_lens, balance_qk=balance_qk,
+        qq = preprocess.quantize_qkv(qh, kh, vh, layout="HND", kv_lens=kv_lens, balance_qk=balance_qk,
                                      qk_format=qk_format)
-        q_bad, kv_bad = preprocess.nonfinite_blocks(q, k, v, kv_lens, layout)
+        q_bad, kv_bad = preprocess.nonfinite_blocks(qh, kh, vh, kv_lens, "HND")
         if mask_nonfinite is not None:
             kv_bad = kv_bad | mask_nonfinite[:, None]
         planes, keep = _tensor_planes(qq, (q_bad, kv_bad))

@@ -175,6 +175,23 @@ def vector_loads(t: torch.Tensor, head_dim_padded: int) -> bool:
             and b % per16 == 0 and h % per16 == 0 and s % per16 == 0)
 
 
+def _order_struct(order) -> abi.TokenOrder:
+    """The kernels' ``TokenOrder`` (csrc/common/token_order.h) of a :class:`~nvfp4_dit.token_order.TokenOrder`."""
+    (t, h, w), (tile_t, tile_h) = order.grid, order.tile
+    return abi.TokenOrder(begin=order.span[0], end=order.span[1], t=t, h=h, w=w, tile_t=tile_t, tile_h=tile_h)
+
+
+def inputs_in_order(order, qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, copy: bool = False):
+    """``(qh, kh, vh, read_order)`` for quantising [B, H, S, D] inputs in a video call's tile
+    ``order``: the inputs themselves and the order to read them through (the "rows" loads), or,
+    where those cannot read them (:func:`vector_loads`) or ``copy``, permuted copies in tile order
+    and None."""
+    if order is None or (not copy and all(vector_loads(t, fmt.padded_head_dim(qh.shape[3])) for t in (qh, kh, vh))):
+        return qh, kh, vh, order
+    rows = order.source_rows(qh.shape[2], qh.device)
+    return (*(t.index_select(2, rows) for t in (qh, kh, vh)), None)
+
+
 def launch_quantize(dk: DeviceKernels, ws: Workspace, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     kv_lens: Optional[torch.Tensor], balance_qk: bool, qk_format: str, stream: int,
                     order=None) -> None:
@@ -206,7 +223,7 @@ def launch_quantize(dk: DeviceKernels, ws: Workspace, q: torch.Tensor, k: torch.
     if order is not None:
         if not vector:
             raise ValueError("a token order needs inputs the quantiser reads as 16-byte vectors (vector_loads)")
-        p.order, load = order.abi(), "rows"
+        p.order, load = _order_struct(order), "rows"
     kv_tiles = b * hkv * (skp // fmt.SEQ_TILE)
     q_tiles = b * h * (sqp // fmt.SEQ_TILE)
     first = b * hkv * abi.STAT_TENSORS * abi.k_chunks(sk)
@@ -268,7 +285,7 @@ def launch_correction(dk: DeviceKernels, ws: Workspace, k: torch.Tensor, kv_lens
     if columns is not None:
         p.col_offsets, p.col_rows, p.col_entries = columns.col_offsets, columns.col_rows, columns.col_entries
     if k_order is not None:
-        p.k_order = k_order.abi()
+        p.k_order = _order_struct(k_order)
     kernel.launch(grid, abi.CORRECTION_THREADS, [p], stream, smem)
 
 
@@ -323,7 +340,7 @@ def launch_attention(dk: DeviceKernels, planes: dict, seq_q: int, seq_k: int, bl
         p.block_offsets, p.block_tiles, p.work_order = lists.offsets, lists.tiles, lists.order
         p.block_row_stride = lists.row_stride
     if out_order is not None:
-        p.out_order = out_order.abi()
+        p.out_order = _order_struct(out_order)
     smem = abi.ATTENTION_SMEM_BYTES[fmt.QK_FORMATS.index(qk_format)][abi.head_dim_index(dp)]
     kernel = dk.kernel(abi.attention_entry(dk.kind, qk_format, dp, lse is not None, lists is not None))
     work = b * h * nblk

@@ -79,11 +79,7 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: s
     d = fmt.to_hnd(q, layout).shape[-1]
     if fmt.padded_head_dim(d) is None:
         raise ValueError(f"head dim {d} is not supported (at most {fmt.SUPPORTED_HEAD_DIMS[-1]})")
-    qh, kh, vh = (fmt.to_hnd(t, layout) for t in (q, k, v))
-    if order is not None and not all(launch.vector_loads(t, fmt.padded_head_dim(d)) for t in (qh, kh, vh)):
-        rows = order.source_rows(qh.shape[2], q.device)
-        qh, kh, vh = (t.index_select(2, rows) for t in (qh, kh, vh))
-        order = None
+    qh, kh, vh, order = launch.inputs_in_order(order, *(fmt.to_hnd(t, layout) for t in (q, k, v)))
     dk = launch.device_kernels(q.device)
     launch.ensure_current(dk.index)
     ws = launch.Workspace(workspace_layout(qh, kh, balance_qk, qk_format, 0), q.device)
