@@ -430,6 +430,59 @@ class QuantizedQKV:
         return self.q_scale * self.k_scale.repeat_interleave(group, dim=1)[:, :, None]
 
 
+# ---------------------------------------------------------------------------------------------
+# The correction as the attention kernel reads it (nvfp4_dit.preprocess.correction computes it)
+# ---------------------------------------------------------------------------------------------
+
+FP16_MAX = 65504.0
+CORRECTION_VALUE_BITS = 15
+"""A correction tile's values lie below 2^15 in units of its factor (fp16 holds them, 65504 > 2^15)."""
+
+
+@dataclass
+class Correction:
+    """The correction ``delta = qm . (k - km)^T / (q_scale k_scale)`` of some Q blocks (the kernel's
+    score units), stored per 128-key tile as 128 fp16 ``values`` and one fp32 power-of-two
+    ``factor``: the tile's delta is ``values * factor``.
+
+    Dense rows: ``values`` [B, H, n, Skp], ``factors`` [B, H, n, Skp/128]. Compact (the listed tiles
+    of a block map, in list order): ``values`` [E, 128], ``factors`` [E, 1]. Either way the factor
+    of the tile whose first value is element ``i`` of a contiguous ``values`` is element ``i / 128``
+    of ``factors``, which is how the kernels address it.
+    """
+
+    values: torch.Tensor
+    factors: torch.Tensor
+
+    def dequantize(self) -> torch.Tensor:
+        """fp32, shaped like ``values``: what the attention kernel adds to its scores."""
+        tiles = self.values.float().unflatten(-1, (-1, SEQ_TILE))
+        return (tiles * self.factors[..., None]).flatten(-2)
+
+    def same_bits(self, other: "Correction") -> bool:
+        """Whether both store the same bits (values compared as bits: NaN, -0)."""
+        return (self.values.shape == other.values.shape
+                and torch.equal(self.values.view(torch.int16), other.values.view(torch.int16))
+                and torch.equal(self.factors, other.factors))
+
+    def rows(self, start: int, end: int) -> "Correction":
+        """Dense rows ``[start, end)`` (dim 2)."""
+        return Correction(self.values[:, :, start:end], self.factors[:, :, start:end])
+
+
+def store_correction(delta: torch.Tensor, exponents: torch.Tensor) -> Correction:
+    """fp32 ``delta`` [..., N * 128] and a power-of-two exponent per 128-key tile (int32 [..., N])
+    -> :class:`Correction`: ``values = fp16(delta * 2^-e)`` rounded to nearest even, finite values
+    saturated at +-65504 (a large finite key bias stays finite), +-inf and NaN kept. The multiply by
+    2^-e is exact wherever the value is not an fp16 subnormal; ``csrc/quantize/correction.cu``
+    repeats it operation for operation.
+    """
+    inverse = _power_of_two(-exponents).repeat_interleave(SEQ_TILE, -1)
+    scaled = delta * inverse
+    scaled = torch.where(torch.isfinite(delta), scaled.clamp(-FP16_MAX, FP16_MAX), scaled)
+    return Correction(scaled.half(), _power_of_two(exponents))
+
+
 def valid_key_mask(kv_lens: Optional[torch.Tensor], batch: int, seq_k: int, device) -> torch.Tensor:
     """bool [B, Sk]: key j of batch b is valid iff j < kv_lens[b] (all valid without kv_lens)."""
     if kv_lens is None:

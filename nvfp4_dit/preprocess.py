@@ -6,8 +6,9 @@ GPU, step for step (the layouts and codecs: :mod:`nvfp4_dit.format`; the contrac
   :func:`balance_statistics`, :func:`nonfinite_blocks`);
 * :func:`quantize_qkv`: balance, smooth, scale and quantise into the kernel's layouts (the CUDA
   quantiser, :func:`nvfp4_dit.cuda.quantize.quantize_qkv`, writes the same bytes);
-* :func:`correction`: the per-Q-block correction ``qm . (k - km)^T`` in the kernel's score units,
-  bit for bit what ``csrc/quantize/correction.cu`` computes;
+* :func:`correction`: the per-Q-block correction ``qm . (k - km)^T`` in the kernel's score units
+  and storage format (fp16 under a power of two per 128-key tile), bit for bit what
+  ``csrc/quantize/correction.cu`` writes;
 * :func:`dequantize_qkv`: the quantised operands back to fp32, for the reference attention.
 """
 
@@ -17,10 +18,11 @@ from typing import Optional
 
 import torch
 
-from .format import (BALANCE_QK_DEFAULT, QK_FORMAT_DEFAULT, QK_FORMATS, SEQ_TILE, SUPPORTED_HEAD_DIMS,
-                     QuantizedQKV, _power_of_two, channel_balance, dequantize_blocks, dequantize_qk_rows,
-                     pad_dim, padded_head_dim, permute_k_rows, quantize_blocks, quantize_qk_rows, round_up,
-                     tensor_scale, to_hnd, valid_key_mask)
+from .format import (BALANCE_QK_DEFAULT, CORRECTION_VALUE_BITS, QK_FORMAT_DEFAULT, QK_FORMATS, SEQ_TILE,
+                     SUPPORTED_HEAD_DIMS, _power_of_two, channel_balance, Correction, dequantize_blocks,
+                     dequantize_qk_rows, pad_dim, padded_head_dim, permute_k_rows, quantize_blocks,
+                     quantize_qk_rows, QuantizedQKV, round_up, store_correction, tensor_scale, to_hnd,
+                     valid_key_mask)
 
 
 def nonfinite_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_lens: Optional[torch.Tensor],
@@ -220,11 +222,35 @@ def correction_limbs(fixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
     return (x1 - l1) >> 8, l1, l2
 
 
+def correction_exponents(q_row_exponents: torch.Tensor, k_row_exponents: torch.Tensor,
+                         score_exponents: torch.Tensor, head_dim_padded: int) -> torch.Tensor:
+    """The power-of-two exponent of each stored correction tile (:class:`~nvfp4_dit.format.Correction`)
+    from the fixed-point row exponents of the Q block means ``[B, H, n]`` and of the smoothed keys
+    ``[B, H, Skp]`` (:func:`correction_fixed_point`) and the exponents of ``q_scale * k_scale``
+    ``[B, H, n]``: int32 ``[B, H, n, Skp/128]``.
+
+    |delta| < Dp 2^(eq + ek - u) (the fixed-point operands lie below 2^22 in units of 2^(e - 22)),
+    so with e = eq + max_tile(ek) - u + log2(Dp) - 15 every value of the tile lies below 2^15 in
+    units of 2^e: fp16 holds it with 11 significant bits (down to 2^-14 of the unit: 29 binades).
+    Clamped to [-126, 111], so 2^e and 2^-e are normal fp32 numbers.
+    """
+    tile_max = k_row_exponents.unflatten(-1, (-1, SEQ_TILE)).amax(-1)   # [B, H, nk]
+    e = (q_row_exponents[..., None] + tile_max[:, :, None, :] - score_exponents[..., None]
+         + (head_dim_padded.bit_length() - 1) - CORRECTION_VALUE_BITS)
+    return e.clamp(-126, 111).to(torch.int32)
+
+
+def power_of_two_exponent(x: torch.Tensor) -> torch.Tensor:
+    """The exponent of fp32 powers of two ``x`` (normal numbers): int32."""
+    return ((x.float().view(torch.int32) >> 23) & 0xFF) - 127
+
+
 def correction(qq: QuantizedQKV, block_start: int = 0, block_end: Optional[int] = None, *,
                key_chunk: Optional[int] = None, key_bias: Optional[torch.Tensor] = None,
-               scale: Optional[float] = None) -> torch.Tensor:
-    """delta [B, H, nblk, Skp] fp32 for Q blocks [block_start, block_end), in the kernel's score
-    units: qm . k_smoothed^T / (q_scale * k_scale).
+               scale: Optional[float] = None) -> Correction:
+    """The correction of Q blocks [block_start, block_end) as the kernel reads it (dense rows of a
+    :class:`~nvfp4_dit.format.Correction`): delta = qm . k_smoothed^T / (q_scale * k_scale), the
+    kernel's score units, per 128-key tile in fp16 under a power-of-two factor.
 
     Keys are in natural order. Added to the FP4 scores, it restores q . (k - km) up to the FP4
     error of (q - qm) and (k - km): q.(k-km) = (q-qm).(k-km) + qm.(k-km). The channel balance
@@ -235,12 +261,14 @@ def correction(qq: QuantizedQKV, block_start: int = 0, block_end: Optional[int] 
     into three 8-bit limbs (:func:`correction_limbs`); every limb product but the lowest one,
     T = Xq . Xk - lq2 . lk2, summed exactly (integers below 2^53, so fp64 products are exact in any
     order); then one rounding to fp32 and exact power-of-two factors:
-    delta = (fp32(T) 2^(ek - 22)) (2^(eq - 22) / (q_scale k_scale)).
+    delta = (fp32(T) 2^(ek - 22)) (2^(eq - 22) / (q_scale k_scale)); then stored
+    (:func:`~nvfp4_dit.format.store_correction`, exponents :func:`correction_exponents`).
 
     Error against the exact product, per entry: at most Dp 2^(eq + ek - 22) / (q_scale k_scale)
-    plus 2^-24 of the result (the 22-bit operands, the left-out limb pair, the final rounding).
-    As 2^e < 2 amax, that is below Dp 2^-20 amax|qm| amax|ks|, while the classical bound of an fp32
-    dot product, Dp 2^-24 sum|qm||ks|, reaches Dp^2 2^-24 amax amax.
+    plus 2^-24 of the fp32 result (the 22-bit operands, the left-out limb pair, the fp32 rounding),
+    plus the fp16 rounding: 2^-11 of the value, or 2^-25 of the tile's factor below fp16's normal
+    range. The first part is below Dp 2^-20 amax|qm| amax|ks|; the fp16 rounding dominates, far
+    below the FP4 error of the scores (the accuracy report shows no input class moves).
     ``key_chunk`` (keys per fp64 matmul; by default about 2 GB of temporaries) does not change the result.
 
     ``key_bias`` ([B, H or 1, Sk], in units of the scaled scores: a per-key mask, :mod:`nvfp4_dit.masks`)
@@ -258,9 +286,11 @@ def correction(qq: QuantizedQKV, block_start: int = 0, block_end: Optional[int] 
     q_fixed, eq = correction_fixed_point(qm)
     lhs = torch.cat([q_fixed, correction_limbs(q_fixed)[2]], -1).double().reshape(b, hkv, group * n, 2 * dp)
     k_fixed, ek = correction_fixed_point(qq.k_smoothed)
+    ek = ek.repeat_interleave(group, dim=1)   # [B, H, Skp]
     bits = CORRECTION_FIXED_BITS
-    key_factor = _power_of_two(ek - bits).repeat_interleave(group, dim=1)[:, :, None, :]  # [B, H, 1, Skp]
-    row_factor = _power_of_two(eq - bits) * (1.0 / qq.score_scale()[:, :, block_start:block_end])  # [B, H, n]
+    key_factor = _power_of_two(ek - bits)[:, :, None, :]  # [B, H, 1, Skp]
+    score_scale = qq.score_scale()[:, :, block_start:block_end]
+    row_factor = _power_of_two(eq - bits) * (1.0 / score_scale)  # [B, H, n]
     delta = torch.empty(b, h, n, skp, dtype=torch.float32, device=qm.device)
     key_chunk = key_chunk or max(SEQ_TILE, (1 << 28) // max(1, b * h * n) // SEQ_TILE * SEQ_TILE)
     for k0 in range(0, skp, key_chunk):
@@ -272,9 +302,12 @@ def correction(qq: QuantizedQKV, block_start: int = 0, block_end: Optional[int] 
         if scale is None:
             raise ValueError("scale is needed with key_bias (the bias is in units of the scaled scores)")
         bias = pad_dim(key_bias.to(delta.device, torch.float32), 2, skp)[:, :, None, :]
-        divisor = torch.tensor(scale, dtype=torch.float32) * qq.score_scale()[:, :, block_start:block_end]
+        divisor = torch.tensor(scale, dtype=torch.float32) * score_scale
         delta += bias / divisor[..., None]
-    return delta
+    group_q = qq.q_scale.shape[1] // qq.k_scale.shape[1]
+    score_exponents = (power_of_two_exponent(qq.q_scale[:, :, block_start:block_end])
+                       + power_of_two_exponent(qq.k_scale).repeat_interleave(group_q, dim=1)[:, :, None])
+    return store_correction(delta, correction_exponents(eq, ek, score_exponents, dp))
 
 
 def dequantize_qkv(qq: QuantizedQKV) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

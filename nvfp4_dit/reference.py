@@ -118,7 +118,8 @@ def attention_reference(
         rows = r1 - r0
         qc = q_hat[:, :, r0:r1].reshape(b, hkv, group * rows, dp)
         s = torch.matmul(qc, k_hat.transpose(-1, -2)).view(b, h, b1 - b0, fmt.SEQ_TILE, skp)
-        s = s + preprocess.correction(qq, b0, b1, key_bias=key_bias, scale=scale)[:, :, :, None, :] + mask
+        delta = preprocess.correction(qq, b0, b1, key_bias=key_bias, scale=scale).dequantize()
+        s = s + delta[:, :, :, None, :] + mask
         if block_mask is not None:   # unlisted tiles hold no key (adding 0 leaves listed scores exact)
             listed = block_mask[:, :, b0:b1].to(dev).repeat_interleave(fmt.SEQ_TILE, dim=-1)
             s = s + torch.where(listed, 0.0, -math.inf)[:, :, :, None, :]

@@ -442,13 +442,16 @@ def build_lists(rows_map: torch.Tensor, chunk_lengths: Sequence[int]) -> BlockLi
                       col_entries=col_entries, step=step)
 
 
-def compact_correction(delta: torch.Tensor, rows_map: torch.Tensor) -> torch.Tensor:
-    """The compact correction of one chunk from its dense rows ``delta`` [B, H, n, Skp] fp32 and its
-    block map ``rows_map`` [B, H, n, nk]: [entries, 128], the listed tiles in list order (what
-    the CUDA correction writes with a block map; the PyTorch quantiser's path)."""
+def compact_correction(delta: fmt.Correction, rows_map: torch.Tensor) -> fmt.Correction:
+    """The compact correction of one chunk from its dense rows ``delta`` ([B, H, n, Skp] values) and
+    its block map ``rows_map`` [B, H, n, nk]: values [entries, 128] and factors [entries, 1], the
+    listed tiles in list order (what the CUDA correction writes with a block map; the PyTorch
+    quantiser's path)."""
     b, h, n, nk = rows_map.shape
-    tiles = delta.reshape(b * h, n, nk, fmt.SEQ_TILE)
-    return tiles[rows_map.reshape(b * h, n, nk)].contiguous()
+    listed = rows_map.reshape(b * h, n, nk)
+    values = delta.values.reshape(b * h, n, nk, fmt.SEQ_TILE)[listed]
+    factors = delta.factors.reshape(b * h, n, nk)[listed]
+    return fmt.Correction(values.contiguous(), factors.reshape(-1, 1).contiguous())
 
 
 def chunk_groups(chunks: Sequence[tuple[int, int]], bh: int, nk: int,

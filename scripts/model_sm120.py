@@ -43,7 +43,7 @@ operations at the board's memory bandwidth (1.792 TB/s, GDDR7 on both boards) an
 D=128 bf16 NHD inputs, balance_qk on, the default 1 GiB correction budget. Quantisation reads Q, K
 and V twice each (statistics, then quantisation) and writes codes, scales, means, q . km and the
 block statistics (key tile means, Q block similarity); each correction chunk reads K once and
-writes its rows of delta. Its share is against the modelled attention time at the nvfp4 D=128
+writes its rows of delta (fp16 and a 4-byte factor per 128 keys). Its share is against the modelled attention time at the nvfp4 D=128
 non-causal TFLOP/s above. A block-sparse call at density d (``--json`` rows with ``seq_len``,
 ``density``, ``prep_share``) adds the estimate (the pooled scores written and read back, the map's
 bit words and word counts, the three int32 lists of its d * nq * nk entries written) and computes
@@ -372,7 +372,8 @@ def preparation(seq: int, attention_tflops: float, sms: int, clock: float, heads
     quant_bytes = (6 * 2 * elems + 3 * elems // 2 + 3 * elems // 16 + (seq // 128 + 1) * heads * head_dim * 4
                    + seq * heads * 4 + block_stats)
     chunks = len(quantize.correction_chunks(nblk, 1, heads, skp, budget))
-    corr_bytes = chunks * 2 * skp * heads * head_dim + density * nblk * skp * heads * 4
+    # delta: 128 fp16 values and a 4-byte factor per (Q block, key tile)
+    corr_bytes = chunks * 2 * skp * heads * head_dim + density * nblk * skp * heads * (2 + 4 / fmt.SEQ_TILE)
     corr_ops = density * 8 * 2 * nblk * skp * head_dim * heads   # eight int8 limb products per multiply-add
     map_elems = nblk * nblk * heads
     words = -(-nblk // 32)

@@ -221,7 +221,7 @@ def test_padded_head_dims(kernel, d):
 @pytest.mark.cuda
 def test_correction_chunks_do_not_change_the_result(kernel):
     # The pipeline launches the kernel once per chunk of Q blocks with that chunk's delta rows;
-    # slices of one full delta (strided views, no copy) must give the single launch's bits.
+    # rows of one full delta must give the single launch's bits.
     q, k, v = _qkv(1, 1000, 2, 128, seed=5)
     qq = preprocess.quantize_qkv(q, k, v)
     full = preprocess.correction(qq)
@@ -230,13 +230,14 @@ def test_correction_chunks_do_not_change_the_result(kernel):
     for chunks in ([(0, nblk)], [(b0, min(nblk, b0 + 3)) for b0 in range(0, nblk, 3)]):
         out = torch.empty(1, 2, 1000, 128, dtype=torch.bfloat16, device="cuda")
         lse = torch.empty(1, 2, 1000, dtype=torch.float32, device="cuda")
-        attention_cuda.run_kernel(qq, [(b0, b1, full[:, :, b0:b1]) for b0, b1 in chunks], out, lse,
+        attention_cuda.run_kernel(qq, [(b0, b1, full.rows(b0, b1)) for b0, b1 in chunks], out, lse,
                                 scale=128**-0.5, causal=True, kv_lens=None)
         outs.append((out, lse))
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
     # The budgeted chunking of the pipeline itself: the correction does not depend on the chunks.
     out = torch.empty_like(outs[0][0])
-    attention_cuda.run_kernel(qq, quantize.iter_corrections(qq, budget=2 * 1024 * 4 * 3), out, None,
+    attention_cuda.run_kernel(qq, quantize.iter_corrections(qq, budget=quantize.correction_bytes_per_block(1, 2, 1024) * 3),
+                              out, None,
                             scale=128**-0.5, causal=True, kv_lens=None)
     assert torch.equal(out, outs[0][0])
 

@@ -574,9 +574,10 @@ def test_kernel_key_order_and_delta_loads(kernel_tables):
         for t in range(4):
             owned = keys[:, t].flatten() % 32
             assert set(owned.tolist()) == set(range(8 * t, 8 * t + 8))
-        # The kernel loads delta for group q as two float4 at score_key(4q, t, 0): the 8 keys must be
-        # score_key(4q, t, 0) + 2a + e.
+        # The kernel loads delta for group q as one 16-byte load of 8 fp16 values at score_key(4q, t, 0)
+        # (a multiple of 8): the 8 keys must be score_key(4q, t, 0) + 2a + e.
         for q in range(4):
+            assert torch.all(keys[4 * q, :, 0] % 8 == 0)
             for a in range(4):
                 for e in range(2):
                     assert torch.equal(keys[4 * q + a, :, e], keys[4 * q, :, 0] + 2 * a + e)

@@ -100,21 +100,22 @@ def test_preparation_model_counts_bytes_and_int8_operations():
     sms, clock = model_sm120.GPUS["RTX 5090"]
     r = model_sm120.preparation(32_768, 1000.0, sms, clock)
     elems = 32_768 * 40 * 128
-    assert r["correction_chunks"] == 2   # 256 Q blocks of 5.4 MB rows under 1 GiB: 192 + 64
-    delta = 256 * 32_768 * 40 * 4
-    assert r["correction_gb"] == pytest.approx((2 * 2 * elems + delta) / 1e9)
+    assert r["correction_chunks"] == 1   # 256 Q blocks of 2.7 MB rows under 1 GiB
+    delta = 256 * 32_768 * 40 * (2 + 4 / 128)   # fp16 values, a 4-byte factor per 128 keys
+    assert r["correction_gb"] == pytest.approx((1 * 2 * elems + delta) / 1e9)
     assert r["quantize_ms"] == pytest.approx(13.8 * elems / model_sm120.MEMORY_BANDWIDTH * 1e3, rel=0.01)
     assert r["attention_ms"] == pytest.approx(4 * 32_768 ** 2 * 128 * 40 / 1e15 * 1e3)
-    # The int8 rate of an RTX 5090 (838 TOPS) leaves the correction memory-bound here.
+    # With the fp16 correction (0.7 GB here) its int8 MMAs at an RTX 5090's 838 TOPS bound it.
     ops_ms = 8 * 2 * 256 * 32_768 * 128 * 40 / (sms * 2048 * clock) * 1e3
-    assert ops_ms < r["correction_ms"] == pytest.approx(r["correction_gb"] * 1e9 / model_sm120.MEMORY_BANDWIDTH * 1e3)
+    bytes_ms = r["correction_gb"] * 1e9 / model_sm120.MEMORY_BANDWIDTH * 1e3
+    assert bytes_ms < r["correction_ms"] == pytest.approx(ops_ms)
     assert r["share"] == pytest.approx((r["quantize_ms"] + r["correction_ms"]) / r["attention_ms"])
     assert r["estimate_ms"] == 0.0
     # At density 0.25 the correction writes a quarter of delta, the estimate adds its scores and
     # lists, and the share is against the sparse attention time.
     q = model_sm120.preparation(32_768, 1000.0, sms, clock, density=0.25, attention_vs_dense=0.26)
     assert q["quantize_ms"] == r["quantize_ms"]
-    assert q["correction_gb"] == pytest.approx((2 * 2 * elems + delta / 4) / 1e9)
+    assert q["correction_gb"] == pytest.approx((1 * 2 * elems + delta / 4) / 1e9)
     nq = 256
     lists = 2 * nq * nq * 40 * 4 + 3 * nq * 40 * 8 * 4 * 2 + 3 * 0.25 * nq * nq * 40 * 4
     assert q["estimate_ms"] == pytest.approx(lists / model_sm120.MEMORY_BANDWIDTH * 1e3)

@@ -148,30 +148,60 @@ def test_correction_equals_the_kernels_int8_accumulators(gen, outlier):
     total = (acc[0] << 32) + (acc[1] << 24) + (acc[2] << 16) + (acc[3] << 8)
     key_factor = fmt._power_of_two(ek.repeat_interleave(group, 1) - 22)[:, :, None, :]
     row_factor = fmt._power_of_two(eq - 22) * (1.0 / qq.score_scale())
-    want = (total.float() * key_factor) * row_factor[..., None]
-    assert torch.equal(preprocess.correction(qq), want)
+    delta = (total.float() * key_factor) * row_factor[..., None]
+    # Stored per 128-key tile: fp16 under 2^e, e = eq + max_tile(ek) - u + log2(Dp) - 15.
+    ek_tile = ek.repeat_interleave(group, 1).unflatten(-1, (-1, 128)).amax(-1)
+    u = torch.frexp(qq.score_scale())[1] - 1
+    e = (eq[..., None] + ek_tile[:, :, None, :] - u[..., None] + 7 - 15).clamp(-126, 111)
+    factor = fmt._power_of_two(e).repeat_interleave(128, -1)
+    assert torch.all((delta / factor).abs() < 2 ** 15)
+    want = fmt.Correction((delta / factor).half(), fmt._power_of_two(e))
+    got = preprocess.correction(qq)
+    assert got.same_bits(want)
     # Chunking the keys does not change a bit.
-    assert torch.equal(preprocess.correction(qq, key_chunk=128), want)
-    assert torch.equal(preprocess.correction(qq, 1, 3), want[:, :, 1:3])
+    assert preprocess.correction(qq, key_chunk=128).same_bits(want)
+    assert preprocess.correction(qq, 1, 3).same_bits(want.rows(1, 3))
 
 
 @pytest.mark.parametrize("outlier", [1.0, 20.0])
 def test_correction_error_bound_against_fp64(gen, outlier):
-    """|delta - exact| <= Dp 2^(eq + ek - 22) / (q_scale k_scale) + 2^-24 |delta| (preprocess.correction),
-    which is below Dp 2^-20 amax|qm| amax|ks|."""
+    """|delta - exact| <= Dp 2^(eq + ek - 22) / (q_scale k_scale) + 2^-24 |delta| (the fixed-point
+    product) plus the fp16 storage: 2^-11 of the value, or 2^-25 of the tile's factor below fp16's
+    normal range (preprocess.correction); the first part is below Dp 2^-20 amax|qm| amax|ks|."""
     qq, group = _correction_case(gen, outlier)
     qm = qq.q_mean.double()
     ks = qq.k_smoothed.double().repeat_interleave(group, 1)
     unit = 1.0 / qq.score_scale().double()[..., None]
     exact = (qm @ ks.transpose(-1, -2)) * unit
-    err = (preprocess.correction(qq).double() - exact).abs()
+    stored = preprocess.correction(qq)
+    err = (stored.dequantize().double() - exact).abs()
     _, eq = preprocess.correction_fixed_point(qq.q_mean)
     _, ek = preprocess.correction_fixed_point(qq.k_smoothed)
     dp = qm.shape[-1]
     e = (eq[..., None] + ek.repeat_interleave(group, 1)[:, :, None, :] - 22).double()
-    bound = dp * torch.pow(2.0, e) * unit + exact.abs() * 2.0 ** -23
-    assert torch.all(err <= bound)
+    fixed_point = dp * torch.pow(2.0, e) * unit + exact.abs() * 2.0 ** -23
+    storage = exact.abs() * 2.0 ** -11 + stored.factors.double().repeat_interleave(128, -1) * 2.0 ** -25
+    assert torch.all(err <= fixed_point + storage)
     amax = qm.abs().amax(-1)[..., None] * ks.abs().amax(-1)[:, :, None, :]
-    assert torch.all(err <= dp * 2.0 ** -20 * amax * unit + exact.abs() * 2.0 ** -23)
-    # And far below what the FP4 scores carry: relative to the largest entry, under 1e-5.
-    assert err.max() <= 1e-5 * exact.abs().max()
+    assert torch.all(err <= dp * 2.0 ** -20 * amax * unit + exact.abs() * (2.0 ** -23 + 2.0 ** -11) +
+                     stored.factors.double().repeat_interleave(128, -1) * 2.0 ** -25)
+    # The fp16 storage dominates and stays far below what the FP4 scores carry: under 2^-10 of the
+    # largest entry of each tile's row.
+    row_max = exact.abs().unflatten(-1, (-1, 128)).amax(-1, keepdim=True)
+    assert torch.all(err.unflatten(-1, (-1, 128)) <= 2.0 ** -10 * row_max + 1e-30)
+
+
+def test_stored_correction_saturates_finite_values_and_keeps_inf_and_nan():
+    """format.store_correction: a large finite key bias stays finite (+-65504 units), -inf (a
+    masked key) and NaN pass, and values are exact multiples of the factor's fp16 grid."""
+    delta = torch.zeros(1, 1, 1, 256)
+    delta[..., 0] = -1e30          # a finite bias far beyond the tile's range
+    delta[..., 1] = -math.inf
+    delta[..., 2] = math.nan
+    delta[..., 3] = 3.0
+    delta[..., 128] = 2.0 ** -40   # below fp16's range under factor 2^-10: rounds to 0
+    stored = fmt.store_correction(delta, torch.tensor([[[[0, -10]]]], dtype=torch.int32))
+    values = stored.dequantize()
+    assert values[..., 0].item() == -65504.0 and values[..., 1].item() == -math.inf
+    assert math.isnan(values[..., 2].item()) and values[..., 3].item() == 3.0
+    assert values[..., 128].item() == 0.0 and stored.factors.flatten().tolist() == [1.0, 2.0 ** -10]

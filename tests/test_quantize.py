@@ -273,8 +273,7 @@ def test_bytes_equal_format_ragged(b, h, hkv, sq, sk, d, layout, dtype, kv_lens,
     # The correction kernel's integer arithmetic is preprocess.correction's: bit for bit (same means).
     want = preprocess.correction(ref)
     got = cq.correction(qq)
-    assert got.shape == want.shape
-    assert torch.equal(got, want), (got - want).abs().max()
+    assert got.same_bits(want), (got.dequantize() - want.dequantize()).abs().max()
 
 
 @pytest.mark.cuda
@@ -411,10 +410,12 @@ def test_beyond_int32_correction_and_bytes():
     valid = (jj < s)[:, None]
     ks = torch.where(valid, kh[0, hh, jj.clamp_max(s - 1)].double() - qq.k_mean[0, hh].double(), 0.0)
     want = (qm * ks).sum(-1)
-    # preprocess.correction's bound (22-bit operands, below Dp 2^-20 amax amax), plus fp32 k - km.
-    bound = (qm.shape[-1] * 2.0 ** -20 * qm.abs().amax(-1) * ks.abs().amax(-1) + want.abs() * 2.0 ** -23 +
+    # preprocess.correction's bound (22-bit operands, below Dp 2^-20 amax amax; fp16 storage, 2^-11 of
+    # the value), plus fp32 k - km.
+    bound = (qm.shape[-1] * 2.0 ** -20 * qm.abs().amax(-1) * ks.abs().amax(-1) + want.abs() * 2.0 ** -11 +
              (qm.abs() * ks.abs()).sum(-1) * 2.0 ** -22 + 1e-6)
-    got = full[0, hh, mm, jj].double() * qq.score_scale()[0, hh, mm].double()  # kernel units -> q.k units
+    values = full.dequantize()
+    got = values[0, hh, mm, jj].double() * qq.score_scale()[0, hh, mm].double()  # kernel units -> q.k units
     assert torch.all((got - want).abs() <= bound), (got - want).abs().max()
     assert torch.all(got[1:3] == 0)
     budget = 1 << 30
@@ -427,7 +428,7 @@ def test_beyond_int32_correction_and_bytes():
     assert torch.cuda.max_memory_allocated() - before <= budget
     assert chunks[0][0] == 0 and chunks[-1][1] == nblk and len(chunks) > 1
     for b0, b1, delta in cq.iter_corrections(qq, budget=budget):
-        assert torch.equal(delta, full[:, :, b0:b1]), (b0, b1)
+        assert delta.same_bits(full.rows(b0, b1)), (b0, b1)
 
 
 @pytest.mark.cuda
@@ -451,4 +452,7 @@ def test_input_errors_name_the_argument():
     with pytest.raises(ValueError, match="block_start"):
         cq.correction(qq, 0, 5)
     with pytest.raises(ValueError, match="out must be"):
-        cq.correction(qq, out=torch.empty(1, 2, 1, 64, device="cuda"))
+        cq.correction(qq, out=torch.empty(1, 2, 1, 128, device="cuda"))
+    with pytest.raises(ValueError, match="out must be"):
+        cq.correction(qq, out=fmt.Correction(torch.empty(1, 2, 1, 128, device="cuda"),
+                                             torch.empty(1, 2, 1, 1, device="cuda")))

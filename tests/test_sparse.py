@@ -307,8 +307,9 @@ def test_build_lists_matches_a_loop(lengths):
 
 def test_compact_correction_follows_the_list_order():
     rows_map = _random_map(1, 2, 3, 4, 0.5)
-    delta = torch.randn(1, 2, 3, 4 * 128)
+    delta = fmt.Correction(torch.randn(1, 2, 3, 4 * 128).half(), torch.rand(1, 2, 3, 4))
     compact = sparse.compact_correction(delta, rows_map)
+    assert compact.values.shape == (int(rows_map.sum()), 128) and compact.factors.shape == (int(rows_map.sum()), 1)
     lists = sparse.build_lists(rows_map, [3])
     tiles, offsets = lists.tiles[0], lists.offsets[0]
     for bh in range(2):
@@ -316,7 +317,11 @@ def test_compact_correction_follows_the_list_order():
             row = bh * 3 + m
             for e in range(int(offsets[row]), int(offsets[row + 1])):
                 t = int(tiles[e])
-                assert torch.equal(compact[e], delta[0, bh, m, t * 128:(t + 1) * 128])
+                assert torch.equal(compact.values[e], delta.values[0, bh, m, t * 128:(t + 1) * 128])
+                assert compact.factors[e, 0] == delta.factors[0, bh, m, t]
+    # Dequantised, the compact tiles are the listed tiles of the dequantised rows.
+    dense = delta.dequantize().reshape(2, 3, 4, 128)[rows_map.reshape(2, 3, 4)]
+    assert torch.equal(compact.dequantize(), dense)
 
 
 def test_groups_bound_the_estimate_memory():

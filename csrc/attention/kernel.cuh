@@ -38,6 +38,9 @@ __device__ __forceinline__ void cp_async16(uint32_t smem_addr, const void* gmem)
 __device__ __forceinline__ void cp_async8(uint32_t smem_addr, const void* gmem) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(smem_addr), "l"(gmem));
 }
+__device__ __forceinline__ void cp_async4(uint32_t smem_addr, const void* gmem) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(smem_addr), "l"(gmem));
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int kPending>
 __device__ __forceinline__ void cp_async_wait() {
@@ -126,6 +129,7 @@ __device__ __forceinline__ void attention_fwd_body(const AttentionFwdParams& p) 
 
   extern __shared__ __align__(128) uint8_t smem[];
   __shared__ int item_first;   // a block-sparse work item's first list entry
+  __shared__ int item_kv;      // and its b * Hkv + kv head, read back by the epilogue
   const uint32_t smem_base = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
   const int tid = threadIdx.x;
   const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
@@ -138,7 +142,8 @@ __device__ __forceinline__ void attention_fwd_body(const AttentionFwdParams& p) 
   // The block-sparse kernels are their own instantiations: the dense ones keep every register.
   constexpr bool sparse = kSparse;
   for (int64_t work = blockIdx.x; work < total; work += gridDim.x) {
-    int64_t bh, list_row = 0;
+    int bh;   // B * H fits 32 bits; 64-bit products at the uses
+    int list_row = 0;
     int mi;
     if constexpr (sparse) {   // a chunk's rows fit 32 bits (the host checks): 32-bit division
       const int r = p.work_order[work], stride = int(p.block_row_stride);
@@ -146,15 +151,15 @@ __device__ __forceinline__ void attention_fwd_body(const AttentionFwdParams& p) 
       bh = r / stride;
       mi = r % stride;
     } else {
-      bh = work / nblk;
+      bh = int(work / nblk);
       mi = int(work % nblk);
       if (p.causal) mi = nblk - 1 - mi;   // the longest rows first (a map orders its own)
     }
     const int m_blk = p.q_block_begin + mi;
     const int b = int(bh / p.heads), h = int(bh % p.heads), hk = h / group;
-    const int64_t bhk = int64_t(b) * p.kv_heads + hk;
+    const int bhk = b * p.kv_heads + hk;
     // Scores are in units of q_scale * k_scale (a power of two): fold it into the softmax scale.
-    const float score_unit = p.q_scale[bh * nblk_all + m_blk] * p.k_scale[bhk];
+    const float score_unit = p.q_scale[int64_t(bh) * nblk_all + m_blk] * p.k_scale[bhk];
     const float c = p.scale_log2 * score_unit;
     const int kv_len = p.kv_lens != nullptr ? min(max(p.kv_lens[b], 0), p.seq_k) : p.seq_k;
     int n_end = (kv_len + T::kBlockN - 1) / T::kBlockN;
@@ -166,7 +171,10 @@ __device__ __forceinline__ void attention_fwd_body(const AttentionFwdParams& p) 
     if constexpr (sparse) {
       const int first = p.block_offsets[list_row];
       n_end = p.block_offsets[list_row + 1] - first;
-      if (tid == 0) item_first = first;
+      if (tid == 0) {
+        item_first = first;
+        item_kv = bhk;
+      }
       __syncthreads();
     }
 
@@ -176,13 +184,12 @@ __device__ __forceinline__ void attention_fwd_body(const AttentionFwdParams& p) 
     const uint8_t* vtsf_base = p.vt_sf + b * p.vtsf_stride_b + hk * p.vtsf_stride_h;
     // The n-th tile visited: its key tile, and its correction (tile n of a dense row, or entry n of
     // the row's compact list).
-    const float* delta_row = sparse ? nullptr
-                                    : p.delta + b * p.delta_stride_b + h * p.delta_stride_h +
-                                          int64_t(mi) * p.delta_stride_blk;
+    // Correction tiles are counted in 128-value units (the strides are multiples of 128): tile i
+    // has its values at delta + 128 i and its factor at delta_factor[i].
+    const int64_t delta_tile_row = sparse ? 0
+        : (b * p.delta_stride_b + h * p.delta_stride_h + int64_t(mi) * p.delta_stride_blk) / T::kBlockN;
     auto tile_of = [&](int n) { return sparse ? p.block_tiles[item_first + n] : n; };
-    auto delta_of = [&](int n) {
-      return sparse ? p.delta + int64_t(item_first + n) * T::kBlockN : delta_row + int64_t(n) * T::kBlockN;
-    };
+    auto delta_tile_of = [&](int n) { return sparse ? int64_t(item_first + n) : delta_tile_row + n; };
     const int64_t vt_row = p.seq_k_pad / 2, vtsf_row = p.seq_k_pad / 16;
 
     // Stage of the n-th tile visited.
@@ -208,8 +215,10 @@ __device__ __forceinline__ void attention_fwd_body(const AttentionFwdParams& p) 
       for (int i = tid; i < kHeadDim; i += T::kThreads) {
         detail::cp_async8(sbase + F::v_scale_row(i), vtsf_base + i * vtsf_row + int64_t(tile) * T::kVSfRowBytes);
       }
-      if (tid < T::kBlockN / 4) {
-        detail::cp_async16(sbase + T::kOffDelta + tid * 16, delta_of(n) + tid * 4);
+      if (tid < T::kBlockN / 8) {
+        const int64_t delta_tile = delta_tile_of(n);
+        detail::cp_async16(sbase + T::kOffDelta + tid * 16, p.delta + delta_tile * T::kBlockN + tid * 8);
+        if (tid == 0) detail::cp_async4(sbase + T::kOffDeltaFactor, p.delta_factor + delta_tile);
       }
     };
 
@@ -278,17 +287,17 @@ __device__ __forceinline__ void attention_fwd_body(const AttentionFwdParams& p) 
       // ---- S = delta + FP4(Q) FP4(K)^T -------------------------------------------------------
       float s[T::kNTilesS][4];
       // The delta row is in natural key order; a lane's keys of group q are score_key(4q, t, 0)
-      // + 2a + e for tile 4q + a, element e: two float4 loads.
+      // + 2a + e for tile 4q + a, element e: one 16-byte load of 8 fp16 values, times the tile's
+      // power-of-two factor (exact).
+      const float delta_factor = *reinterpret_cast<const float*>(sp + T::kOffDeltaFactor);
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
-        const float* delta_keys = reinterpret_cast<const float*>(sp + T::kOffDelta) + score_key(4 * q, t, 0);
-        const float4 d0 = *reinterpret_cast<const float4*>(delta_keys);
-        const float4 d1 = *reinterpret_cast<const float4*>(delta_keys + 4);
-        const float dv[8] = {d0.x, d0.y, d0.z, d0.w, d1.x, d1.y, d1.z, d1.w};
+        const __half2* dh = reinterpret_cast<const __half2*>(sp + T::kOffDelta + 2 * score_key(4 * q, t, 0));
 #pragma unroll
         for (int a = 0; a < 4; ++a) {
-          s[4 * q + a][0] = s[4 * q + a][2] = dv[2 * a];
-          s[4 * q + a][1] = s[4 * q + a][3] = dv[2 * a + 1];
+          const float2 d = __half22float2(dh[a]);
+          s[4 * q + a][0] = s[4 * q + a][2] = d.x * delta_factor;
+          s[4 * q + a][1] = s[4 * q + a][3] = d.y * delta_factor;
         }
       }
 #pragma unroll
@@ -393,9 +402,11 @@ __device__ __forceinline__ void attention_fwd_body(const AttentionFwdParams& p) 
 
     // ---- epilogue ------------------------------------------------------------------------------
     // out = O / rowsum * v_scale + v_mean; a row with no visible key gives 0 (not v_mean, not NaN).
-    const float v_scale = p.v_scale[bhk];
-    const float* v_mean = p.v_mean + bhk * kHeadDim;
-    const bool poisoned = p.nonfinite_q_blocks[bh * nblk_all + m_blk] != 0u || p.nonfinite_kv[bhk] != 0u;
+    // The block-sparse kernels read their kv head back from shared memory (no register across the loop).
+    const int kv = sparse ? item_kv : bhk;
+    const float v_scale = p.v_scale[kv];
+    const float* v_mean = p.v_mean + int64_t(kv) * kHeadDim;
+    const bool poisoned = p.nonfinite_q_blocks[int64_t(bh) * nblk_all + m_blk] != 0u || p.nonfinite_kv[kv] != 0u;
     const float kNaN = __uint_as_float(0x7FC00000u);   // NVRTC has no NAN macro
     float l[2], out_scale[2];
 #pragma unroll

@@ -23,11 +23,15 @@ struct AttentionFwdParams {
   int64_t vt_stride_b, vt_stride_h;
   int64_t vtsf_stride_b, vtsf_stride_h;
 
-  // Correction qm . k_s / (q_scale * k_scale) for Q blocks [q_block_begin, q_block_end): fp32,
-  // natural key order, row (m - q_block_begin) of [B, H, nblk_chunk, Skp]; strides in elements,
-  // the last dim contiguous and 16-byte aligned. delta_stride_blk may be 0 (one row for every block).
-  // With a block map (below) it is compact instead: 128 floats per listed tile, entry e at e * 128.
-  const float* delta;
+  // Correction qm . k_s / (q_scale * k_scale) for Q blocks [q_block_begin, q_block_end) (format:
+  // nvfp4_dit.format.Correction): per 128-key tile 128 fp16 values (bits) and one fp32 power-of-two
+  // factor, the tile's delta being values * factor. Values: natural key order, row
+  // (m - q_block_begin) of [B, H, nblk_chunk, Skp]; strides in elements, multiples of 128, the last
+  // dim contiguous and 16-byte aligned. delta_stride_blk may be 0 (one row for every block). The
+  // factor of the tile whose first value is element i is delta_factor[i / 128].
+  // With a block map (below) it is compact instead: 128 values per listed tile, entry e at e * 128.
+  const uint16_t* delta;
+  const float* delta_factor;
   int64_t delta_stride_b, delta_stride_h, delta_stride_blk;
 
   // The block map of a block-sparse call, or nullptr for dense attention. Row r = bh *

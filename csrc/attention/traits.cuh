@@ -31,6 +31,8 @@ struct AttentionTraits {
   static constexpr int kKSfBytes = kBlockN * kKSfRowBytes;
   static constexpr int kVBytes = kHeadDim * kVRowBytes;
   static constexpr int kVSfBytes = kHeadDim * kVSfRowBytes;
+  // The correction tile: 128 fp16 values, then its fp32 factor. 512 bytes: with the 384 it needs,
+  // the MXFP8 D=128 kernels' register allocation spills (scripts/check_sass.py).
   static constexpr int kDeltaBytes = kBlockN * 4;
 
   static constexpr int kOffK = 0;
@@ -38,6 +40,7 @@ struct AttentionTraits {
   static constexpr int kOffKSf = kOffV + kVBytes;
   static constexpr int kOffVSf = kOffKSf + kKSfBytes;
   static constexpr int kOffDelta = kOffVSf + kVSfBytes;
+  static constexpr int kOffDeltaFactor = kOffDelta + kBlockN * 2;
   static constexpr int kStageBytes = kOffDelta + kDeltaBytes;
   // cp.async stages: 2 tiles ahead + current + previous (its PV), or 1 ahead where 4 stages do
   // not fit sm_120's 99 KB per block (8-bit K at D=128).

@@ -44,7 +44,7 @@ constexpr int kPrefetchWaves = 1;
 constexpr int kCorrectionThreads = 256;
 constexpr int kCorrectionTileM = 64;
 constexpr int kCorrectionTileN = 128;
-constexpr int kCorrectionSmemBytes[2] = {47360, 84480};
+constexpr int kCorrectionSmemBytes[2] = {47620, 84740};
 
 // The block map and its lists: a CTA per map row holds the row's estimated tile masses in
 // registers (kBlockListsMaxTiles / kBlockListsThreads per thread), so a row has at most

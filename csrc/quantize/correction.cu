@@ -5,11 +5,13 @@
 // power-of-two exponent e (|x| < 2^e), X = rint(x 2^(22-e)) in [-2^22, 2^22], split into three
 // signed 8-bit limbs X = l0 2^16 + l1 2^8 + l2. Every limb pair but l2 x l2 (eight s8 m16n8k32
 // MMAs per step), summed per weight 2^32, 2^24, 2^16, 2^8 exactly in int32, gives
-// T = Xq . Xk - lq2 . lk2 as an exact int64, rounded once to fp32 and scaled by powers of two. The
-// reference computes the same integer with exact fp64 products, so the two agree bit for bit;
-// format.correction states the error bound against fp64.
+// T = Xq . Xk - lq2 . lk2 as an exact int64, rounded once to fp32 and scaled by powers of two, then
+// stored as nvfp4_dit.format.Correction: per (Q block, 128-key tile) fp16 values under a power of
+// two chosen from the operands' exponents (preprocess.correction_exponents). The reference
+// computes the same integer with exact fp64 products, so the two agree bit for bit;
+// preprocess.correction states the error bound against fp64.
 //
-// The full tensor is B*H*S^2/128 fp32 (17.6 GB at 118,800 tokens x 40 heads), so the pipeline
+// The full tensor is B*H*S^2/128 fp16 (8.8 GB at 118,800 tokens x 40 heads), so the pipeline
 // asks for it one chunk of Q blocks at a time, sized to a memory budget, and the attention kernel
 // consumes each chunk. A CTA owns 128 keys of one head: it reads them once in their input dtype
 // (straight from the caller's strides, smoothed on the fly), keeps their limbs in shared memory
@@ -32,6 +34,8 @@ constexpr int kExponentLimit = 100;  // row exponents are clamped to [-100, 100]
 constexpr int kLimbs = 3;
 constexpr int kWeights = 4;  // limb pairs of weight 2^32, 2^24, 2^16, 2^8 (l2 x l2, weight 1, is left out)
 constexpr int kRowPad = 16;  // bytes: rows stay 16-byte aligned for ldmatrix, and 8 rows hit 8 distinct bank quads
+constexpr int kStoredValueBits = 15;  // stored values lie below 2^15 in units of their tile's factor
+constexpr float kFp16Max = 65504.0f;
 
 template <int DP>
 struct CorrectionSmem {
@@ -42,6 +46,8 @@ struct CorrectionSmem {
   float key_factor[kTileN];  // 2^(ek - 22)
   float row_factor[kTileM];  // 2^(eq - 22) / (q_scale k_scale)
   float bias_divisor[kTileM];  // scale * q_scale * k_scale: a key bias in the kernel's score units
+  int store_exponent[kTileM];  // the stored tile's power of two (preprocess.correction_exponents)
+  int key_exponent_max;        // the largest ek of the CTA's keys
 };
 static_assert(sizeof(CorrectionSmem<64>) == launch::kCorrectionSmemBytes[0], "launch.h: correction shared memory");
 static_assert(sizeof(CorrectionSmem<128>) == launch::kCorrectionSmemBytes[1], "launch.h: correction shared memory");
@@ -56,6 +62,19 @@ __device__ __forceinline__ float finite_or_zero(float x) {
 __device__ __forceinline__ int row_exponent(float amax) {
   const int e = static_cast<int>((__float_as_uint(amax) >> 23) & 0xFFu) - 126;
   return min(max(e, -kExponentLimit), kExponentLimit);
+}
+
+// The exponent of an fp32 power of two (a normal number).
+__device__ __forceinline__ int power_of_two_exponent(float x) {
+  return static_cast<int>((__float_as_uint(x) >> 23) & 0xFFu) - 127;
+}
+
+// One value as format.store_correction stores it: times 2^-e (inverse), finite values saturated
+// at +-65504, fp16 round to nearest even; +-inf (a masked key) and NaN pass.
+__device__ __forceinline__ __half stored_value(float v, float inverse) {
+  float x = v * inverse;
+  if (isfinite(v)) x = fminf(fmaxf(x, -kFp16Max), kFp16Max);
+  return __float2half_rn(x);
 }
 
 // Four consecutive values of a row -> one 32-bit word per limb (byte i = value i).
@@ -131,7 +150,10 @@ __device__ __forceinline__ void convert_keys(CorrectionSmem<DP>& s, const Correc
   }
   amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 1));
   const int e = row_exponent(amax);
-  if ((threadIdx.x & 1) == 0) s.key_factor[key] = power_of_two(e - kFixedBits);
+  if ((threadIdx.x & 1) == 0) {
+    s.key_factor[key] = power_of_two(e - kFixedBits);
+    atomicMax(&s.key_exponent_max, e);
+  }
   store_limbs(s.k, key, d0, v, kHalf, power_of_two(kFixedBits - e));
 }
 
@@ -164,8 +186,13 @@ __device__ __forceinline__ void convert_q_means(CorrectionSmem<DP>& s, const Cor
   const int e = row_exponent(amax);
   if ((threadIdx.x & 3) == 0) {
     // To the attention kernel's score units: 1 / (q_scale k_scale) is a power of two, so exact.
-    s.row_factor[r] = valid ? power_of_two(e - kFixedBits) * __frcp_rn(p.q_scale[block] * k_scale) : 0.0f;
-    s.bias_divisor[r] = p.scale * (p.q_scale[block] * k_scale);
+    const float q_scale = p.q_scale[block];
+    s.row_factor[r] = valid ? power_of_two(e - kFixedBits) * __frcp_rn(q_scale * k_scale) : 0.0f;
+    s.bias_divisor[r] = p.scale * (q_scale * k_scale);
+    // |delta| < Dp 2^(eq + ek - u), u the exponent of q_scale k_scale: below 2^15 in units of 2^e.
+    constexpr int kLog2Dp = DP == 128 ? 7 : 6;
+    const int u = power_of_two_exponent(q_scale) + power_of_two_exponent(k_scale);
+    s.store_exponent[r] = min(max(e + s.key_exponent_max - u + kLog2Dp - kStoredValueBits, -126), 111);
   }
   store_limbs(s.q, r, d0, v, kQuarter, power_of_two(kFixedBits - e));
 }
@@ -205,6 +232,7 @@ __device__ __forceinline__ void correction_kernel(const CorrectionParams& p) {
   }
 
   for (int d = threadIdx.x; d < DP; d += kThreads) s.km[d] = p.k_mean[(b * p.heads_kv + kvh) * DP + d];
+  if (threadIdx.x == 0) s.key_exponent_max = -kExponentLimit;
   __syncthreads();
 
   const int64_t key = key0 + (threadIdx.x >> 1);
@@ -225,7 +253,7 @@ __device__ __forceinline__ void correction_kernel(const CorrectionParams& p) {
   const uint32_t k_addr = static_cast<uint32_t>(
       __cvta_generic_to_shared(&s.k[0][wn * 64 + (j >> 1) * 8 + (lane & 7)][(j & 1) * 16]));
   constexpr uint32_t kQLimbBytes = kTileM * kRow, kKLimbBytes = kTileN * kRow;
-  float* out = p.delta + b * p.delta_stride_b + h * p.delta_stride_h;
+  const int64_t out_offset = b * p.delta_stride_b + h * p.delta_stride_h;
   const float* key_bias = p.key_bias != nullptr ? p.key_bias + b * p.key_bias_stride_b + h * p.key_bias_stride_h
                                                 : nullptr;
 
@@ -287,25 +315,32 @@ __device__ __forceinline__ void correction_kernel(const CorrectionParams& p) {
         const int64_t m = m0 + r;
         if (m >= n_items) continue;
         const float rf = s.row_factor[r];
-        float* row = entries != nullptr ? p.delta + int64_t(entries[m]) * kTileN : out + m * p.delta_stride_blk + key0;
+        const int store_exponent = s.store_exponent[r];
+        const float inverse = power_of_two(-store_exponent);
+        // The entry's first value (a multiple of 128): its factor sits at entry / 128.
+        const int64_t entry = entries != nullptr ? int64_t(entries[m]) * kTileN
+                                                 : out_offset + m * p.delta_stride_blk + key0;
+        uint16_t* row = p.delta + entry;
+        if (wn == 0 && pass == 0 && tig == 0) p.delta_factor[entry / kTileN] = power_of_two(store_exponent);
 #pragma unroll
         for (int t = 0; t < 4; ++t) {
           const int n = wn * 64 + pass * 32 + t * 8 + 2 * tig;
-          float v[2];
+          __half v[2];
 #pragma unroll
           for (int i = 0; i < 2; ++i) {
             const int c = 2 * half + i;
             const int64_t total = (int64_t(acc[0][t][c]) << 32) + (int64_t(acc[1][t][c]) << 24) +
                                   (int64_t(acc[2][t][c]) << 16) + (int64_t(acc[3][t][c]) << 8);
-            v[i] = (__ll2float_rn(total) * s.key_factor[n + i]) * rf;
+            float x = (__ll2float_rn(total) * s.key_factor[n + i]) * rf;
             if (key_bias != nullptr && key0 + n + i < p.seq_k)
-              v[i] += __fdiv_rn(key_bias[key0 + n + i], s.bias_divisor[r]);
+              x += __fdiv_rn(key_bias[key0 + n + i], s.bias_divisor[r]);
+            v[i] = stored_value(x, inverse);
           }
           if constexpr (VEC_STORE) {
-            *reinterpret_cast<float2*>(row + n) = make_float2(v[0], v[1]);
+            *reinterpret_cast<__half2*>(row + n) = __halves2half2(v[0], v[1]);
           } else {
-            row[n] = v[0];
-            row[n + 1] = v[1];
+            row[n] = __half_as_ushort(v[0]);
+            row[n + 1] = __half_as_ushort(v[1]);
           }
         }
       }
@@ -317,7 +352,7 @@ __device__ __forceinline__ void correction_kernel(const CorrectionParams& p) {
 }  // namespace nvfp4_dit
 
 // Entry points (common/launch.h): every input dtype and padded head dim, 16-byte or scalar loads of
-// K (16-byte ones need D == Dp, unit stride and 16-byte rows) and 8-byte or scalar stores of delta.
+// K (16-byte ones need D == Dp, unit stride and 16-byte rows) and 4-byte or scalar stores of delta.
 #define NVFP4_DIT_CORRECTION_ENTRY(NAME, DT, DP, LOAD, VEC_LOAD, STORE, VEC_STORE)                            \
   extern "C" __global__ void __launch_bounds__(nvfp4_dit::kThreads, 2)                                       \
       nvfp4_dit_correction_##NAME##_d##DP##_##LOAD##_##STORE(const __grid_constant__ nvfp4_dit::CorrectionParams p) {         \

@@ -129,7 +129,11 @@ struct CorrectionParams {
   const float* k_mean;  // [B, Hkv, Dp], contiguous
   const float* q_scale;  // [B, H, num_q_blocks] and
   const float* k_scale;  // [B, Hkv] tensor scales (contiguous): delta is written in their units
-  float* delta;         // [B, H, block_end - block_begin, Skp], last dim contiguous
+  // delta as nvfp4_dit.format.Correction stores it: fp16 values (bits) [B, H, block_end -
+  // block_begin, Skp], the last dim contiguous, strides multiples of 128; the factor of the tile
+  // whose first value is element i at delta_factor[i / 128].
+  uint16_t* delta;
+  float* delta_factor;
   int64_t delta_stride_b;
   int64_t delta_stride_h;
   int64_t delta_stride_blk;
@@ -142,7 +146,8 @@ struct CorrectionParams {
   float scale;          // the softmax scale (read only with key_bias)
   // A block-sparse call's correction, only where the attention kernel reads it, or nullptr for all
   // of it: CTA (key tile j, bh) computes the rows (Q blocks of the chunk) col_rows[col_offsets[
-  // bh * nk + j] .. col_offsets[bh * nk + j + 1]) and writes each to delta + 128 * col_entries[..]
+  // bh * nk + j] .. col_offsets[bh * nk + j + 1]) and writes each to entry col_entries[..] (values at
+  // delta + 128 * entry, factor at delta_factor[entry])
   // (the chunk's compact layout that the attention kernel's block map reads, entries counted from
   // the chunk's first: AttentionFwdParams::block_offsets).
   const int32_t* col_offsets;  // the chunk's B * H * Skp/128 columns, plus one

@@ -22,7 +22,7 @@ PREFETCH_WAVES = 1
 CORRECTION_THREADS = 256
 CORRECTION_TILE_M = 64
 CORRECTION_TILE_N = 128
-CORRECTION_SMEM_BYTES = (47360, 84480)     # [head dim 64, 128]
+CORRECTION_SMEM_BYTES = (47620, 84740)     # [head dim 64, 128]
 BLOCK_LISTS_THREADS = 256
 BLOCK_LISTS_MAX_TILES = 4096
 BLOCK_LIST_ROWS_PER_CTA = 4    # block_list_rows: a warp per map row
@@ -54,7 +54,8 @@ class AttentionFwdParams(ctypes.Structure):
         ("ksf_stride_b", c_int64), ("ksf_stride_h", c_int64),
         ("vt_stride_b", c_int64), ("vt_stride_h", c_int64),
         ("vtsf_stride_b", c_int64), ("vtsf_stride_h", c_int64),
-        ("delta", c_void_p), ("delta_stride_b", c_int64), ("delta_stride_h", c_int64), ("delta_stride_blk", c_int64),
+        ("delta", c_void_p), ("delta_factor", c_void_p),
+        ("delta_stride_b", c_int64), ("delta_stride_h", c_int64), ("delta_stride_blk", c_int64),
         ("block_offsets", c_void_p), ("block_tiles", c_void_p), ("work_order", c_void_p),
         ("block_row_stride", c_int64),
         ("q_dot_km", c_void_p), ("qdk_stride_b", c_int64), ("qdk_stride_h", c_int64),
@@ -98,7 +99,8 @@ class CorrectionParams(ctypes.Structure):
     _fields_ = [
         ("q_mean", c_void_p), ("k", StridedInput), ("dtype", c_int32), ("kv_lens", c_void_p),
         ("kv_lens_int64", c_bool), ("k_mean", c_void_p), ("q_scale", c_void_p), ("k_scale", c_void_p),
-        ("delta", c_void_p), ("delta_stride_b", c_int64), ("delta_stride_h", c_int64), ("delta_stride_blk", c_int64),
+        ("delta", c_void_p), ("delta_factor", c_void_p),
+        ("delta_stride_b", c_int64), ("delta_stride_h", c_int64), ("delta_stride_blk", c_int64),
         ("key_bias", c_void_p), ("key_bias_stride_b", c_int64), ("key_bias_stride_h", c_int64), ("scale", c_float),
         ("col_offsets", c_void_p), ("col_rows", c_void_p), ("col_entries", c_void_p),
         ("batch", c_int64), ("heads_q", c_int64), ("heads_kv", c_int64), ("seq_k", c_int64),

@@ -9,8 +9,9 @@ is slower than exact SDPA.
 One call: one workspace allocation (the quantised operands, their statistics, the correction chunk
 buffer; :class:`~nvfp4_dit.cuda.launch.Workspace`), one memset, the output (and LSE) allocations,
 and the launches: the quantiser (two or three), then per correction chunk the correction and the
-attention kernel. The correction ``delta = qm . k_s^T`` is ``[B, H, Sq/128, Skp]`` fp32, 6.7 GiB
-per batch element at 75k tokens and 40 heads, so it comes in chunks of Q blocks within a memory
+attention kernel. The correction ``delta = qm . k_s^T`` is ``[B, H, Sq/128, Skp]`` fp16 (and a
+factor per 128-key tile, :class:`~nvfp4_dit.format.Correction`), 3.4 GiB per batch element at 75k
+tokens and 40 heads, so it comes in chunks of Q blocks within a memory
 budget (:func:`nvfp4_dit.cuda.quantize.correction_chunks`) and the kernel runs once per chunk,
 writing those rows of the output in place. A NaN/inf input poisons its rows inside the kernel.
 Nothing synchronises with the host.
@@ -138,8 +139,7 @@ def attention(q, k, v, *, layout: str, causal: bool, scale: Optional[float], kv_
         if mask_nonfinite is not None:
             ws.view("nonfinite_kv").bitwise_or_(mask_nonfinite[:, None].to(torch.int32))
         k_input = kh
-        delta_ptr = ws.ptr("delta")
-        delta_strides = (h * rows * skp, rows * skp, skp)
+        delta = launch.CorrectionAddress(ws.ptr("delta"), ws.ptr("delta_factor"), (h * rows * skp, rows * skp, skp))
     elif quantizer == "torch":
         qq = preprocess.quantize_qkv(qh, kh, vh, layout="HND", kv_lens=kv_lens, balance_qk=balance_qk,
                                      qk_format=qk_format)
@@ -168,16 +168,15 @@ def attention(q, k, v, *, layout: str, causal: bool, scale: Optional[float], kv_
         for c, (b0, b1) in enumerate(group):
             chunk_lists = None if lists is None else lists.chunk(c)
             if k_input is not None:
-                launch.launch_correction(dk, ws, k_input, lens, bias, scale, b0, b1 - b0, delta_ptr, delta_strides,
-                                         stream, columns=chunk_lists, k_order=read_order)
+                launch.launch_correction(dk, ws, k_input, lens, bias, scale, b0, b1 - b0, delta, stream,
+                                         columns=chunk_lists, k_order=read_order)
             else:
-                delta = preprocess.correction(qq, b0, b1, key_bias=bias, scale=scale)
-                delta_strides = delta.stride()[:3]
+                correction = preprocess.correction(qq, b0, b1, key_bias=bias, scale=scale)
                 if lists is not None:
-                    delta = sp.compact_correction(delta, rows_map[:, :, b0 - g0:b1 - g0])
-                keep.append(delta)   # alive until the launch is queued (the allocator orders its reuse)
-                delta_ptr = delta.data_ptr()
-            launch.launch_attention(dk, planes, sq, sk, b0, b1, delta_ptr, delta_strides, out_hnd, lse, lens, scale,
+                    correction = sp.compact_correction(correction, rows_map[:, :, b0 - g0:b1 - g0])
+                keep.append(correction)   # alive until the launch is queued (the allocator orders its reuse)
+                delta = launch.CorrectionAddress.of(correction)
+            launch.launch_attention(dk, planes, sq, sk, b0, b1, delta, out_hnd, lse, lens, scale,
                                     causal, qk_format, stream, lists=chunk_lists, out_order=order)
     if out.dtype != q.dtype:
         out = out.to(q.dtype)
@@ -212,15 +211,18 @@ def run_kernel(qq: fmt.QuantizedQKV, corrections, out_hnd: torch.Tensor, lse: Op
     dk = launch.device_kernels(device)
     launch.ensure_current(dk.index)
     stream = launch.current_stream(dk.index)
+    skp = qq.k_data.shape[2]
     for b0, b1, delta in corrections:
-        if (delta.dtype != torch.float32 or delta.dim() != 4 or delta.shape[3] != qq.k_data.shape[2]
-                or delta.shape[2] not in (1, b1 - b0) or delta.stride(3) != 1):
-            raise ValueError(f"delta must be float32 [B, H, {b1 - b0} or 1, {qq.k_data.shape[2]}] with a contiguous "
-                             f"last dim, got {delta.dtype} {tuple(delta.shape)}")
-        if delta.data_ptr() % 16 or any(s % 4 for s in delta.stride()[:3]):
-            delta = delta.contiguous()
-        strides = (delta.stride(0), delta.stride(1), 0 if delta.shape[2] == 1 else delta.stride(2))
-        launch.launch_attention(dk, planes, qq.seq_q, qq.seq_k, b0, b1, delta.data_ptr(), strides, out_hnd, lse,
+        if (not isinstance(delta, fmt.Correction) or delta.values.dim() != 4 or delta.values.shape[3] != skp
+                or delta.values.shape[2] not in (1, b1 - b0)
+                or tuple(delta.factors.shape) != (*delta.values.shape[:3], skp // fmt.SEQ_TILE)):
+            raise ValueError(f"delta must be a format.Correction of [B, H, {b1 - b0} or 1, {skp}] values, got "
+                             f"{type(delta).__name__}")
+        delta = fmt.Correction(delta.values.contiguous(), delta.factors.contiguous())
+        address = launch.CorrectionAddress.of(delta)
+        if delta.values.shape[2] == 1:   # one row for every block
+            address = launch.CorrectionAddress(address.values, address.factors, (*address.strides[:2], 0))
+        launch.launch_attention(dk, planes, qq.seq_q, qq.seq_k, b0, b1, address, out_hnd, lse,
                                 lens, scale, causal, qq.qk_format, stream)
         keep.append(delta)
     del keep

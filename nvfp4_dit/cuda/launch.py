@@ -126,7 +126,8 @@ def workspace_layout(b: int, h: int, hkv: int, sq: int, sk: int, dp: int, qk_for
         ("q_data", (b, h, sqp, dp // per_byte), u8), ("q_sf", (b, h, sqp, dp // per_scale), u8),
         ("k_data", (b, hkv, skp, dp // per_byte), u8), ("k_sf", (b, hkv, skp, dp // per_scale), u8),
         ("vt_data", (b, hkv, dp, skp // 2), u8), ("vt_sf", (b, hkv, dp, skp // 16), u8),
-        ("delta", (b, h, correction_rows, skp), f32),
+        ("delta", (b, h, correction_rows, skp), torch.float16),
+        ("delta_factor", (b, h, correction_rows, skp // fmt.SEQ_TILE), f32),
     ]
     regions, offset, zeroed = {}, 0, 0
     for name, shape, dtype in items:
@@ -243,15 +244,38 @@ def launch_quantize(dk: DeviceKernels, ws: Workspace, q: torch.Tensor, k: torch.
 # The correction term
 # ---------------------------------------------------------------------------------------------
 
+@dataclass(frozen=True)
+class CorrectionAddress:
+    """Where a correction chunk lives (:class:`~nvfp4_dit.format.Correction`): the device addresses
+    of its fp16 values and fp32 factors, and the values' element strides (b, h, blk) for dense rows
+    (unused for a compact one). The factor of the tile whose first value is element ``i`` (counted
+    from ``values``) is factor ``i / 128``, so every stride is a multiple of 128."""
+
+    values: int
+    factors: int
+    strides: tuple = (0, 0, 0)
+
+    @staticmethod
+    def of(correction: fmt.Correction) -> "CorrectionAddress":
+        """The address of a :class:`~nvfp4_dit.format.Correction` laid out as the kernels read it."""
+        values, factors = correction.values, correction.factors
+        if values.dtype != torch.float16 or factors.dtype != torch.float32 or not values.is_contiguous() \
+                or not factors.is_contiguous() or values.shape[-1] % fmt.SEQ_TILE:
+            raise ValueError("a correction must be contiguous fp16 values (last dim a multiple of 128) and "
+                             "contiguous fp32 factors")
+        strides = tuple(values.stride()[:3]) if values.dim() == 4 else (0, 0, 0)
+        return CorrectionAddress(values.data_ptr(), factors.data_ptr(), strides)
+
+
 def launch_correction(dk: DeviceKernels, ws: Workspace, k: torch.Tensor, kv_lens: Optional[torch.Tensor],
                       key_bias: Optional[torch.Tensor], scale: float, block_begin: int, rows: int,
-                      delta: int, delta_strides: tuple, stream: int, columns=None, k_order=None) -> None:
+                      delta: CorrectionAddress, stream: int, columns=None, k_order=None) -> None:
     """delta = qm . (k - km)^T / (q_scale k_scale) (+ key_bias / (scale q_scale k_scale)) for Q blocks
-    [block_begin, block_begin + rows) at address ``delta`` ([B, H, rows, Skp] fp32 with element
-    strides ``delta_strides`` (b, h, blk), the last dim contiguous), in one launch. ``k`` is the raw
-    [B, Hkv, Sk, D] input; the Q statistics come from ``ws``. With ``columns`` (a block-sparse
-    chunk's :class:`nvfp4_dit.sparse.ChunkLists`) only the listed tiles are computed, into the
-    compact layout the attention kernel reads (128 floats per entry, ``delta_strides`` unused).
+    [block_begin, block_begin + rows) at ``delta`` (dense rows [B, H, rows, Skp] of a
+    :class:`~nvfp4_dit.format.Correction`), in one launch. ``k`` is the raw [B, Hkv, Sk, D] input;
+    the Q statistics come from ``ws``. With ``columns`` (a block-sparse chunk's
+    :class:`nvfp4_dit.sparse.ChunkLists`) only the listed tiles are computed, into the compact layout
+    the attention kernel reads (128 values and a factor per entry, ``delta.strides`` unused).
     ``k_order``: a video call's :class:`~nvfp4_dit.token_order.TokenOrder`: key s is row
     ``source_row(s)`` of ``k`` (``key_bias`` is in tile order already)."""
     b, h, nq, dp = ws.layout.regions["q_mean"].shape
@@ -262,7 +286,9 @@ def launch_correction(dk: DeviceKernels, ws: Workspace, k: torch.Tensor, kv_lens
     if b * h > _MAX_GRID_YZ:
         raise ValueError(f"too many batches x heads ({b * h}) for one correction launch")
     smem = abi.CORRECTION_SMEM_BYTES[abi.head_dim_index(dp)]
-    vec_store = delta % 8 == 0 and all(s % 2 == 0 for s in delta_strides)
+    if any(s % fmt.SEQ_TILE for s in delta.strides):
+        raise ValueError(f"correction strides must be multiples of {fmt.SEQ_TILE}, got {delta.strides}")
+    vec_store = delta.values % 4 == 0
     kernel = dk.kernel(abi.correction_entry(DTYPE_NAMES[k.dtype], dp, vector_loads(k, dp), vec_store))
     # A CTA converts its 128 keys once and walks the Q blocks; the blocks are split over grid.y only
     # as far as needed to give every SM its resident CTAs.
@@ -276,8 +302,9 @@ def launch_correction(dk: DeviceKernels, ws: Workspace, k: torch.Tensor, kv_lens
         q_mean=ws.ptr("q_mean"), k=_strided(k), dtype=abi.INPUT_DTYPES[DTYPE_NAMES[k.dtype]],
         kv_lens=None if kv_lens is None else kv_lens.data_ptr(),
         kv_lens_int64=kv_lens is not None and kv_lens.dtype == torch.int64,
-        k_mean=ws.ptr("k_mean"), q_scale=ws.ptr("q_scale"), k_scale=ws.ptr("k_scale"), delta=delta,
-        delta_stride_b=delta_strides[0], delta_stride_h=delta_strides[1], delta_stride_blk=delta_strides[2],
+        k_mean=ws.ptr("k_mean"), q_scale=ws.ptr("q_scale"), k_scale=ws.ptr("k_scale"),
+        delta=delta.values, delta_factor=delta.factors,
+        delta_stride_b=delta.strides[0], delta_stride_h=delta.strides[1], delta_stride_blk=delta.strides[2],
         key_bias=None if key_bias is None else key_bias.data_ptr(), key_bias_stride_b=bias_strides[0],
         key_bias_stride_h=bias_strides[1], scale=float(scale),
         batch=b, heads_q=h, heads_kv=hkv, seq_k=sk, seq_k_padded=skp, head_dim=d, head_dim_padded=dp,
@@ -294,15 +321,15 @@ def launch_correction(dk: DeviceKernels, ws: Workspace, k: torch.Tensor, kv_lens
 # ---------------------------------------------------------------------------------------------
 
 def launch_attention(dk: DeviceKernels, planes: dict, seq_q: int, seq_k: int, block_begin: int, block_end: int,
-                     delta: int, delta_strides: tuple, out: torch.Tensor, lse: Optional[torch.Tensor],
+                     delta: CorrectionAddress, out: torch.Tensor, lse: Optional[torch.Tensor],
                      kv_lens: Optional[torch.Tensor], scale: float, causal: bool, qk_format: str,
                      stream: int, lists=None, out_order=None) -> None:
     """The attention kernel over Q blocks [block_begin, block_end), writing those rows of ``out``
     [B, H, Sq, D] (any batch/head/row strides, bf16/fp16, last dim contiguous) and of ``lse``
     [B, H, Sq] fp32 (last dim contiguous). ``planes`` maps each quantised operand to its
     ``(address, shape)`` (the :class:`Workspace` regions or tensors of the same layout); ``kv_lens``
-    is int32 [B] or None; ``delta`` is the chunk's correction ([B, H, nblk, Skp] fp32 through element
-    strides (b, h, blk); a blk stride of 0 repeats one row). With ``lists`` (a block-sparse chunk's
+    is int32 [B] or None; ``delta`` is the chunk's correction (dense rows [B, H, nblk, Skp]; a blk
+    stride of 0 repeats one row). With ``lists`` (a block-sparse chunk's
     :class:`nvfp4_dit.sparse.ChunkLists`) each Q block visits only its listed key tiles and
     ``delta`` is the chunk's compact correction (:func:`launch_correction` with ``columns``).
     ``out_order``: a video call's :class:`~nvfp4_dit.token_order.TokenOrder`: the operands are in
@@ -322,7 +349,8 @@ def launch_attention(dk: DeviceKernels, planes: dict, seq_q: int, seq_k: int, bl
         k_stride_b=hkv * skp * qrow, k_stride_h=skp * qrow, ksf_stride_b=hkv * skp * sf_row, ksf_stride_h=skp * sf_row,
         vt_stride_b=hkv * dp * (skp // 2), vt_stride_h=dp * (skp // 2),
         vtsf_stride_b=hkv * dp * (skp // 16), vtsf_stride_h=dp * (skp // 16),
-        delta=delta, delta_stride_b=delta_strides[0], delta_stride_h=delta_strides[1], delta_stride_blk=delta_strides[2],
+        delta=delta.values, delta_factor=delta.factors,
+        delta_stride_b=delta.strides[0], delta_stride_h=delta.strides[1], delta_stride_blk=delta.strides[2],
         q_dot_km=planes["q_dot_km"][0], qdk_stride_b=h * seq_q, qdk_stride_h=seq_q,
         q_scale=planes["q_scale"][0], k_scale=planes["k_scale"][0], v_scale=planes["v_scale"][0],
         v_mean=planes["v_mean"][0], kv_lens=None if kv_lens is None else kv_lens.data_ptr(),

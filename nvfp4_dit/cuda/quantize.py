@@ -8,8 +8,9 @@ second quantises the K, Q and V^T tiles, which need their head's statistics; wit
 one more launch reads Q first for the balance statistics. NaN/inf flags are raised while it
 quantises (:attr:`KernelQuantizedQKV.nonfinite`).
 
-The correction ``delta = qm . (k - km)^T`` is ``B*H*Sq/128*Skp`` fp32 (17.6 GB at 118,800 tokens
-and 40 heads), so it is produced for a chunk of Q blocks at a time (:func:`iter_corrections`)
+The correction ``delta = qm . (k - km)^T`` is ``B*H*Sq/128*Skp`` fp16 values and a power-of-two
+factor per 128-key tile (:class:`~nvfp4_dit.format.Correction`; 8.9 GB at 118,800 tokens and 40
+heads), so it is produced for a chunk of Q blocks at a time (:func:`iter_corrections`)
 within a memory budget: ``budget=`` bytes, else ``NVFP4_DIT_CORRECTION_BUDGET`` (bytes, or with
 a K/M/G suffix), else 1 GiB. The kernel quantiser keeps no fp32 copy of ``k - km``: its
 correction (:func:`correction`) reads the raw K.
@@ -150,8 +151,8 @@ def correction_budget_bytes(budget: Union[int, str, None] = None) -> int:
 
 
 def correction_bytes_per_block(batch: int, heads: int, seq_k_padded: int) -> int:
-    """Bytes of one Q block's correction rows for all batches and heads."""
-    return batch * heads * seq_k_padded * 4
+    """Bytes of one Q block's correction rows for all batches and heads (fp16 values, fp32 factors)."""
+    return batch * heads * (seq_k_padded * 2 + seq_k_padded // fmt.SEQ_TILE * 4)
 
 
 def correction_chunks(num_q_blocks: int, batch: int, heads: int, seq_k_padded: int,
@@ -159,7 +160,7 @@ def correction_chunks(num_q_blocks: int, batch: int, heads: int, seq_k_padded: i
     """Split Q blocks ``[0, num_q_blocks)`` into ``(begin, end)`` chunks whose correction fits the budget.
 
     Chunks of 64 or more blocks are multiples of 64 (the kernel's tile). A single block needs
-    ``batch*heads*seq_k_padded*4`` bytes; if even that is above the budget, chunks are one block.
+    :func:`correction_bytes_per_block`; if even that is above the budget, chunks are one block.
     """
     return _chunks(num_q_blocks, correction_bytes_per_block(batch, heads, seq_k_padded),
                    correction_budget_bytes(budget))
@@ -179,16 +180,18 @@ def _check_kernel_quantized(qq) -> None:
 
 
 def correction(qq: KernelQuantizedQKV, block_start: int = 0, block_end: Optional[int] = None, *,
-               out: Optional[torch.Tensor] = None, key_bias: Optional[torch.Tensor] = None,
-               scale: Optional[float] = None) -> torch.Tensor:
-    """delta [B, H, block_end - block_start, Skp] fp32 = qm . (k - km)^T / (q_scale k_scale) for those
-    Q blocks (the attention kernel's score units), on the GPU.
+               out: Optional[fmt.Correction] = None, key_bias: Optional[torch.Tensor] = None,
+               scale: Optional[float] = None) -> fmt.Correction:
+    """The correction qm . (k - km)^T / (q_scale k_scale) of those Q blocks (the attention kernel's
+    score units) on the GPU: dense rows of a :class:`~nvfp4_dit.format.Correction`, values
+    [B, H, block_end - block_start, Skp] fp16 and factors [B, H, block_end - block_start, Skp/128].
 
     Keys in natural order; keys past ``kv_lens`` and the padding give 0. Equals
     :func:`nvfp4_dit.preprocess.correction` bit for bit (int8 tensor cores on fixed-point limbs,
-    an order-independent integer sum), ``key_bias`` ([B, H or 1, Sk] fp32, in units of the scaled
-    scores, e.g. a key mask's) included: it adds ``key_bias / (scale q_scale k_scale)``. ``out``
-    (last dim contiguous) is written in place and returned, so one buffer can serve every chunk.
+    an order-independent integer sum, the same fp16 storage), ``key_bias`` ([B, H or 1, Sk] fp32,
+    in units of the scaled scores, e.g. a key mask's) included: it adds
+    ``key_bias / (scale q_scale k_scale)``. ``out`` (contiguous) is written in place and returned,
+    so one buffer can serve every chunk.
     """
     _check_kernel_quantized(qq)
     n_blocks = qq.num_q_blocks
@@ -200,10 +203,14 @@ def correction(qq: KernelQuantizedQKV, block_start: int = 0, block_end: Optional
     shape = (b, h, block_end - block_start, skp)
     device = qq.q_mean.device
     if out is None:
-        out = torch.empty(shape, dtype=torch.float32, device=device)
-    elif tuple(out.shape) != shape or out.dtype != torch.float32 or out.stride(-1) != 1 or out.device != device:
-        raise ValueError(f"out must be a float32 {list(shape)} tensor on {device} with a contiguous "
-                         f"last dim, got {out.dtype} {list(out.shape)} strides {out.stride()}")
+        out = fmt.Correction(torch.empty(shape, dtype=torch.float16, device=device),
+                             torch.empty(*shape[:3], skp // fmt.SEQ_TILE, dtype=torch.float32, device=device))
+    elif (not isinstance(out, fmt.Correction) or tuple(out.values.shape) != shape
+          or out.values.dtype != torch.float16 or not out.values.is_contiguous() or out.values.device != device
+          or tuple(out.factors.shape) != (*shape[:3], skp // fmt.SEQ_TILE) or out.factors.dtype != torch.float32
+          or not out.factors.is_contiguous()):
+        raise ValueError(f"out must be a format.Correction of contiguous fp16 values {list(shape)} and fp32 factors "
+                         f"{[*shape[:3], skp // fmt.SEQ_TILE]} on {device}")
     key_bias = checked_key_bias(key_bias, b, h, qq.seq_k, device)
     if key_bias is not None and scale is None:
         raise ValueError("scale is needed with key_bias (the bias is in units of the scaled scores)")
@@ -212,7 +219,7 @@ def correction(qq: KernelQuantizedQKV, block_start: int = 0, block_end: Optional
         launch.ensure_current(dk.index)
         launch.launch_correction(dk, qq.workspace, qq.k_input, _lens(qq.kv_lens), key_bias,
                                  1.0 if scale is None else scale, block_start, block_end - block_start,
-                                 out.data_ptr(), out.stride()[:3], launch.current_stream(dk.index), k_order=qq.order)
+                                 launch.CorrectionAddress.of(out), launch.current_stream(dk.index), k_order=qq.order)
     return out
 
 
@@ -235,7 +242,8 @@ def iter_corrections(qq: fmt.QuantizedQKV, budget: Union[int, str, None] = None,
                      block_range: Optional[tuple[int, int]] = None, *, key_bias: Optional[torch.Tensor] = None,
                      scale: Optional[float] = None) -> Iterator[tuple[int, int, torch.Tensor]]:
     """Yield ``(begin, end, delta)`` over the Q blocks of ``block_range`` (default all), one chunk
-    of at most ``budget`` bytes at a time (consume each delta before asking for the next).
+    of at most ``budget`` bytes at a time (consume each delta, a :class:`~nvfp4_dit.format.Correction`,
+    before asking for the next).
 
     ``qq`` from :func:`quantize_qkv` gets the CUDA correction, written into one reused buffer; a
     :class:`~nvfp4_dit.format.QuantizedQKV` from :func:`nvfp4_dit.preprocess.quantize_qkv` (it
@@ -253,6 +261,11 @@ def iter_corrections(qq: fmt.QuantizedQKV, budget: Union[int, str, None] = None,
             yield b0, b1, preprocess.correction(qq, b0, b1, key_bias=key_bias, scale=scale)
         return
     rows = max(b1 - b0 for b0, b1 in chunks)
-    buf = torch.empty((b, h, rows, skp), dtype=torch.float32, device=qq.q_mean.device)
+    device = qq.q_mean.device
+    values = torch.empty(b * h * rows * skp, dtype=torch.float16, device=device)
+    factors = torch.empty(b * h * rows * skp // fmt.SEQ_TILE, dtype=torch.float32, device=device)
     for b0, b1 in chunks:
-        yield b0, b1, correction(qq, b0, b1, out=buf[:, :, : b1 - b0], key_bias=key_bias, scale=scale)
+        n = b1 - b0   # each chunk's rows contiguous at the start of the one buffer
+        out = fmt.Correction(values[: b * h * n * skp].view(b, h, n, skp),
+                             factors[: b * h * n * skp // fmt.SEQ_TILE].view(b, h, n, skp // fmt.SEQ_TILE))
+        yield b0, b1, correction(qq, b0, b1, out=out, key_bias=key_bias, scale=scale)

@@ -222,6 +222,28 @@ def oracle_balance(amax_q: list, amax_k: list) -> list:
     return out
 
 
+def oracle_row_exponent(rows: torch.Tensor) -> torch.Tensor:
+    """The correction's fixed-point row exponent: the e with amax < 2^e (frexp), -100 for a zero
+    row, clamped to [-100, 100]."""
+    amax = rows.abs().amax(-1).double()
+    e = torch.frexp(amax)[1].long()
+    return torch.where(amax > 0, e, -100).clamp(-100, 100)
+
+
+def oracle_stored_correction(delta, qm_blk, k_s, f_blk, dp):
+    """The contract's fp16 storage of the correction (kernel units, float64 in and out): per tile
+    e = eq + max_tile(ek) - log2(f) + log2(Dp) - 15 in [-126, 111], fp16(delta / 2^e) with finite
+    values saturated at 65504, times 2^e."""
+    eq = oracle_row_exponent(qm_blk)                                        # [B, H, nblk]
+    ek = oracle_row_exponent(k_s).view(*k_s.shape[:2], -1, TILE).amax(-1)   # [B, H, nk]
+    u = torch.log2(f_blk).round().long()
+    e = (eq[..., None] + ek[:, :, None, :] - u[..., None] + round(math.log2(dp)) - 15).clamp(-126, 111)
+    unit = torch.pow(2.0, e.double()).repeat_interleave(TILE, -1)
+    x = delta / unit
+    x = torch.where(torch.isfinite(x), x.clamp(-65504.0, 65504.0), x)
+    return x.half().double() * unit
+
+
 def oracle_fp4_attention(q, k, v, *, causal, scale, kv_lens, key_bias, layout, balance_qk=False, means=None):
     """The contract, step by step, with a sequential tile loop (float64 after quantisation).
 
@@ -284,16 +306,20 @@ def oracle_fp4_attention(q, k, v, *, causal, scale, kv_lens, key_bias, layout, b
     k_hat = oracle_quantize(pad(k_bal / ts_k[:, :, None, None], skp, dp))[2]   # row permutation: storage only
     v_hat = oracle_quantize(pad(v_dev / ts_v[:, :, None, None], skp, dp).transpose(2, 3))[2].transpose(2, 3)
 
-    # Scores in q.k units: FP4 products times the tensor scales, plus the Q-mean correction.
-    k_hat, v_hat, k_s64 = (x.repeat_interleave(g, 1) for x in (k_hat, v_hat, pad(k_dev, skp, dp).double()))
-    f = (ts_q * ts_k.repeat_interleave(g, 1)[:, :, None]).double().repeat_interleave(TILE, 2)[..., None]
-    qm_rows = pad(qm, nblk, dp).double().repeat_interleave(TILE, 2)        # [B, H, Sqp, Dp]
-    s = (q_hat @ k_hat.transpose(-1, -2)) * f + qm_rows @ k_s64.transpose(-1, -2)
-    bias = torch.full((b, skp), -math.inf, dtype=torch.float64)
-    bias[:, :sk] = torch.where(valid, 0.0, -math.inf)
+    # Scores in q.k units: FP4 products times the tensor scales, plus the Q-mean correction (with a
+    # key bias), stored per (Q block, 128-key tile) in fp16 under 2^e as the contract says.
+    k_hat, v_hat, k_s = (x.repeat_interleave(g, 1) for x in (k_hat, v_hat, pad(k_dev, skp, dp)))
+    f_blk = (ts_q * ts_k.repeat_interleave(g, 1)[:, :, None]).double()      # [B, H, nblk]
+    qm_blk = pad(qm, nblk, dp)                                              # [B, H, nblk, Dp] fp32
+    delta = (qm_blk.double() @ k_s.double().transpose(-1, -2)) / f_blk[..., None]   # kernel units
     if key_bias is not None:
-        bias[:, :sk] += key_bias.double() / scale
-    s = s + bias[:, None, None, :]
+        delta[..., :sk] += key_bias.double()[:, None, None, :] / (scale * f_blk[..., None])
+    delta = oracle_stored_correction(delta, qm_blk, k_s, f_blk, dp) * f_blk[..., None]
+    s = (q_hat @ k_hat.transpose(-1, -2)) * f_blk.repeat_interleave(TILE, 2)[..., None] \
+        + delta.repeat_interleave(TILE, 2)
+    hidden = torch.full((b, skp), -math.inf, dtype=torch.float64)
+    hidden[:, :sk] = torch.where(valid, 0.0, -math.inf)
+    s = s + hidden[:, None, None, :]
     if causal:
         s = s.masked_fill(torch.arange(skp)[None, :] > torch.arange(sqp)[:, None], -math.inf)
 
