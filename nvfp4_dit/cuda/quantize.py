@@ -32,7 +32,6 @@ from ..checks import validate_attention_args
 
 BUDGET_ENV = "NVFP4_DIT_CORRECTION_BUDGET"
 DEFAULT_CORRECTION_BUDGET = 1 << 30
-_CORRECTION_TILE_BLOCKS = 64  # Q blocks per CTA of the correction kernel: chunks are multiples of it
 _SUFFIXES = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
@@ -159,8 +158,9 @@ def correction_chunks(num_q_blocks: int, batch: int, heads: int, seq_k_padded: i
                       budget: Union[int, str, None] = None) -> tuple[tuple[int, int], ...]:
     """Split Q blocks ``[0, num_q_blocks)`` into ``(begin, end)`` chunks whose correction fits the budget.
 
-    Chunks of 64 or more blocks are multiples of 64 (the kernel's tile). A single block needs
-    :func:`correction_bytes_per_block`; if even that is above the budget, chunks are one block.
+    As few chunks as the budget allows (each reads all of K again), of equal length but the last,
+    which is no longer. A single block needs :func:`correction_bytes_per_block`; if even that is
+    above the budget, chunks are one block.
     """
     return _chunks(num_q_blocks, correction_bytes_per_block(batch, heads, seq_k_padded),
                    correction_budget_bytes(budget))
@@ -168,9 +168,11 @@ def correction_chunks(num_q_blocks: int, batch: int, heads: int, seq_k_padded: i
 
 @functools.lru_cache(maxsize=512)
 def _chunks(num_q_blocks: int, per_block: int, budget_bytes: int) -> tuple[tuple[int, int], ...]:
-    step = max(1, budget_bytes // max(per_block, 1))
-    if step >= _CORRECTION_TILE_BLOCKS:
-        step -= step % _CORRECTION_TILE_BLOCKS
+    if num_q_blocks <= 0:
+        return ()
+    most = max(1, budget_bytes // max(per_block, 1))
+    count = -(-num_q_blocks // most)
+    step = -(-num_q_blocks // count)
     return tuple((b0, min(b0 + step, num_q_blocks)) for b0 in range(0, num_q_blocks, step))
 
 
