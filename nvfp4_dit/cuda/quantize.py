@@ -242,7 +242,7 @@ def _lens(kv_lens: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 
 def iter_corrections(qq: fmt.QuantizedQKV, budget: Union[int, str, None] = None,
                      block_range: Optional[tuple[int, int]] = None, *, key_bias: Optional[torch.Tensor] = None,
-                     scale: Optional[float] = None) -> Iterator[tuple[int, int, torch.Tensor]]:
+                     scale: Optional[float] = None) -> Iterator[tuple[int, int, fmt.Correction]]:
     """Yield ``(begin, end, delta)`` over the Q blocks of ``block_range`` (default all), one chunk
     of at most ``budget`` bytes at a time (consume each delta, a :class:`~nvfp4_dit.format.Correction`,
     before asking for the next).
