@@ -43,8 +43,8 @@ operations at the board's memory bandwidth (1.792 TB/s, GDDR7 on both boards) an
 D=128 bf16 NHD inputs, balance_qk on, the default 1 GiB correction budget. Quantisation reads Q, K
 and V twice each (statistics, then quantisation) and writes codes, scales, means, q . km and the
 block statistics (key tile means, Q block similarity); each correction chunk reads K once and
-writes its rows of delta (fp16 and a 4-byte factor per 128 keys). Its share is against the modelled attention time at the nvfp4 D=128
-non-causal TFLOP/s above. A block-sparse call at density d (``--json`` rows with ``seq_len``,
+writes its rows of delta (fp16 and a 4-byte factor per 128 keys). Its share is against the
+modelled attention time at the nvfp4 D=128 non-causal TFLOP/s above. A block-sparse call at density d (``--json`` rows with ``seq_len``,
 ``density``, ``prep_share``) adds the estimate (the pooled scores written and read back, the map's
 bit words and word counts, the three int32 lists of its d * nq * nk entries written) and computes
 and writes d of the correction (work in proportion to listed rows; the correction kernel skips a
