@@ -231,11 +231,12 @@ def _route(query, key, value, layout, attn_mask, dropout_p, is_causal, scale, en
             _warn_once(plan.reason)
         res = _exact_with_lse(query, key, value, layout, attn_mask, is_causal, scale) if return_lse else exact()
         return res, "exact", plan.reason, "sdpa", None, None
+    order = plan.order_for(plan.sparsity)
     res = ops.run_fp4(query, key, value, layout=layout, causal=bool(is_causal), scale=scale,
                             key_mask=plan.key_mask, kv_lens=None, return_lse=return_lse, backend=plan.backend,
                             balance_qk=plan.balance_qk, qk_format=plan.qk_format, sparsity=plan.sparsity,
-                            order=plan.order_for(plan.sparsity))
-    return res, ("fp4" if plan.fp4 else "exact"), None, plan.backend, plan.sparsity, plan.order_for(plan.sparsity)
+                            order=order)
+    return res, ("fp4" if plan.fp4 else "exact"), None, plan.backend, plan.sparsity, order
 
 
 def block_density(info: CallInfo, query, key, sparsity: Sparsity) -> float:

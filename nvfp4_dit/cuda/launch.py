@@ -255,6 +255,10 @@ class CorrectionAddress:
     factors: int
     strides: tuple = (0, 0, 0)
 
+    def __post_init__(self):
+        if any(s % fmt.SEQ_TILE for s in self.strides):
+            raise ValueError(f"correction strides must be multiples of {fmt.SEQ_TILE}, got {self.strides}")
+
     @staticmethod
     def of(correction: fmt.Correction) -> "CorrectionAddress":
         """The address of a :class:`~nvfp4_dit.format.Correction` laid out as the kernels read it."""
@@ -286,8 +290,6 @@ def launch_correction(dk: DeviceKernels, ws: Workspace, k: torch.Tensor, kv_lens
     if b * h > _MAX_GRID_YZ:
         raise ValueError(f"too many batches x heads ({b * h}) for one correction launch")
     smem = abi.CORRECTION_SMEM_BYTES[abi.head_dim_index(dp)]
-    if any(s % fmt.SEQ_TILE for s in delta.strides):
-        raise ValueError(f"correction strides must be multiples of {fmt.SEQ_TILE}, got {delta.strides}")
     vec_store = delta.values % 4 == 0
     kernel = dk.kernel(abi.correction_entry(DTYPE_NAMES[k.dtype], dp, vector_loads(k, dp), vec_store))
     # A CTA converts its 128 keys once and walks the Q blocks; the blocks are split over grid.y only
