@@ -91,6 +91,11 @@ QK_FORMAT_DEFAULT = "nvfp4"
 MX_BLOCK = 32
 UE8M0_BIAS = 127
 
+STATISTICS_TILES = 16
+"""The per-head statistics (the K and V means, the channel balance's maxima) are taken over at most
+this many 128-row tiles of a head, evenly strided (:func:`statistics_row_mask`): they are exact
+transforms whatever their value, and a sample keeps the quantiser to one read of its inputs."""
+
 
 def _k_row_perm() -> tuple[int, ...]:
     # Stored row r = 8a + 2b + c holds token 8b + 2a + c: the two 2-bit fields a and b swap.
@@ -488,6 +493,62 @@ def valid_key_mask(kv_lens: Optional[torch.Tensor], batch: int, seq_k: int, devi
     if kv_lens is None:
         return torch.ones(batch, seq_k, dtype=torch.bool, device=device)
     return torch.arange(seq_k, device=device)[None, :] < kv_lens.to(device).long()[:, None]
+
+
+def statistics_row_mask(n_valid: torch.Tensor, seq: int) -> torch.Tensor:
+    """bool [B, seq]: the rows of each batch that its per-head statistics read. Of the valid rows
+    (``n_valid`` [B], rows past it are padding), the 128-row tiles t with t % stride == 0, where
+    stride = ceil(tiles / STATISTICS_TILES) and tiles = ceil(n_valid / 128): every tile of a head of
+    at most 16 tiles (2,048 rows), about 16 evenly spread tiles of a longer one
+    (``csrc/quantize/params.h``, ``statistics_stride``, repeats the integers)."""
+    n = n_valid.long().clamp(0, seq)
+    tiles = (n + SEQ_TILE - 1) // SEQ_TILE
+    stride = ((tiles + STATISTICS_TILES - 1) // STATISTICS_TILES).clamp_min(1)
+    rows = torch.arange(seq, device=n.device)
+    return (rows[None, :] < n[:, None]) & ((rows[None, :] // SEQ_TILE) % stride[:, None] == 0)
+
+
+def sampled_key_mask(kv_lens: Optional[torch.Tensor], batch: int, seq_k: int, device) -> torch.Tensor:
+    """bool [B, Sk]: the valid keys that a head's K and V statistics read (:func:`statistics_row_mask`)."""
+    n = torch.full((batch,), seq_k, device=device) if kv_lens is None else kv_lens.to(device)
+    return statistics_row_mask(n, seq_k)
+
+
+# ---------------------------------------------------------------------------------------------
+# A power-of-two change of a tensor scale, on quantised bytes
+# ---------------------------------------------------------------------------------------------
+
+MX_SHIFT_FLOOR = 25
+"""An MXFP8 scale byte may move down to 25 (2^-102): below it an element the codes can still show
+could be an fp32 subnormal of the tensor-scaled value (2^-126), which the shift would not reproduce."""
+
+
+def scale_headroom(sf: torch.Tensor, data: torch.Tensor, qk_format: str = "nvfp4") -> torch.Tensor:
+    """int32 per block: how many binades its scale byte can move down while re-quantising the
+    block under a tensor scale 2^n times larger gives the same bytes, the data unchanged and the
+    byte moved by n binades (:func:`shift_scales`); a large number (255) where any shift is exact.
+
+    NVFP4: a zero byte stays zero (an all-zero block); a nonzero byte of exponent field E can move
+    E - 1 binades and stay a normal e4m3 (rounding to 3 mantissa bits commutes with powers of two in
+    the normal range, and elements below fp32's normal range quantise to +-0 under a normal scale).
+    MXFP8: byte b (2^(b-127)) can move b - MX_SHIFT_FLOOR; a zero byte whose codes are all +-0
+    stays so; one with nonzero codes cannot move (its exponent was clamped at 2^-127).
+    ``data`` is the block's codes (NVFP4: packed bytes, ignored; MXFP8: e4m3 bytes).
+    """
+    b = sf.to(torch.int32)
+    if qk_format == "mxfp8":
+        codes_zero = ((data.unflatten(-1, (-1, MX_BLOCK)) & 0x7F) == 0).all(-1)
+        zero_byte = torch.where(codes_zero, 255, 0)
+        return torch.where(b == 0, zero_byte, (b - MX_SHIFT_FLOOR).clamp_min(0)).to(torch.int32)
+    return torch.where(b == 0, 255, ((b >> 3) - 1).clamp_min(0)).to(torch.int32)
+
+
+def shift_scales(sf: torch.Tensor, binades: int, qk_format: str = "nvfp4") -> torch.Tensor:
+    """Scale bytes moved down by ``binades`` (within :func:`scale_headroom`): the bytes of the same
+    data under a tensor scale 2^binades larger. Zero bytes stay zero."""
+    step = binades if qk_format == "mxfp8" else binades << 3
+    b = sf.to(torch.int32)
+    return torch.where(b == 0, 0, b - step).to(torch.uint8)
 
 
 def default_scale(head_dim: int) -> float:

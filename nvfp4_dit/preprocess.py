@@ -1,8 +1,9 @@
 """The reference preprocessing of Q, K and V in plain PyTorch: what ``csrc/quantize/`` computes on the
 GPU, step for step (the layouts and codecs: :mod:`nvfp4_dit.format`; the contract: CONTRIBUTING.md).
 
-* statistics: the per-head K and V means over the valid keys, the per-128-row-block Q means, the
-  channel-balance statistics, the NaN/inf flags (:func:`k_mean`, :func:`q_block_means`,
+* statistics: the per-head K and V means and the channel-balance statistics over a head's
+  statistics tiles (at most 16 evenly strided 128-row tiles), the per-128-row-block Q means, the
+  NaN/inf flags (:func:`k_mean`, :func:`q_block_means`,
   :func:`balance_statistics`, :func:`nonfinite_blocks`);
 * :func:`quantize_qkv`: balance, smooth, scale and quantise into the kernel's layouts (the CUDA
   quantiser, :func:`nvfp4_dit.cuda.quantize.quantize_qkv`, writes the same bytes);
@@ -21,8 +22,8 @@ import torch
 from .format import (BALANCE_QK_DEFAULT, CORRECTION_VALUE_BITS, QK_FORMAT_DEFAULT, QK_FORMATS, SEQ_TILE,
                      SUPPORTED_HEAD_DIMS, _power_of_two, channel_balance, Correction, dequantize_blocks,
                      dequantize_qk_rows, pad_dim, padded_head_dim, permute_k_rows, quantize_blocks,
-                     quantize_qk_rows, QuantizedQKV, round_up, store_correction, tensor_scale, to_hnd,
-                     valid_key_mask)
+                     quantize_qk_rows, QuantizedQKV, round_up, sampled_key_mask, statistics_row_mask,
+                     store_correction, tensor_scale, to_hnd, valid_key_mask)
 
 
 def nonfinite_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_lens: Optional[torch.Tensor],
@@ -50,13 +51,15 @@ def nonfinite_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_lens:
 
 
 def k_mean(k_hnd: torch.Tensor, kv_lens: Optional[torch.Tensor]) -> torch.Tensor:
-    """km [B, Hkv, D] fp32: mean over the valid keys (zero when a batch has none); also V's vm."""
+    """km [B, Hkv, D] fp32: mean over the valid keys of the statistics tiles
+    (:func:`~nvfp4_dit.format.sampled_key_mask`; every key up to 2,048), zero when a batch has
+    none; also V's vm."""
     b, _, s, _ = k_hnd.shape
-    valid = valid_key_mask(kv_lens, b, s, k_hnd.device)[:, None, :, None]
-    count = valid.sum(2).clamp_min(1).float()
+    sampled = sampled_key_mask(kv_lens, b, s, k_hnd.device)[:, None, :, None]
+    count = sampled.sum(2).clamp_min(1).float()
     # Contiguous first: torch's summation order follows the strides, and the mean must not
     # depend on the caller's memory layout (a channels-last V gives the same bytes).
-    return torch.where(valid, k_hnd.float(), 0.0).contiguous().sum(2) / count
+    return torch.where(sampled, k_hnd.float(), 0.0).contiguous().sum(2) / count
 
 
 def q_block_means(q_hnd: torch.Tensor, per_block_mean: bool = True) -> torch.Tensor:
@@ -104,14 +107,19 @@ def q_block_similarity(q_hnd: torch.Tensor) -> torch.Tensor:
     return torch.where(n >= 2, (s2 - n) / (n * (n - 1)).clamp_min(1), 1.0)
 
 
-def balance_statistics(q_smoothed: torch.Tensor, k_smoothed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def balance_statistics(q_smoothed: torch.Tensor, k_smoothed: torch.Tensor,
+                       kv_lens: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(amax|Q_c - qm_c|, amax|K_c - km_c|) [B, Hkv, D] fp32: the statistics of
-    :func:`channel_balance`, taken on what is quantised. Q's are over every row of the query heads
-    that share a kv head; ``k_smoothed`` holds zeros past kv_lens, which cannot raise a maximum."""
+    :func:`channel_balance`, taken on what is quantised, over the statistics tiles
+    (:func:`~nvfp4_dit.format.statistics_row_mask`): Q's over those rows of every query head that
+    shares a kv head, K's over its sampled valid keys (``k_smoothed`` holds zeros past kv_lens)."""
     b, h, sq, d = q_smoothed.shape
-    hkv = k_smoothed.shape[1]
-    amax_q = q_smoothed.abs().reshape(b, hkv, (h // hkv) * sq, d).amax(2) if sq else q_smoothed.new_zeros(b, hkv, d)
-    amax_k = k_smoothed.abs().amax(2) if k_smoothed.shape[2] else k_smoothed.new_zeros(b, hkv, d)
+    hkv, sk = k_smoothed.shape[1], k_smoothed.shape[2]
+    q_rows = statistics_row_mask(torch.full((1,), sq), sq)[0].to(q_smoothed.device)
+    k_rows = sampled_key_mask(kv_lens, b, sk, k_smoothed.device)[:, None, :, None]
+    q_dev = q_smoothed[:, :, q_rows].abs()
+    amax_q = q_dev.reshape(b, hkv, -1, d).amax(2) if q_dev.shape[2] else q_smoothed.new_zeros(b, hkv, d)
+    amax_k = torch.where(k_rows, k_smoothed.abs(), 0.0).amax(2) if sk else k_smoothed.new_zeros(b, hkv, d)
     return amax_q.float(), amax_k.float()
 
 
@@ -162,7 +170,7 @@ def quantize_qkv(
     if balance_override is not None:
         balance = balance_override.float()[..., :d]
     else:
-        balance = channel_balance(*balance_statistics(q_s, k_s)) if balance_qk else None
+        balance = channel_balance(*balance_statistics(q_s, k_s, kv_lens)) if balance_qk else None
     k_b, q_b = k_s, q_s
     if balance is not None:  # powers of two: exact
         k_b = k_s / balance[:, :, None, :]

@@ -157,3 +157,57 @@ def test_mx_blocks_round_trip_within_half_an_e4m3_ulp():
         fmt.quantize_mx_blocks(torch.zeros(2, 48))
 
 
+
+
+def test_statistics_rows_are_at_most_16_strided_tiles_of_the_valid_rows():
+    n_valid = torch.tensor([0, 1, 128, 2048, 2049, 118_800, 5000])
+    mask = fmt.statistics_row_mask(n_valid, 118_784 + 128)
+    assert mask[0].sum() == 0 and mask[1].tolist()[:2] == [True, False]
+    assert mask[2].sum() == 128 and mask[3].sum() == 2048  # up to 16 tiles: every valid row
+    for i, n in enumerate(n_valid.tolist()):
+        tiles = (n + 127) // 128
+        stride = max(1, -(-tiles // fmt.STATISTICS_TILES))
+        chosen = mask[i].view(-1, 128).any(1).nonzero().flatten().tolist()
+        assert chosen == list(range(0, tiles, stride)), n
+        assert len(chosen) <= fmt.STATISTICS_TILES
+        assert not mask[i, n:].any()  # padding rows are never read
+    # 2049 rows: 17 tiles, stride 2, the partial last tile (one row) is tile 16, which is read.
+    assert mask[4, 2048] and mask[4].sum() == 8 * 128 + 1
+
+
+@pytest.mark.parametrize("qk_format", ["nvfp4", "mxfp8"])
+def test_a_larger_power_of_two_tensor_scale_is_a_shift_of_the_scale_bytes(gen, qk_format):
+    # What the CUDA quantiser relies on to read its inputs once: each 128-row tile is quantised
+    # under its own tensor scale t(amax_tile), then moved to the head's t(amax) = max over tiles by
+    # shifting its scale bytes; blocks whose headroom is too small are quantised again. Every
+    # block within its headroom must give the bytes of quantising under the head's scale directly.
+    tiles, rows, d = 24, 32, 128
+    x = torch.randn(tiles, rows, d, generator=gen)
+    # Magnitudes over 60 binades per tile and per block, exact zeros, one tile of zeros, and values
+    # far below the block maxima (fp32 subnormals once divided by the head's scale).
+    x *= torch.pow(2.0, torch.randint(-50, 10, (tiles, 1, 1), generator=gen).float())
+    x *= torch.pow(2.0, torch.randint(-12, 1, (tiles, rows, d // 16, 1), generator=gen).float()).repeat_interleave(16, -1).flatten(-2)[..., :d]
+    x[torch.rand(x.shape, generator=gen) < 0.05] = 0.0
+    x[3] = 0.0
+    x[5, :, :32] *= 2.0 ** -110
+    amax = x.abs().amax((1, 2))
+    tile_scale = fmt.tensor_scale(amax)
+    head_scale = fmt.tensor_scale(amax.max())
+    assert head_scale == tile_scale[amax > 0].max()  # t() is monotone: the head's is the tiles' max
+    direct_data, direct_sf = fmt.quantize_qk_rows(x / head_scale, qk_format)
+    data, sf = fmt.quantize_qk_rows(x / tile_scale[:, None, None], qk_format)
+    block = fmt.MX_BLOCK if qk_format == "mxfp8" else fmt.BLOCK
+    data_bytes = block if qk_format == "mxfp8" else block // 2
+    headroom = fmt.scale_headroom(sf, data, qk_format)
+    shifted = exact = 0
+    for t in range(tiles):
+        k = int(torch.log2(head_scale / tile_scale[t]))
+        if amax[t] == 0:
+            k = 0  # an all-zero tile has no scale of its own and nothing to move
+        ok = headroom[t] >= k
+        got = fmt.shift_scales(sf[t], k, qk_format)
+        assert torch.equal(got[ok], direct_sf[t][ok]), t
+        assert torch.equal(data[t].unflatten(-1, (-1, data_bytes))[ok], direct_data[t].unflatten(-1, (-1, data_bytes))[ok]), t
+        shifted += int(ok.sum()) if k else 0
+        exact += int((~ok).sum())
+    assert shifted > 1000 and exact > 10  # both paths taken
