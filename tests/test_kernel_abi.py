@@ -10,7 +10,9 @@ import shutil
 import subprocess
 
 import pytest
+import torch
 
+from nvfp4_dit import format as fmt
 from nvfp4_dit.cuda import build
 from nvfp4_dit.cuda import abi
 
@@ -43,12 +45,12 @@ def _layout_program() -> str:
             lines.append(f'  std::printf("offset {name}.{field} %zu\\n", offsetof({name}, {field}));')
     constants = {
         "ATTENTION_THREADS": "launch::kAttentionThreads", "PROBE_THREADS": "launch::kProbeThreads",
-        "QUANTIZE_THREADS": "launch::kQuantizeThreads", "PREFETCH_WAVES": "launch::kPrefetchWaves",
+        "QUANTIZE_THREADS": "launch::kQuantizeThreads",
         "CORRECTION_THREADS": "launch::kCorrectionThreads",
         "CORRECTION_TILE_M": "launch::kCorrectionTileM", "CORRECTION_TILE_N": "launch::kCorrectionTileN",
         "BLOCK_LISTS_THREADS": "launch::kBlockListsThreads", "BLOCK_LISTS_MAX_TILES": "launch::kBlockListsMaxTiles",
         "BLOCK_LIST_ROWS_PER_CTA": "launch::kBlockListRowsPerCta",
-        "TILE_ROWS": "kTileRows", "KEY_MEAN_CHUNK": "kKeyMeanChunk", "STAT_TENSORS": "kStatTensors",
+        "TILE_ROWS": "kTileRows", "STATISTICS_TILES": "kStatisticsTiles", "STAT_TENSORS": "kStatTensors",
         "STAT_VECTORS": "kStatVectors",
     }
     for py, cpp in constants.items():
@@ -119,8 +121,10 @@ using namespace nvfp4_dit;
 int main() {
   long long b, hkv, sk, dp;
   while (std::scanf("%lld %lld %lld %lld", &b, &hkv, &sk, &dp) == 4)
-    std::printf("%lld %lld\n", (long long)quantize_qkv_workspace_floats(b, hkv, sk, dp),
-                (long long)quantize_qkv_workspace_counters(b, hkv));
+    std::printf("%lld %lld %lld %lld\n", (long long)quantize_qkv_workspace_floats(b, hkv, dp),
+                (long long)quantize_qkv_workspace_counters(b, hkv),
+                (long long)quantize_qkv_workspace_records(b, hkv, (sk + 127) / 128 * 128),
+                (long long)statistics_stride(sk));
   return 0;
 }
 """
@@ -129,14 +133,19 @@ int main() {
 def test_workspace_sizes_match_the_header(tmp_path):
     exe = compile_host_program(tmp_path, "workspace", WORKSPACE_PROGRAM)
     cases = [(b, hkv, sk, dp) for b in (1, 2, 3) for hkv in (1, 2, 8, 40)
-             for sk in (0, 1, 77, 1024, 1025, 4096, 118_800) for dp in (64, 128)]
+             for sk in (0, 1, 77, 1024, 1025, 2048, 2049, 4096, 118_800) for dp in (64, 128)]
     text = "\n".join(" ".join(map(str, c)) for c in cases) + "\n"
     out = subprocess.run([str(exe)], input=text, capture_output=True, text=True, check=True).stdout.splitlines()
     assert len(out) == len(cases)
     for (b, hkv, sk, dp), line in zip(cases, out):
-        floats, counters = map(int, line.split())
-        assert abi.workspace_floats(b, hkv, sk, dp) == floats, (b, hkv, sk, dp)
+        floats, counters, records, stride = map(int, line.split())
+        assert abi.workspace_floats(b, hkv, dp) == floats, (b, hkv, sk, dp)
         assert abi.workspace_counters(b, hkv) == counters
+        assert abi.workspace_records(b, hkv, (sk + 127) // 128 * 128) == records
+        assert abi.statistics_stride(sk) == stride, sk
+        # the reference's rule (format.statistics_row_mask) reads the tiles this stride gives
+        rows = fmt.statistics_row_mask(torch.tensor([sk]), sk)[0].nonzero().flatten()
+        assert (rows // 128).unique().tolist() == list(range(0, -(-sk // 128), stride)), sk
 
 
 def test_entry_names_follow_the_header():

@@ -297,6 +297,46 @@ def test_bytes_equal_format_on_the_coarsest_scales(d, dtype):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("dtype, d, layout, qk_format", [
+    (torch.bfloat16, 128, "NHD", "nvfp4"), (torch.float16, 64, "HND", "mxfp8"), (torch.float32, 128, "HND", "nvfp4"),
+])
+def test_tiles_under_their_own_scale_end_under_their_heads(dtype, d, layout, qk_format):
+    """K and V tiles are quantised under their own tensor scale, then moved to their head's by the
+    fix-up pass: by a shift of their scale bytes, or quantised again where a byte would leave its
+    normal range. Tiles over 30 binades and rows 2^-12 below their tile's largest take both paths
+    (the statistics tiles are zero, so the means are too and smoothing keeps the magnitudes); the
+    bytes and the heads' scales must be format.py's."""
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    b, h, s = 2, 2, 40 * 128 + 77
+    lens = torch.tensor([s, s - 300], device="cuda")
+    tile_mag = torch.pow(2.0, torch.randint(-24, 6, (b, h, s // 128 + 1), device="cuda", generator=gen).float())
+    mag = tile_mag.repeat_interleave(128, -1)[..., :s, None]
+    mag[:, :, 7 * 128:7 * 128 + 40] *= 2.0 ** -12
+    mag[fmt.sampled_key_mask(lens, b, s, "cuda")[:, None, :, None].expand_as(mag)] = 0.0
+    q = torch.randn(b, h, s, d, device="cuda", generator=gen)
+    k, v = (torch.randn(b, h, s, d, device="cuda", generator=gen) * mag for _ in range(2))
+    q, k, v = ((t.transpose(1, 2) if layout == "NHD" else t).contiguous().to(dtype) for t in (q, k, v))
+    qq = cq.quantize_qkv(q, k, v, layout=layout, kv_lens=lens, qk_format=qk_format)
+    ref = _assert_matches_format(qq, q, k, v, layout, lens)
+    # The premise, from format.py on the same inputs: some tiles shift, some are quantised again.
+    vh = torch.where(fmt.valid_key_mask(lens, b, s, "cuda")[:, None, :, None], fmt.to_hnd(v, layout).float(), 0.0)
+    v_tiles = fmt.pad_dim(vh, 2, ref.k_smoothed.shape[2]).unflatten(2, (-1, fmt.SEQ_TILE)).transpose(3, 4)
+    paths = [_fix_up_paths(ref.k_smoothed.unflatten(2, (-1, fmt.SEQ_TILE)), qk_format), _fix_up_paths(v_tiles, "nvfp4")]
+    assert any(shifted for shifted, _ in paths) and any(again for _, again in paths), paths
+
+
+def _fix_up_paths(tiles, qk_format):
+    """(tiles that shift, tiles quantised again) of [..., tiles, rows, cols] smoothed tiles blocked
+    along cols, moved from their own tensor scale to their head's."""
+    amax = tiles.abs().amax((-2, -1))
+    own, head = fmt.tensor_scale(amax), fmt.tensor_scale(amax.amax(-1, keepdim=True))
+    data, sf = fmt.quantize_qk_rows(tiles / own[..., None, None], qk_format)
+    room = fmt.scale_headroom(sf, data, qk_format).flatten(-2).amin(-1)
+    shift = torch.log2(head / own)
+    return int(((shift > 0) & (shift <= room) & (amax > 0)).sum()), int(((shift > room) & (amax > 0)).sum())
+
+
+@pytest.mark.cuda
 def test_non_unit_strides_and_specials():
     """Strided views (no copy; D not unit-stride) and NaN, inf, -0, huge values."""
     gen = torch.Generator(device="cuda").manual_seed(3)

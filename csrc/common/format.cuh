@@ -200,14 +200,17 @@ constexpr int kBalanceMaxExponent = 64;
 
 // The smallest power of two t with absmax / t <= 2688, in [2^-126, 2^127]; 1 for 0 or non-finite.
 // 2688 = 0.65625 * 2^12, so with absmax = m * 2^e (m in [0.5, 1)) the exponent is
-// e - 12 + (m > 0.65625): integers only, as in format.py.
-__host__ __device__ __forceinline__ float tensor_scale(float absmax) {
-  if (!(absmax > 0.0f) || !(absmax <= 3.4028234663852886e38f)) return 1.0f;
+// e - 12 + (m > 0.65625): integers only, as in format.py. tensor_scale_exponent gives log2 t.
+__host__ __device__ __forceinline__ int tensor_scale_exponent(float absmax) {
+  if (!(absmax > 0.0f) || !(absmax <= 3.4028234663852886e38f)) return 0;
   int e;
   const float m = frexpf(absmax, &e);
-  int exponent = e - 12 + (m > 0.65625f ? 1 : 0);
-  exponent = exponent < -126 ? -126 : (exponent > 127 ? 127 : exponent);
-  return power_of_two(exponent);
+  const int exponent = e - 12 + (m > 0.65625f ? 1 : 0);
+  return exponent < -126 ? -126 : (exponent > 127 ? 127 : exponent);
+}
+
+__host__ __device__ __forceinline__ float tensor_scale(float absmax) {
+  return power_of_two(tensor_scale_exponent(absmax));
 }
 
 // The channel balance s_c of one channel from its statistics and the head's maxima over

@@ -14,7 +14,8 @@
 //   reads them in a video call's tile order, QuantizeQkvParams::order):
 //     nvfp4_dit_balance_statistics_<dtype>_d<DP>_<load>(QuantizeQkvParams)      launch 0 (balance_qk)
 //     nvfp4_dit_key_stats_<dtype>_d<DP>_<load>(QuantizeQkvParams)               launch 1
-//     nvfp4_dit_quantize_tiles_<dtype>_d<DP>_<load>_{nvfp4,mxfp8}(QuantizeQkvParams, int64 prefetch)  launch 2
+//     nvfp4_dit_quantize_tiles_<dtype>_d<DP>_<load>_{nvfp4,mxfp8}(QuantizeQkvParams, int32 fix_up)
+//         launch 2 (fix_up 0: one CTA per tile), then launch 3 (fix_up 1: the tiles to their heads' scales)
 //   quantize/correction.cu:
 //     nvfp4_dit_correction_<dtype>_d<DP>_{vec,scalar}_{vecstore,scalarstore}(CorrectionParams)
 //   quantize/block_lists.cu:
@@ -34,10 +35,8 @@ constexpr int kAttentionSmemBytes[2][2] = {{38912, 75776}, {54272, 79872}};
 // The MMA probes: one warp.
 constexpr int kProbeThreads = 32;
 
-// The tile quantiser: one CTA per work item. Tiles prefetch the input of the item kPrefetchWaves
-// waves of resident CTAs ahead (the launcher reads the residency off the occupancy API).
+// The tile quantiser: one CTA per work item.
 constexpr int kQuantizeThreads = 256;
-constexpr int kPrefetchWaves = 1;
 
 // The correction GEMM (int8 tensor cores): a CTA owns kCorrectionTileN keys of one head and walks
 // Q blocks kCorrectionTileM at a time; dynamic shared memory per padded head dim 64, 128.

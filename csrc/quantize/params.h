@@ -77,10 +77,13 @@ struct QuantizeQkvParams {
   uint32_t* nonfinite_kv;        // [B * Hkv]: a valid key (j < kv_lens[b]) of K or V holds NaN/inf
   uint32_t* nonfinite_q_blocks;  // [B * H * Sqp/128]: that 128-row Q block holds NaN/inf
 
-  // Workspace of the K and V statistics (see quantize_qkv_workspace_*).
-  float* k_partial_sums;    // [quantize_qkv_workspace_floats]: chunk statistics
-                            // [B * Hkv, kStatTensors, k_chunks, kStatVectors, Dp]; no initial value
+  // Workspace (see quantize_qkv_workspace_*): the statistics tiles' partials, the counters (zeroed
+  // before every quantisation) and the K and V tiles' own tensor scales.
+  float* k_partial_sums;    // [quantize_qkv_workspace_floats]: per tile its statistics
+                            // [B * Hkv, kStatTensors, kStatisticsTiles, kStatVectors, Dp]; no initial value
   uint32_t* work_counters;  // [quantize_qkv_workspace_counters], zero on entry
+  int32_t* tile_records;    // [kStatTensors, B * Hkv * Skp/128, 2]: per K / V tile its exponent and
+                            // headroom (quantize_tiles.cu); no initial value
 
   // Q and K are NVFP4 (above) or, from the quantize_tiles_*_mxfp8 entry points, MXFP8: e4m3 data
   // q_data [B, H, Sqp, Dp], k_data [B, Hkv, Skp, Dp] and one ue8m0 byte per 32 elements,
@@ -94,30 +97,39 @@ struct QuantizeQkvParams {
 
 constexpr int kTileRows = 128;  // rows of a Q/K tile and tokens of a V^T tile, in every kernel
 
-// Keys reduced by one statistics work item (quantize_tiles.cu).
-constexpr int64_t kKeyMeanChunk = 1024;
-
 // Per-head statistics of the keys: for K and V (kStatTensors), per channel the sum, the minimum and
-// the maximum over the valid keys (kStatVectors). They give the means (km, vm), max |k - km| and
-// max |v - vm| per channel (the tensor scales and the balance) without a second pass.
+// the maximum over the valid keys of the head's statistics tiles (kStatVectors). They give the
+// means (km, vm) and max |k - km| per channel (the balance).
 constexpr int kStatTensors = 2;  // 0: K, 1: V
 constexpr int kStatVectors = 3;  // 0: sum, 1: min, 2: max
 
-NVFP4_DIT_HOST_DEVICE inline int64_t quantize_qkv_k_chunks(int64_t seq_k) {
-  return seq_k <= 0 ? 1 : (seq_k + kKeyMeanChunk - 1) / kKeyMeanChunk;
+// The statistics tiles of a head of n_valid rows (format.statistics_row_mask): the 128-row tiles
+// j * statistics_stride(n_valid), j < kStatisticsTiles, that hold valid rows.
+constexpr int64_t kStatisticsTiles = 16;
+
+NVFP4_DIT_HOST_DEVICE inline int64_t statistics_stride(int64_t n_valid) {
+  const int64_t tiles = n_valid > 0 ? (n_valid + kTileRows - 1) / kTileRows : 0;
+  return tiles <= kStatisticsTiles ? 1 : (tiles + kStatisticsTiles - 1) / kStatisticsTiles;
 }
 
-// Floats of k_partial_sums needed for these sizes: per (b, kv-head) and tensor the statistics of
-// each chunk.
-NVFP4_DIT_HOST_DEVICE inline int64_t quantize_qkv_workspace_floats(int64_t batch, int64_t heads_kv, int64_t seq_k,
+// Floats of k_partial_sums needed for these sizes: per (b, kv-head), tensor and statistics tile its
+// statistics.
+NVFP4_DIT_HOST_DEVICE inline int64_t quantize_qkv_workspace_floats(int64_t batch, int64_t heads_kv,
                                                                  int64_t head_dim_padded) {
-  return batch * heads_kv * kStatTensors * quantize_qkv_k_chunks(seq_k) * kStatVectors * head_dim_padded;
+  return batch * heads_kv * kStatTensors * kStatisticsTiles * kStatVectors * head_dim_padded;
 }
 
 // 32-bit counters of work_counters (zeroed before every quantisation): per (b, kv-head) the
-// arrivals of its statistics chunks.
+// arrivals of its statistics tiles, then per (b, kv-head) and tensor the largest tile exponent
+// (quantize_tiles.cu, head_exponent).
 NVFP4_DIT_HOST_DEVICE inline int64_t quantize_qkv_workspace_counters(int64_t batch, int64_t heads_kv) {
-  return batch * heads_kv;
+  return batch * heads_kv * (1 + kStatTensors);
+}
+
+// int32 of tile_records: two per K and per V tile.
+NVFP4_DIT_HOST_DEVICE inline int64_t quantize_qkv_workspace_records(int64_t batch, int64_t heads_kv,
+                                                                  int64_t seq_k_padded) {
+  return kStatTensors * batch * heads_kv * (seq_k_padded / kTileRows) * 2;
 }
 
 struct CorrectionParams {

@@ -273,14 +273,65 @@ __device__ __forceinline__ int k_row_perm(int t) {
 }
 
 // Work counters (one zeroed workspace, quantize_qkv_workspace_counters): per (b, kv-head) the
-// arrivals of its statistics chunks.
+// arrivals of its statistics tiles, then per (b, kv-head) and tensor its head exponent slot.
 __device__ __forceinline__ uint32_t* arrivals(const QuantizeQkvParams& p) { return p.work_counters; }
 
-// The statistics of chunk `chunk` of tensor `tensor` (0: K, 1: V) of kv head bh in the workspace:
-// [kStatVectors, dp] (sum, min, max per channel; QuantizeQkvParams::k_partial_sums).
-__device__ __forceinline__ float* key_chunk_stats(const QuantizeQkvParams& p, int64_t bh, int tensor, int64_t chunk,
-                                                  int64_t n_chunks, int dp) {
-  return p.k_partial_sums + ((bh * kStatTensors + tensor) * n_chunks + chunk) * kStatVectors * dp;
+// The statistics of statistics tile j of tensor `tensor` (0: K, 1: V) of kv head bh in the
+// workspace: [kStatVectors, dp] (sum, min, max per channel; QuantizeQkvParams::k_partial_sums).
+__device__ __forceinline__ float* key_chunk_stats(const QuantizeQkvParams& p, int64_t bh, int tensor, int64_t j, int dp) {
+  return p.k_partial_sums + ((bh * kStatTensors + tensor) * kStatisticsTiles + j) * kStatVectors * dp;
+}
+
+// Rows that the statistics tiles of a head of n_valid rows read (format.statistics_row_mask).
+__device__ __forceinline__ int64_t statistics_row_count(int64_t n_valid) {
+  const int64_t stride = statistics_stride(n_valid);
+  int64_t n = 0;
+  for (int64_t j = 0; j < kStatisticsTiles; ++j) n += rows_below(n_valid, j * stride * kTileRows, kTileRows);
+  return n;
+}
+
+// A K or V tile is quantised under its own tensor scale 2^e, e = tensor_scale_exponent(tile amax),
+// and the head's is the largest of them (tensor_scale is monotone): each tile raises its head's
+// slot to e + kExponentBias (a slot of 0: no nonzero tile, the head's scale is 1), or to
+// kNonfiniteExponent where the tile met NaN/inf (the head's scale is 1, format.tensor_scale).
+constexpr int kExponentBias = 128;
+constexpr uint32_t kNonfiniteExponent = 0xFFFFu;
+
+__device__ __forceinline__ uint32_t* head_exponent_slot(const QuantizeQkvParams& p, int64_t bh, int tensor) {
+  return p.work_counters + p.batch * p.heads_kv + bh * kStatTensors + tensor;
+}
+
+__device__ __forceinline__ int head_exponent(uint32_t slot) {
+  return slot == 0 || slot == kNonfiniteExponent ? 0 : int(slot) - kExponentBias;
+}
+
+// How many binades a block's scale byte can move down so that the block under a tensor scale that
+// much larger has the same codes and the moved byte (format.scale_headroom); kAnyShift where any
+// move is exact. NVFP4: a zero byte stays zero; exponent field E moves E - 1 and stays normal.
+// MXFP8 (byte b = 2^(b-127)): down to kMxShiftFloor; a zero byte whose codes are all +-0 stays so.
+constexpr int kAnyShift = 255;
+constexpr int kMxShiftFloor = 25;
+
+__device__ __forceinline__ int nvfp4_scale_headroom(uint32_t byte) {
+  return byte == 0 ? kAnyShift : ((int(byte) >> 3) > 1 ? (int(byte) >> 3) - 1 : 0);
+}
+
+__device__ __forceinline__ int mxfp8_scale_headroom(uint32_t byte, const uint32_t (&codes)[4]) {
+  if (byte != 0) return int(byte) > kMxShiftFloor ? int(byte) - kMxShiftFloor : 0;
+  const uint32_t magnitudes = (codes[0] | codes[1] | codes[2] | codes[3]) & 0x7F7F7F7Fu;
+  return magnitudes == 0 ? kAnyShift : 0;
+}
+
+// Four scale bytes moved down by `step` (NVFP4: binades << 3, MXFP8: binades), zero bytes kept:
+// within the headroom no byte borrows from its neighbour.
+__device__ __forceinline__ uint32_t shift_scale_bytes(uint32_t word, uint32_t step) {
+  uint32_t out = 0;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t b = (word >> (8 * i)) & 0xFFu;
+    out |= (b == 0 ? 0u : b - step) << (8 * i);
+  }
+  return out;
 }
 
 // max |fl(x - mean)| over the keys of one channel, from their min and max: fl(x - mean) is monotone
@@ -314,55 +365,43 @@ __device__ __forceinline__ bool cta_arrived_last(uint32_t* counter, int64_t expe
   return slot;
 }
 
-// km from the sum over the n_valid valid keys: zero when a batch has none (format.k_mean clamps
-// the count to 1).
-__device__ __forceinline__ float key_mean(float sum, int64_t n_valid) {
-  return __fdiv_rn(sum, float(n_valid > 0 ? n_valid : 1));
+// A mean from the sum over n rows: zero when there are none (format.k_mean clamps the count to 1).
+__device__ __forceinline__ float key_mean(float sum, int64_t n) {
+  return __fdiv_rn(sum, float(n > 0 ? n : 1));
 }
 
-// Finishes the statistics of kv head bh from the per-channel totals over its valid keys (sum, min,
-// max of K and of V) of channels c0 .. c0 + kCols - 1, held by this thread (`active`; inactive
-// threads take part in the reductions only): writes km, vm, the channel balance s and the tensor
-// scales k_scale = t(max_c max|k - km| / s_c), v_scale = t(max_c max|v - vm|) (format.quantize_qkv).
-// group_max(x) is the NaN-propagating max of x over every thread holding channels of the head; all
-// of them call this alike.
+// Finishes the statistics of kv head bh from the per-channel totals over its statistics tiles (sum,
+// min, max of K and of V) of channels c0 .. c0 + kCols - 1, held by this thread (`active`; inactive
+// threads take part in the reductions only): writes km, vm and the channel balance s
+// (format.quantize_qkv). group_max(x) is the NaN-propagating max of x over every thread holding
+// channels of the head; all of them call this alike. The tensor scales come from the tiles.
 template <int kCols, typename GroupMax>
 __device__ __forceinline__ void finish_head_statistics(const QuantizeQkvParams& p, int64_t bh, int c0, bool active,
                                                        int dp, const float (&sum)[kStatTensors][kCols],
                                                        const float (&lo)[kStatTensors][kCols],
                                                        const float (&hi)[kStatTensors][kCols], GroupMax group_max) {
-  const int64_t n_valid = valid_key_count(p, bh / p.heads_kv);
-  float km[kCols], vm[kCols], dev_k[kCols], dev_v[kCols], amax_q[kCols];
-  float top_k = 0.0f, top_q = 0.0f, top_v = 0.0f;
+  const int64_t n_rows = statistics_row_count(valid_key_count(p, bh / p.heads_kv));
+  float km[kCols], vm[kCols], dev_k[kCols], amax_q[kCols];
+  float top_k = 0.0f, top_q = 0.0f;
 #pragma unroll
   for (int c = 0; c < kCols; ++c) {
-    km[c] = key_mean(sum[0][c], n_valid);
-    vm[c] = key_mean(sum[1][c], n_valid);
+    km[c] = key_mean(sum[0][c], n_rows);
+    vm[c] = key_mean(sum[1][c], n_rows);
     dev_k[c] = active ? channel_deviation(km[c], lo[0][c], hi[0][c]) : 0.0f;
-    dev_v[c] = active ? channel_deviation(vm[c], lo[1][c], hi[1][c]) : 0.0f;
     amax_q[c] = active && p.balance_qk ? __uint_as_float(p.q_channel_amax[bh * dp + c0 + c]) : 0.0f;
     top_k = max_nan(top_k, dev_k[c]);
     top_q = max_nan(top_q, amax_q[c]);
-    top_v = max_nan(top_v, dev_v[c]);
   }
   top_k = group_max(top_k);
   top_q = group_max(top_q);
-  float k_dev_max = 0.0f;
 #pragma unroll
   for (int c = 0; c < kCols; ++c) {
     const float s = p.balance_qk ? channel_balance(amax_q[c], dev_k[c], top_q, top_k) : 1.0f;
-    k_dev_max = max_nan(k_dev_max, __fdiv_rn(dev_k[c], s));  // a power of two: exact
     if (active) {
       p.k_mean[bh * dp + c0 + c] = km[c];
       p.v_mean[bh * dp + c0 + c] = vm[c];
       p.balance[bh * dp + c0 + c] = s;
     }
-  }
-  k_dev_max = group_max(k_dev_max);
-  top_v = group_max(top_v);
-  if (active && c0 == 0) {
-    p.k_scale[bh] = tensor_scale(k_dev_max);
-    p.v_scale[bh] = tensor_scale(top_v);
   }
 }
 

@@ -1,23 +1,29 @@
 // The quantiser of Q, K and V for the attention kernel (contract: params.h). It takes any input
-// (fp32, strided, D < Dp, any GPU).
+// (fp32, strided, D < Dp, any GPU) and reads each input byte from DRAM about once.
 //
-// Two kernel launches (after the caller's memset of a small counter workspace), each CTA one
-// work item by blockIdx, none waiting for another:
-//   1. key_stats_kernel: statistics chunks, each reducing kKeyMeanChunk keys of K or of V of one
-//      (b, kv-head) to per-channel sums, minima and maxima (the last chunk of a head to arrive
-//      adds them in a fixed order, deterministic, and finishes the head: km, vm, the channel
-//      balance, the K and V tensor scales).
-//   2. tiles_kernel: K tiles ((k - km) / (s k_scale), rows permuted), Q tiles (the tile's own
-//      128-row block mean and tensor scale, then (q - qm) s / q_scale, and q . km) and V^T tiles
-//      ((v - vm) / v_scale, transposed through shared memory, quantized along tokens). Stream
-//      order makes the statistics ready.
-// With balance_qk, balance_statistics_kernel runs first (one CTA per Q tile: max |q - qm| per
-// channel of each kv group), since the balance of a head needs all of its query heads' rows.
-// Why two launches rather than one with a ticket order: in one launch a tile waits for its head's
-// statistics from other CTAs (a ticket atomic, a ready-flag poll, then the loads), which needs
-// every earlier ticket's CTA to be resident and costs round trips to L2 per tile. Split, no CTA
-// waits on another and each tile issues its loads first thing. The price: K and V are read twice
-// from DRAM (by their statistics chunks, then by their tiles; docs/quantize.md).
+// Launches (after the caller's memset of a small counter workspace), each CTA one work item by
+// blockIdx, none waiting for another:
+//   0. with balance_qk, balance_statistics_kernel: max |q - qm| per channel of each kv group over
+//      the Q statistics tiles (format.statistics_row_mask: at most kStatisticsTiles 128-row tiles
+//      per head), one CTA per tile;
+//   1. key_stats_kernel: the same tiles of K and of V of each (b, kv-head) reduced to per-channel
+//      sums, minima and maxima (the last tile of a head to arrive adds them in a fixed order,
+//      deterministic, and finishes the head: km, vm, the channel balance);
+//   2. tiles_kernel: K tiles ((k - km) / (s t), rows permuted), Q tiles (the tile's own 128-row
+//      block mean and tensor scale, then (q - qm) s / q_scale, and q . km) and V^T tiles
+//      ((v - vm) / t, transposed through shared memory, quantized along tokens). A K or V tile
+//      does not wait for its head's tensor scale: it takes its own, t = tensor_scale(tile amax), a
+//      power of two, records it and raises its head's maximum (head_exponent_slot);
+//   3. tiles_kernel's fix-up pass: the head's scale is the largest tile's (tensor_scale is
+//      monotone), so each K or V tile under a smaller one moves its scale bytes down by the
+//      difference, which gives the bytes of quantising under the head's scale directly as long
+//      as every byte stays in its normal range (format.scale_headroom, proven on the host in
+//      tests/test_format.py); a tile whose bytes cannot move is quantised again (the rare tile of
+//      blocks 2^-14 below the head's largest).
+// Statistics from a sample are exact transforms whatever their values (the means and the balance
+// only move the inputs' centre and channel magnitudes), so the inputs are read once plus the
+// statistics tiles (under 5 % of a head past 2,048 rows); the price is a pass over the K and V
+// scale bytes (1/32 of a bf16 input).
 // Padding rows/columns are written as zero data with zero scales; keys past kv_lens are padding.
 //
 // Every offset is int64. No fast-math: the scale and data divisions are correctly rounded
@@ -37,18 +43,21 @@ namespace nvfp4_dit {
 namespace {
 
 constexpr int kThreads = launch::kQuantizeThreads;
-// CTAs per SM for __launch_bounds__ (the launcher reads the resulting occupancy for the prefetch
-// distance). sm_80/sm_90: 4 caps registers at 64 (a few bytes spill on bf16/fp16 with D = 128), and
-// the extra warps hide more memory latency than the spill costs (faster than 3 or 2 on the H200).
-// sm_120/sm_121 compile without spills: 2 (128 registers), 1 for the MXFP8 tiles (152 registers
-// at D = 128) and the statistics chunks.
+// CTAs per SM for __launch_bounds__. sm_80/sm_90: 3 (80 registers): at 4 (64 registers) the K
+// tile's values, live across its amax pass, spill and the local traffic reaches DRAM; at 2 fewer
+// tiles are in flight than DRAM needs (both slower on the H100). sm_120/sm_121 compile without
+// spills: 2 (128 registers), 1 for the MXFP8 tiles (152 registers at D = 128) and the statistics
+// tiles.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1200
 constexpr int kMinCtasPerSm = 2;
+// Strided (scalar) loads keep 16 loads per row in flight: at 128 registers those spilled.
+constexpr int kScalarMinCtasPerSm = 1;
 constexpr int kMxfp8MinCtasPerSm = 1;
 constexpr int kKeyStatsMinCtasPerSm = 1;
 #else
-constexpr int kMinCtasPerSm = 4;
-constexpr int kMxfp8MinCtasPerSm = 4;
+constexpr int kMinCtasPerSm = 3;
+constexpr int kScalarMinCtasPerSm = 3;
+constexpr int kMxfp8MinCtasPerSm = 3;
 // The statistics chunks keep a sum, a minimum and a maximum of 16 columns per thread (48
 // registers) next to their loads in flight: two CTAs per SM (128 registers) hold them unspilled.
 constexpr int kKeyStatsMinCtasPerSm = 2;
@@ -92,6 +101,9 @@ enum class Load { kScalar, kVec, kRows };
 template <Load L>
 constexpr bool kVectorLoads = L != Load::kScalar;
 
+template <Load L>
+constexpr int kNvfp4TilesMinCtasPerSm = L == Load::kScalar ? kScalarMinCtasPerSm : kMinCtasPerSm;
+
 // The input row of sequence position s.
 template <Load L>
 __device__ __forceinline__ int64_t input_row(const QuantizeQkvParams& p, int64_t s) {
@@ -132,32 +144,6 @@ __device__ __forceinline__ void load_block16(Block16<DT>& blk, const typename In
       }
     }
   }
-}
-
-// Asks L2 to fetch the input rows of positions [row0, row0 + rows) of head (b, h) of input t
-// (rows of DP elements with unit stride, vector loads), one 128-byte line per thread and step. No registers wait for it, so DRAM has
-// work while the CTAs compute and the tile's own loads later hit L2.
-template <typename Raw, int DP, Load L>
-__device__ __forceinline__ void prefetch_rows_l2(const QuantizeQkvParams& p, const StridedInput& t, int64_t b,
-                                                 int64_t h, int64_t row0, int64_t rows) {
-  constexpr int kLinesPerRow = (DP * int(sizeof(Raw)) + 127) / 128;
-  const int64_t first = L == Load::kRows ? 0 : row0;
-  const char* base = reinterpret_cast<const char*>(static_cast<const Raw*>(t.ptr) + row_offset(t, b, h, first));
-  const int64_t row_bytes = t.stride_s * int64_t(sizeof(Raw));
-  for (int64_t i = threadIdx.x; i < rows * kLinesPerRow; i += kThreads) {
-    const int64_t row = L == Load::kRows ? input_row<L>(p, row0 + i / kLinesPerRow) : i / kLinesPerRow;
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(base + row * row_bytes + (i % kLinesPerRow) * 128));
-  }
-}
-
-// prefetch_rows_l2 of the valid rows of 128-row tile `tile` of [B, heads, S] input t (n_blocks
-// tiles per head): keys (valid up to kv_lens) or queries (valid up to seq_q).
-template <typename Raw, int DP, Load L>
-__device__ __forceinline__ void prefetch_tile_l2(const QuantizeQkvParams& p, const StridedInput& t, int64_t heads,
-                                                 int64_t n_blocks, int64_t tile, bool keys) {
-  const int64_t bh = tile / n_blocks, blk = tile % n_blocks, b = bh / heads;
-  const int64_t n_valid = keys ? valid_key_count(p, b) : p.seq_q;
-  prefetch_rows_l2<Raw, DP, L>(p, t, b, bh % heads, blk * kTileRows, rows_below(n_valid, blk * kTileRows, kTileRows));
 }
 
 ////////////////////////////////////////////////////////////////////////////////////////////////
@@ -260,71 +246,62 @@ __device__ __forceinline__ void cta_column_stats(const SharedStorage<DP>& sm, co
 }
 
 ////////////////////////////////////////////////////////////////////////////////////////////////
-// Work items 1: the K and V statistics, kKeyMeanChunk keys per item
+// Work items 1: the K and V statistics, one statistics tile per item
 
-// Item (bh, tensor, chunk): the sum, min and max per channel of chunk `chunk` of K (tensor 0) or
-// V (1) of kv head bh over its valid keys. The CTA that adds a head's last chunk finishes the head
-// (finish_head_statistics: means, balance, tensor scales).
+// Item (bh, tensor, j): the sum, min and max per channel of statistics tile j of K (tensor 0) or V
+// (1) of kv head bh over its valid keys (none when the head has fewer tiles). The CTA that adds a
+// head's last tile finishes the head (finish_head_statistics: means, balance).
 template <InputDtype DT, int DP, Load L>
 __device__ __forceinline__ void key_stats_item(const QuantizeQkvParams& p, SharedStorage<DP>& sm, int64_t item) {
   using Raw = typename InputTraits<DT>::Raw;
   constexpr int kColGroups = DP / 16;             // threads per row, 16 columns each
   constexpr int kRowsPerPass = kThreads / kColGroups;
-  const int64_t n_chunks = quantize_qkv_k_chunks(p.seq_k);
-  const int64_t bh = item / (kStatTensors * n_chunks);  // b * Hkv + kvh
-  const int tensor = int(item / n_chunks % kStatTensors);
-  const int64_t chunk = item % n_chunks;
+  constexpr int kPasses = kTileRows / kRowsPerPass;  // every load of the tile in flight at once
+  const int64_t bh = item / (kStatTensors * kStatisticsTiles);  // b * Hkv + kvh
+  const int tensor = int(item / kStatisticsTiles % kStatTensors);
+  const int64_t j = item % kStatisticsTiles;
   const int64_t b = bh / p.heads_kv, h = bh % p.heads_kv;
   const int64_t n_valid = valid_key_count(p, b);
+  const int64_t key0 = j * statistics_stride(n_valid) * kTileRows;
   const StridedInput& in = tensor == 0 ? p.k : p.v;
   const int cg = threadIdx.x % kColGroups;
   const int r0 = threadIdx.x / kColGroups;
   const Raw* base = static_cast<const Raw*>(in.ptr) + row_offset(in, b, h, 0);
-  if constexpr (kVectorLoads<L>) {  // the whole chunk at once, not kUnroll loads per thread at a time
-    const int64_t first = chunk * kKeyMeanChunk;
-    prefetch_rows_l2<Raw, DP, L>(p, in, b, h, first, rows_below(n_valid, first, kKeyMeanChunk));
-  }
 
   constexpr ColumnStat kKinds[kStatVectors] = {kColumnSum, kColumnMin, kColumnMax};
   float st[kStatVectors][16];
   init_column_stats(kKinds, st);
-  const int64_t key0 = chunk * kKeyMeanChunk;
-  constexpr int kUnroll = 4;  // loads in flight per thread
-  for (int pass = 0; pass < kKeyMeanChunk / kRowsPerPass; pass += kUnroll) {
-    if (key0 + pass * kRowsPerPass >= n_valid) break;  // uniform across the CTA
-    Block16<DT> blk[kUnroll];
+  Block16<DT> blk[kPasses];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t key = key0 + (pass + u) * kRowsPerPass + r0;
-      blk[u].zero();
-      if (key < n_valid)
-        load_block16<DT, kVectorLoads<L>>(blk[u], base + input_row<L>(p, key) * in.stride_s, in.stride_d, cg * 16,
-                                          int(p.head_dim));
-    }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u)
-      if (key0 + (pass + u) * kRowsPerPass + r0 < n_valid)
-#pragma unroll
-        for (int e = 0; e < 16; ++e) {
-          const float xe = blk[u].get(e);
-          st[0][e] += xe;
-          st[1][e] = min_nan(st[1][e], xe);
-          st[2][e] = max_nan(st[2][e], xe);
-        }
+  for (int u = 0; u < kPasses; ++u) {
+    const int64_t key = key0 + u * kRowsPerPass + r0;
+    blk[u].zero();
+    if (key < n_valid)
+      load_block16<DT, kVectorLoads<L>>(blk[u], base + input_row<L>(p, key) * in.stride_s, in.stride_d, cg * 16,
+                                        int(p.head_dim));
   }
+#pragma unroll
+  for (int u = 0; u < kPasses; ++u)
+    if (key0 + u * kRowsPerPass + r0 < n_valid)
+#pragma unroll
+      for (int e = 0; e < 16; ++e) {
+        const float xe = blk[u].get(e);
+        st[0][e] += xe;
+        st[1][e] = min_nan(st[1][e], xe);
+        st[2][e] = max_nan(st[2][e], xe);
+      }
   stage_column_stats<kColGroups>(sm, kKinds, st);
   __syncthreads();
 
-  const int64_t n_stats = kStatTensors * n_chunks;  // items per head
   if (threadIdx.x < DP) {
-    float* out = key_chunk_stats(p, bh, tensor, chunk, n_chunks, DP);
+    float* out = key_chunk_stats(p, bh, tensor, j, DP);
     float stats[kStatVectors];
     cta_column_stats(sm, kKinds, threadIdx.x, stats);
 #pragma unroll
     for (int i = 0; i < kStatVectors; ++i) out[i * DP + threadIdx.x] = stats[i];
   }
-  // Publish the chunk's statistics, then count arrivals; the last CTA of this head finishes it.
-  if (!cta_arrived_last(arrivals(p) + bh, n_stats, sm.last_arrival)) return;
+  // Publish the tile's statistics, then count arrivals; the last CTA of this head finishes it.
+  if (!cta_arrived_last(arrivals(p) + bh, kStatTensors * kStatisticsTiles, sm.last_arrival)) return;
   const bool active = threadIdx.x < DP;
   const int c = active ? int(threadIdx.x) : 0;
   float tsum[kStatTensors][1], tlo[kStatTensors][1], thi[kStatTensors][1];
@@ -333,8 +310,8 @@ __device__ __forceinline__ void key_stats_item(const QuantizeQkvParams& p, Share
     tsum[t][0] = 0.0f;
     tlo[t][0] = INFINITY;
     thi[t][0] = -INFINITY;
-    for (int64_t k = 0; k < n_chunks; ++k) {
-      const float* st = key_chunk_stats(p, bh, t, k, n_chunks, DP);
+    for (int64_t k = 0; k < kStatisticsTiles; ++k) {
+      const float* st = key_chunk_stats(p, bh, t, k, DP);
       tsum[t][0] += __ldcg(st + c);
       tlo[t][0] = min_nan(tlo[t][0], __ldcg(st + DP + c));
       thi[t][0] = max_nan(thi[t][0], __ldcg(st + 2 * DP + c));
@@ -520,21 +497,24 @@ struct QkRowBytes {
 
 // Quantise this thread's 16 values v of a Q or K row (zeros for padding rows) and store them at
 // data / sf (the thread's place in its row): NVFP4 blocks of 16, or half an MXFP8 block of 32
-// (every lane takes part: the pair shares its amax). Returns whether a valid row met NaN/inf.
+// (every lane takes part: the pair shares its amax). Lowers `headroom` to the block's
+// (scale_headroom). Returns whether a valid row met NaN/inf.
 template <int DP, class QkFmt>
 __device__ __forceinline__ bool quantize_qk_block(const float (&v)[16], bool valid, const ScaleTables& tables,
-                                                  int cb, uint8_t* data, uint8_t* sf) {
+                                                  int cb, uint8_t* data, uint8_t* sf, int& headroom) {
   if constexpr (QkFmt::kBits == 8) {
     uint32_t w[4], sf_bits;
     const bool nonfinite = quantize_mx_half32(v, w, sf_bits);
     store_u128(data, w);
     if ((cb & 1) == 0) *sf = static_cast<uint8_t>(sf_bits);
+    headroom = min(headroom, mxfp8_scale_headroom(sf_bits, w));
     return nonfinite && valid;
   } else {
     uint32_t lo = 0, hi = 0, sf_bits = 0;
     const bool nonfinite = valid && quantize_block16(v, tables, lo, hi, sf_bits);
     store_u64(data, lo, hi);
     *sf = static_cast<uint8_t>(sf_bits);
+    headroom = min(headroom, nvfp4_scale_headroom(sf_bits));
     return nonfinite;
   }
 }
@@ -590,9 +570,10 @@ __device__ __forceinline__ void q_tile(const QuantizeQkvParams& p, SharedStorage
         dot = fmaf(xe, km[e], dot);
       }
     }
+    int unused_headroom = kAnyShift;  // a Q block's scale is its own
     nonfinite |= quantize_qk_block<DP, QkFmt>(v, r < valid_rows, sm.tables, cb,
                                             data + ps * Map::kRowsPerPass * Row::kData,
-                                            sf + ps * Map::kRowsPerPass * Row::kScales);
+                                            sf + ps * Map::kRowsPerPass * Row::kScales, unused_headroom);
     // q . km: the kColBlocks threads of a row are consecutive lanes.
 #pragma unroll
     for (int off = 1; off < Map::kColBlocks; off <<= 1) dot += __shfl_xor_sync(0xFFFFFFFFu, dot, off);
@@ -601,35 +582,82 @@ __device__ __forceinline__ void q_tile(const QuantizeQkvParams& p, SharedStorage
   raise_flag(p.nonfinite_q_blocks + tile, nonfinite);
 }
 
-// The per-column factor and offset of a K or V^T tile of kv head bh: K quantises
-// (k - km) / (s_c * k_scale), V (v - vm) / v_scale (powers of two: exact).
+// The per-column factor and offset of a K or V^T tile of kv head bh before its tensor scale: K
+// takes (k - km) / s_c, V v - vm (s_c a power of two: exact), as fma(x, factor, -offset).
 template <int DP>
 __device__ __forceinline__ void key_tile_columns(const QuantizeQkvParams& p, SharedStorage<DP>& sm, int64_t bh,
                                                  bool values) {
   const int c = int(threadIdx.x);
   if (c < DP) {
-    const float f = values ? __frcp_rn(p.v_scale[bh]) : __frcp_rn(p.balance[bh * DP + c] * p.k_scale[bh]);
+    const float f = values ? 1.0f : __frcp_rn(p.balance[bh * DP + c]);
     const float mean = __ldcg((values ? p.v_mean : p.k_mean) + bh * DP + c);
     sm.factor[padded_column(c)] = f;
     sm.offset[padded_column(c)] = mean * f;
   }
 }
 
-template <InputDtype DT, int DP, Load L, class QkFmt>
-__device__ __forceinline__ void k_tile(const QuantizeQkvParams& p, SharedStorage<DP>& sm, int64_t tile) {
+// The tensor scale 2^exponent of a K or V tile: its own (kOwnScale, the tiles pass: the exponent of
+// its amax, recorded by record_tile_scale) or its head's `head` (the fix-up pass re-quantising a
+// tile). Every thread calls it alike (cta_reduce's barriers) and gets the same.
+template <bool kOwnScale, int DP>
+__device__ __forceinline__ int tile_scale_exponent(SharedStorage<DP>& sm, int head, float amax, float& tile_amax) {
+  if constexpr (!kOwnScale) return head;
+  tile_amax = cta_reduce(kColumnMax, amax, sm);
+  return tensor_scale_exponent(tile_amax);
+}
+
+// Records a tile quantised under its own tensor scale 2^exponent: the exponent and the headroom of
+// its scale bytes (the least over its blocks) for the fix-up pass, and raises its head's slot.
+template <int DP>
+__device__ __forceinline__ void record_tile_scale(const QuantizeQkvParams& p, SharedStorage<DP>& sm, int tensor,
+                                                  int64_t tile, int64_t bh, int exponent, float tile_amax,
+                                                  int headroom) {
+  const int least = int(cta_reduce(kColumnMin, float(headroom), sm));  // small integers: exact in fp32
+  if (threadIdx.x != 0) return;
+  const int64_t kv_tiles = p.batch * p.heads_kv * (p.seq_k_padded / kTileRows);
+  int32_t* record = p.tile_records + (tensor * kv_tiles + tile) * 2;
+  record[0] = exponent;
+  record[1] = least;
+  if (!(tile_amax <= FLT_MAX)) atomicMax(head_exponent_slot(p, bh, tensor), kNonfiniteExponent);
+  else if (tile_amax > 0.0f) atomicMax(head_exponent_slot(p, bh, tensor), uint32_t(exponent + kExponentBias));
+}
+
+template <InputDtype DT, int DP, Load L, class QkFmt, bool kOwnScale>
+__device__ __forceinline__ void k_tile(const QuantizeQkvParams& p, SharedStorage<DP>& sm, int64_t tile, int head_exponent) {
   using Map = RowTileMap<DP>;
   const RowTile<DP> t = RowTile<DP>::keys(p, tile);  // tile = bh * n_blocks + blk
   const int64_t bh = t.bh;
   const int cb = t.cb, r0 = t.r0, valid_rows = t.valid_rows;
   Block16<DT> x[Map::kPasses];
   t.template load<DT, L>(p, p.k, sm.input_rows, x);
-  // While the loads are in flight: km and the scales (written by the previous launch), the tables.
+  // While the loads are in flight: km and the balance (written by the previous launch), the tables.
   key_tile_columns(p, sm, bh, false);
   fill_scale_tables(sm.tables);
   // The tile's mean of the raw keys, for the block-sparse estimate (its barrier also publishes the
   // tables and columns above).
   const float key_sum = tile_column_sum(sm, x);
   if (threadIdx.x < DP) p.k_tile_mean[tile * DP + threadIdx.x] = valid_rows > 0 ? __fdiv_rn(key_sum, float(valid_rows)) : 0.0f;
+
+  float amax = 0.0f, tile_amax = 0.0f;
+  if constexpr (kOwnScale) {
+    // four columns at a time: the tile's values stay live across this pass, so it holds few more
+    const float4* off4 = reinterpret_cast<const float4*>(sm.offset + padded_column(cb * 16));
+    const float4* f4 = reinterpret_cast<const float4*>(sm.factor + padded_column(cb * 16));
+#pragma unroll
+    for (int g = 0; g < 4; ++g) {
+      const float4 off = off4[g], f = f4[g];
+#pragma unroll
+      for (int ps = 0; ps < Map::kPasses; ++ps)
+        if (r0 + ps * Map::kRowsPerPass < valid_rows) {
+          amax = max_nan(amax, fabsf(fmaf(x[ps].get(4 * g), f.x, -off.x)));
+          amax = max_nan(amax, fabsf(fmaf(x[ps].get(4 * g + 1), f.y, -off.y)));
+          amax = max_nan(amax, fabsf(fmaf(x[ps].get(4 * g + 2), f.z, -off.z)));
+          amax = max_nan(amax, fabsf(fmaf(x[ps].get(4 * g + 3), f.w, -off.w)));
+        }
+    }
+  }
+  const int exponent = tile_scale_exponent<kOwnScale>(sm, head_exponent, amax, tile_amax);
+  const float inverse = power_of_two(-exponent);
 
   // This thread's outputs of pass 0, rows permuted; pass ps writes kRowsPerPass * ps rows further
   // (the permutation stays inside 32-row groups).
@@ -638,6 +666,7 @@ __device__ __forceinline__ void k_tile(const QuantizeQkvParams& p, SharedStorage
   uint8_t* data = p.k_data + (tile * kTileRows + k_row_perm(r0)) * Row::kData + cb * Row::kBlockData;
   uint8_t* sf = p.k_sf + (tile * kTileRows + k_row_perm(r0)) * Row::kScales + Row::scale_col(cb);
   bool nonfinite = false;
+  int headroom = kAnyShift;
 #pragma unroll
   for (int ps = 0; ps < Map::kPasses; ++ps) {
     const int r = r0 + ps * Map::kRowsPerPass;
@@ -646,18 +675,20 @@ __device__ __forceinline__ void k_tile(const QuantizeQkvParams& p, SharedStorage
       float off[16], f[16];
       load_column_block(sm.offset, cb, off);
       load_column_block(sm.factor, cb, f);
+      // fl((k - km) / s) / t, as format.quantize_qkv rounds it (t a power of two)
 #pragma unroll
-      for (int e = 0; e < 16; ++e) v[e] = fmaf(x[ps].get(e), f[e], -off[e]);
+      for (int e = 0; e < 16; ++e) v[e] = fmaf(x[ps].get(e), f[e], -off[e]) * inverse;
     }
     nonfinite |= quantize_qk_block<DP, QkFmt>(v, r < valid_rows, sm.tables, cb,
                                             data + ps * Map::kRowsPerPass * Row::kData,
-                                            sf + ps * Map::kRowsPerPass * Row::kScales);
+                                            sf + ps * Map::kRowsPerPass * Row::kScales, headroom);
   }
   raise_flag(p.nonfinite_kv + bh, nonfinite);
+  if constexpr (kOwnScale) record_tile_scale(p, sm, 0, tile, bh, exponent, tile_amax, headroom);
 }
 
-template <InputDtype DT, int DP, Load L>
-__device__ __forceinline__ void v_tile(const QuantizeQkvParams& p, SharedStorage<DP>& sm, int64_t tile) {
+template <InputDtype DT, int DP, Load L, bool kOwnScale>
+__device__ __forceinline__ void v_tile(const QuantizeQkvParams& p, SharedStorage<DP>& sm, int64_t tile, int head_exponent) {
   using Raw = typename InputTraits<DT>::Raw;
   // A sub-tile of kSubRows tokens x DP fits kVTileBytes; fp32 input needs two per 128 rows.
   constexpr int kSubRows = kVTileBytes / (DP * int(sizeof(Raw))) < kTileRows
@@ -682,8 +713,26 @@ __device__ __forceinline__ void v_tile(const QuantizeQkvParams& p, SharedStorage
   Raw* stile = reinterpret_cast<Raw*>(sm.v_tile);
   const Raw* base = static_cast<const Raw*>(p.v.ptr) + row_offset(p.v, b, h, 0);
   key_tile_columns(p, sm, bh, true);  // read after the first barrier below
+  constexpr int kSubTiles = kTileRows / kSubRows;
+  int exponent = head_exponent, headroom = kAnyShift;
+  float tile_amax = 0.0f;
+  if constexpr (kSubTiles > 1) {
+    if constexpr (kOwnScale) {  // the tile's amax before its first sub-tile (fp32, D = 128): the loads then hit L2
+      __syncthreads();  // the columns
+      float amax = 0.0f;
+      for (int i = threadIdx.x; i < kTileRows * DP; i += kThreads) {
+        const int64_t tok = blk * kTileRows + i / DP;
+        const int dd = i % DP;
+        if (tok < n_valid && dd < p.head_dim) {
+          const float x = InputTraits<DT>::to_float(base[input_row<L>(p, tok) * p.v.stride_s + dd * p.v.stride_d]);
+          amax = max_nan(amax, fabsf(fmaf(x, sm.factor[padded_column(dd)], -sm.offset[padded_column(dd)])));
+        }
+      }
+      exponent = tile_scale_exponent<kOwnScale>(sm, head_exponent, amax, tile_amax);
+    }
+  }
 
-  for (int sub = 0; sub < kTileRows / kSubRows; ++sub) {
+  for (int sub = 0; sub < kSubTiles; ++sub) {
     const int64_t tok0 = blk * kTileRows + sub * kSubRows;
     if (sub) __syncthreads();  // the previous sub-tile is consumed
     if constexpr (kVectorLoads<L>) {
@@ -724,6 +773,27 @@ __device__ __forceinline__ void v_tile(const QuantizeQkvParams& p, SharedStorage
       off[c] = sm.offset[padded_column(cg * kCols + c)];
     }
     const uint32_t* swords = reinterpret_cast<const uint32_t*>(sm.v_tile);
+    if constexpr (kSubTiles == 1) {
+      if constexpr (kOwnScale) {  // the tile's amax from the staged tile
+        float amax = 0.0f;
+#pragma unroll
+        for (int i = 0; i < kBlocksPerThread; ++i)
+#pragma unroll
+          for (int e = 0; e < 16; ++e) {
+            const int tb = part * kBlocksPerThread + i;
+            const uint32_t w = swords[(tb * 16 + e) * (DP / kCols) + cg];
+            if (tok0 + tb * 16 + e < n_valid) {
+#pragma unroll
+              for (int c = 0; c < kCols; ++c) {
+                const uint32_t bits = kCols == 2 ? (c ? w >> 16 : w & 0xFFFFu) : w;
+                amax = max_nan(amax, fabsf(fmaf(InputTraits<DT>::to_float(bits), f[c], -off[c])));
+              }
+            }
+          }
+        exponent = tile_scale_exponent<kOwnScale>(sm, head_exponent, amax, tile_amax);
+      }
+    }
+    const float inverse = power_of_two(-exponent);
 #pragma unroll
     for (int i = 0; i < kBlocksPerThread; ++i) {
       const int tb = part * kBlocksPerThread + i;
@@ -732,11 +802,12 @@ __device__ __forceinline__ void v_tile(const QuantizeQkvParams& p, SharedStorage
       for (int e = 0; e < 16; ++e) {
         const uint32_t w = swords[(tb * 16 + e) * (DP / kCols) + cg];
         const bool valid = tok0 + tb * 16 + e < n_valid;
+        // fl(v - vm) / t, as format.quantize_qkv rounds it (t a power of two)
         if constexpr (kCols == 2) {
-          v[0][e] = valid ? fmaf(InputTraits<DT>::to_float(w & 0xFFFFu), f[0], -off[0]) : 0.0f;
-          v[1][e] = valid ? fmaf(InputTraits<DT>::to_float(w >> 16), f[1], -off[1]) : 0.0f;
+          v[0][e] = valid ? fmaf(InputTraits<DT>::to_float(w & 0xFFFFu), f[0], -off[0]) * inverse : 0.0f;
+          v[1][e] = valid ? fmaf(InputTraits<DT>::to_float(w >> 16), f[1], -off[1]) * inverse : 0.0f;
         } else {
-          v[0][e] = valid ? fmaf(InputTraits<DT>::to_float(w), f[0], -off[0]) : 0.0f;
+          v[0][e] = valid ? fmaf(InputTraits<DT>::to_float(w), f[0], -off[0]) * inverse : 0.0f;
         }
       }
 #pragma unroll
@@ -744,6 +815,7 @@ __device__ __forceinline__ void v_tile(const QuantizeQkvParams& p, SharedStorage
         uint32_t sf_bits;
         nonfinite |= quantize_block16(v[c], sm.tables, words[c][2 * i], words[c][2 * i + 1], sf_bits);
         sfs[c] |= sf_bits << (8 * i);
+        headroom = min(headroom, nvfp4_scale_headroom(sf_bits));
       }
     }
     raise_flag(p.nonfinite_kv + bh, nonfinite);
@@ -757,52 +829,102 @@ __device__ __forceinline__ void v_tile(const QuantizeQkvParams& p, SharedStorage
     __syncthreads();
     gather.store(p, bh, tok0, threadIdx.x, kThreads);
   }
+  if constexpr (kOwnScale) record_tile_scale(p, sm, 1, tile, bh, exponent, tile_amax, headroom);
 }
 
-// Launch 1: the K and V statistics items (key_stats_item; each prefetches its own chunk).
+// Launch 1: the K and V statistics items (key_stats_item).
 template <InputDtype DT, int DP, Load L>
 __device__ __forceinline__ void key_stats_kernel(const QuantizeQkvParams& p) {
   __shared__ __align__(16) SharedStorage<DP> sm;
   key_stats_item<DT, DP, L>(p, sm, blockIdx.x);
 }
 
-// Launch 2: blocks [0, kv_tiles) quantize K tiles, then the Q tiles, then the V^T tiles. Each
-// CTA first prefetches (L2) the input tile of the block `prefetch_distance` ahead, about one wave
-// of resident CTAs (launch::kPrefetchWaves): that CTA starts about when this one ends.
+// A K (tensor 0) or V tile quantised again under its head's tensor scale 2^exponent. Not inlined: its
+// registers then do not add to those of the fix-up loop around it (inlined, the sm_90 tiles kernels
+// spilled twice as much, in every path).
 template <InputDtype DT, int DP, Load L, class QkFmt>
-__device__ __forceinline__ void tiles_kernel(const QuantizeQkvParams& p, int64_t prefetch_distance) {
-  using Raw = typename InputTraits<DT>::Raw;
+__device__ __noinline__ void requantize_tile(const QuantizeQkvParams& p, SharedStorage<DP>& sm, int tensor,
+                                             int64_t tile, int exponent) {
+  if (tensor == 0) {
+    k_tile<DT, DP, L, QkFmt, false>(p, sm, tile, exponent);
+  } else {
+    fill_scale_tables(sm.tables);  // v_tile synchronises before its first block
+    v_tile<DT, DP, L, false>(p, sm, tile, exponent);
+  }
+}
+
+// Launch 3, the fix-up pass (grid-stride, one K or V tile at a time): each tile moves to its head's
+// tensor scale, by shifting its scale bytes within their headroom or by quantising it again; the
+// first tile of a head writes the head's scale.
+template <InputDtype DT, int DP, Load L, class QkFmt>
+__device__ __forceinline__ void fix_up_tiles(const QuantizeQkvParams& p, SharedStorage<DP>& sm) {
+  using Row = QkRowBytes<DP, QkFmt>;
+  const int64_t n_kblocks = p.seq_k_padded / kTileRows;
+  const int64_t kv_tiles = p.batch * p.heads_kv * n_kblocks;
+  for (int64_t item = blockIdx.x; item < kStatTensors * kv_tiles; item += gridDim.x) {
+    const int tensor = int(item / kv_tiles);
+    const int64_t tile = item % kv_tiles, bh = tile / n_kblocks, blk = tile % n_kblocks;
+    const int exponent = head_exponent(__ldcg(head_exponent_slot(p, bh, tensor)));
+    if (blk == 0 && threadIdx.x == 0) (tensor == 0 ? p.k_scale : p.v_scale)[bh] = power_of_two(exponent);
+    const int32_t* record = p.tile_records + item * 2;
+    const int shift = exponent - __ldcg(record), headroom = __ldcg(record + 1);
+    if (shift == 0 || headroom == kAnyShift) continue;  // uniform across the CTA
+    if (shift > 0 && shift <= headroom) {
+      const uint32_t step = tensor == 0 && Row::kMx ? uint32_t(shift) : uint32_t(shift) << 3;
+      if (tensor == 0) {  // the tile's 128 rows of K scales, contiguous
+        constexpr int kWords = kTileRows * Row::kScales / 4;
+        static_assert(kWords <= kThreads, "a word per thread");
+        uint32_t* words = reinterpret_cast<uint32_t*>(p.k_sf + tile * kTileRows * Row::kScales);
+        if (threadIdx.x < kWords) words[threadIdx.x] = shift_scale_bytes(words[threadIdx.x], step);
+      } else {  // DP rows of V^T scales, 8 bytes of this tile each
+        static_assert(DP * 2 <= kThreads, "a word per thread");
+        if (threadIdx.x < DP * 2) {
+          const int64_t row = bh * DP + threadIdx.x / 2;
+          uint32_t* word = reinterpret_cast<uint32_t*>(p.vt_sf + row * (p.seq_k_padded / 16) + blk * (kTileRows / 16)) +
+                           threadIdx.x % 2;
+          *word = shift_scale_bytes(*word, step);
+        }
+      }
+      continue;
+    }
+    __syncthreads();  // the previous tile's shared memory is consumed
+    requantize_tile<DT, DP, L, QkFmt>(p, sm, tensor, tile, exponent);
+  }
+}
+
+// Launch 2: blocks [0, kv_tiles) quantize K tiles, then the Q tiles, then the V^T tiles, each
+// reading its input once. With `fix_up`, launch 3 (fix_up_tiles) instead.
+template <InputDtype DT, int DP, Load L, class QkFmt>
+__device__ __forceinline__ void tiles_kernel(const QuantizeQkvParams& p, bool fix_up) {
   __shared__ __align__(16) SharedStorage<DP> sm;
+  if (fix_up) {
+    fix_up_tiles<DT, DP, L, QkFmt>(p, sm);
+    return;
+  }
   const int64_t n_kblocks = p.seq_k_padded / kTileRows, n_qblocks = p.seq_q_padded / kTileRows;
   const int64_t kv_tiles = p.batch * p.heads_kv * n_kblocks, q_tiles = p.batch * p.heads_q * n_qblocks;
   const int64_t item = blockIdx.x;
-  if constexpr (kVectorLoads<L>) {
-    const int64_t ahead = item + prefetch_distance;
-    if (ahead < kv_tiles)
-      prefetch_tile_l2<Raw, DP, L>(p, p.k, p.heads_kv, n_kblocks, ahead, true);
-    else if (ahead < kv_tiles + q_tiles)
-      prefetch_tile_l2<Raw, DP, L>(p, p.q, p.heads_q, n_qblocks, ahead - kv_tiles, false);
-    else if (ahead < 2 * kv_tiles + q_tiles)
-      prefetch_tile_l2<Raw, DP, L>(p, p.v, p.heads_kv, n_kblocks, ahead - kv_tiles - q_tiles, true);
-  }
   if (item < kv_tiles) {
-    k_tile<DT, DP, L, QkFmt>(p, sm, item);
+    k_tile<DT, DP, L, QkFmt, true>(p, sm, item, 0);
   } else if (item < kv_tiles + q_tiles) {
     q_tile<DT, DP, L, QkFmt>(p, sm, item - kv_tiles);
   } else {
     fill_scale_tables(sm.tables);  // v_tile synchronises before its first block
-    v_tile<DT, DP, L>(p, sm, item - kv_tiles - q_tiles);
+    v_tile<DT, DP, L, true>(p, sm, item - kv_tiles - q_tiles, 0);
   }
 }
 
-// The balance statistics: one CTA per Q tile, max |q - qm| per column into the kv head's
-// q_channel_amax (fp32 bits of non-negative values, or NaN: they order like unsigned integers).
+// The balance statistics: one CTA per Q statistics tile (kStatisticsTiles per query head, those
+// past the head's rows return at once), max |q - qm| per column into the kv head's q_channel_amax
+// (fp32 bits of non-negative values, or NaN: they order like unsigned integers).
 template <InputDtype DT, int DP, Load L>
 __device__ __forceinline__ void balance_statistics_kernel(const QuantizeQkvParams& p) {
   __shared__ __align__(16) SharedStorage<DP> sm;
-  const int64_t tile = blockIdx.x;
+  const int64_t bh = blockIdx.x / kStatisticsTiles, j = blockIdx.x % kStatisticsTiles;
+  const int64_t blk = j * statistics_stride(p.seq_q);
+  if (blk * kTileRows >= p.seq_q) return;
   using Map = RowTileMap<DP>;
-  const RowTile<DP> t = RowTile<DP>::queries(p, tile);
+  const RowTile<DP> t = RowTile<DP>::queries(p, bh * (p.seq_q_padded / kTileRows) + blk);
   Block16<DT> x[Map::kPasses];
   q_tile_load<DT, DP, L>(p, sm, t, x);
   constexpr ColumnStat kKinds[1] = {kColumnMax};
@@ -830,15 +952,15 @@ __device__ __forceinline__ void balance_statistics_kernel(const QuantizeQkvParam
       nvfp4_dit_key_stats_##NAME##_d##DP##_##LOAD(const __grid_constant__ nvfp4_dit::QuantizeQkvParams p) {                        \
     nvfp4_dit::key_stats_kernel<nvfp4_dit::InputDtype::DT, DP, nvfp4_dit::Load::L>(p);                                         \
   }                                                                                                              \
-  extern "C" __global__ void __launch_bounds__(nvfp4_dit::kThreads, nvfp4_dit::kMinCtasPerSm)                   \
+  extern "C" __global__ void __launch_bounds__(nvfp4_dit::kThreads, nvfp4_dit::kNvfp4TilesMinCtasPerSm<nvfp4_dit::Load::L>) \
       nvfp4_dit_quantize_tiles_##NAME##_d##DP##_##LOAD##_nvfp4(const __grid_constant__ nvfp4_dit::QuantizeQkvParams p,            \
-                                                               int64_t prefetch_distance) {                      \
-    nvfp4_dit::tiles_kernel<nvfp4_dit::InputDtype::DT, DP, nvfp4_dit::Load::L, nvfp4_dit::QkFormatNvfp4>(p, prefetch_distance);                   \
+                                                               int32_t fix_up) {                                 \
+    nvfp4_dit::tiles_kernel<nvfp4_dit::InputDtype::DT, DP, nvfp4_dit::Load::L, nvfp4_dit::QkFormatNvfp4>(p, fix_up != 0);       \
   }                                                                                                              \
   extern "C" __global__ void __launch_bounds__(nvfp4_dit::kThreads, nvfp4_dit::kMxfp8MinCtasPerSm)             \
       nvfp4_dit_quantize_tiles_##NAME##_d##DP##_##LOAD##_mxfp8(const __grid_constant__ nvfp4_dit::QuantizeQkvParams p,            \
-                                                               int64_t prefetch_distance) {                      \
-    nvfp4_dit::tiles_kernel<nvfp4_dit::InputDtype::DT, DP, nvfp4_dit::Load::L, nvfp4_dit::QkFormatMxfp8>(p, prefetch_distance);                    \
+                                                               int32_t fix_up) {                                 \
+    nvfp4_dit::tiles_kernel<nvfp4_dit::InputDtype::DT, DP, nvfp4_dit::Load::L, nvfp4_dit::QkFormatMxfp8>(p, fix_up != 0);       \
   }
 #define NVFP4_DIT_TILES_LOADS(NAME, DT, DP)            \
   NVFP4_DIT_TILES_ENTRIES(NAME, DT, DP, vec, kVec)       \

@@ -18,7 +18,6 @@ ATTENTION_THREADS = 256
 ATTENTION_SMEM_BYTES = ((38912, 75776), (54272, 79872))
 PROBE_THREADS = 32
 QUANTIZE_THREADS = 256
-PREFETCH_WAVES = 1
 CORRECTION_THREADS = 256
 CORRECTION_TILE_M = 64
 CORRECTION_TILE_N = 128
@@ -29,7 +28,7 @@ BLOCK_LIST_ROWS_PER_CTA = 4    # block_list_rows: a warp per map row
 
 # csrc/quantize/params.h
 TILE_ROWS = 128
-KEY_MEAN_CHUNK = 1024
+STATISTICS_TILES = 16
 STAT_TENSORS = 2
 STAT_VECTORS = 3
 INPUT_DTYPES = {"bf16": 0, "fp16": 1, "fp32": 2}   # InputDtype
@@ -91,7 +90,8 @@ class QuantizeQkvParams(ctypes.Structure):
         ("balance", c_void_p), ("q_dot_km", c_void_p), ("k_tile_mean", c_void_p), ("q_similarity", c_void_p),
         ("balance_qk", c_bool), ("q_channel_amax", c_void_p),
         ("nonfinite_kv", c_void_p), ("nonfinite_q_blocks", c_void_p),
-        ("k_partial_sums", c_void_p), ("work_counters", c_void_p), ("order", TokenOrder),
+        ("k_partial_sums", c_void_p), ("work_counters", c_void_p), ("tile_records", c_void_p),
+        ("order", TokenOrder),
     ]
 
 
@@ -133,16 +133,21 @@ STRUCTS = {"AttentionFwdParams": AttentionFwdParams, "StridedInput": StridedInpu
 
 # The workspace sizes (csrc/quantize/params.h; tests/test_kernel_abi.py compares them on many sizes).
 
-def k_chunks(seq_k: int) -> int:
-    return 1 if seq_k <= 0 else -(-seq_k // KEY_MEAN_CHUNK)
+def statistics_stride(n_valid: int) -> int:
+    tiles = -(-n_valid // TILE_ROWS) if n_valid > 0 else 0
+    return 1 if tiles <= STATISTICS_TILES else -(-tiles // STATISTICS_TILES)
 
 
-def workspace_floats(batch: int, heads_kv: int, seq_k: int, head_dim_padded: int) -> int:
-    return batch * heads_kv * STAT_TENSORS * k_chunks(seq_k) * STAT_VECTORS * head_dim_padded
+def workspace_floats(batch: int, heads_kv: int, head_dim_padded: int) -> int:
+    return batch * heads_kv * STAT_TENSORS * STATISTICS_TILES * STAT_VECTORS * head_dim_padded
 
 
 def workspace_counters(batch: int, heads_kv: int) -> int:
-    return batch * heads_kv
+    return batch * heads_kv * (1 + STAT_TENSORS)
+
+
+def workspace_records(batch: int, heads_kv: int, seq_k_padded: int) -> int:
+    return STAT_TENSORS * batch * heads_kv * (seq_k_padded // TILE_ROWS) * 2
 
 
 # Entry-point names (csrc/common/launch.h).

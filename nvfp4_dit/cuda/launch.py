@@ -113,12 +113,14 @@ def workspace_layout(b: int, h: int, hkv: int, sq: int, sk: int, dp: int, qk_for
     nq = sqp // fmt.SEQ_TILE
     i32, f32, u8 = torch.int32, torch.float32, torch.uint8
     items = [
-        # cleared per call: the statistics arrivals, the NaN/inf flags, the balance's Q statistics
+        # cleared per call: the statistics arrivals and head exponents, the NaN/inf flags, the
+        # balance's Q statistics
         ("arrivals", (abi.workspace_counters(b, hkv),), i32),
         ("nonfinite_kv", (b, hkv), i32),
         ("nonfinite_q", (b, h, nq), i32),
         ("q_channel_amax", (b, hkv, dp) if balance_qk else (0,), i32),
-        ("partial", (abi.workspace_floats(b, hkv, sk, dp),), f32),
+        ("partial", (abi.workspace_floats(b, hkv, dp),), f32),
+        ("tile_records", (abi.workspace_records(b, hkv, skp),), i32),
         ("q_mean", (b, h, nq, dp), f32), ("k_mean", (b, hkv, dp), f32), ("v_mean", (b, hkv, dp), f32),
         ("balance", (b, hkv, dp), f32), ("q_scale", (b, h, nq), f32), ("k_scale", (b, hkv), f32),
         ("v_scale", (b, hkv), f32), ("q_dot_km", (b, h, sq), f32),
@@ -197,7 +199,8 @@ def launch_quantize(dk: DeviceKernels, ws: Workspace, q: torch.Tensor, k: torch.
                     kv_lens: Optional[torch.Tensor], balance_qk: bool, qk_format: str, stream: int,
                     order=None) -> None:
     """Quantise logical [B, H, S, D] views (any strides) into ``ws`` (cleared by the caller): the
-    balance statistics (``balance_qk``), the K and V statistics chunks, then the tiles. ``order``: a
+    balance statistics (``balance_qk``), the K and V statistics tiles, the tiles, then the fix-up
+    pass that moves each K and V tile to its head's tensor scale. ``order``: a
     video call's :class:`~nvfp4_dit.token_order.TokenOrder`, read through (the "rows" entry points;
     every input must allow :func:`vector_loads`): the outputs are in tile order."""
     b, h, sq, d = q.shape
@@ -218,7 +221,7 @@ def launch_quantize(dk: DeviceKernels, ws: Workspace, q: torch.Tensor, k: torch.
         q_similarity=ws.ptr("q_similarity"), balance_qk=balance_qk,
         q_channel_amax=ws.ptr("q_channel_amax") if balance_qk else None,
         nonfinite_kv=ws.ptr("nonfinite_kv"), nonfinite_q_blocks=ws.ptr("nonfinite_q"),
-        k_partial_sums=ws.ptr("partial"), work_counters=ws.ptr("arrivals"))
+        k_partial_sums=ws.ptr("partial"), work_counters=ws.ptr("arrivals"), tile_records=ws.ptr("tile_records"))
     vector = vector_loads(q, dp) and vector_loads(k, dp) and vector_loads(v, dp)
     load = "vec" if vector else "scalar"
     if order is not None:
@@ -227,17 +230,20 @@ def launch_quantize(dk: DeviceKernels, ws: Workspace, q: torch.Tensor, k: torch.
         p.order, load = _order_struct(order), "rows"
     kv_tiles = b * hkv * (skp // fmt.SEQ_TILE)
     q_tiles = b * h * (sqp // fmt.SEQ_TILE)
-    first = b * hkv * abi.STAT_TENSORS * abi.k_chunks(sk)
+    statistics = b * hkv * abi.STAT_TENSORS * abi.STATISTICS_TILES
     second = 2 * kv_tiles + q_tiles
-    if max(first, second) > _MAX_GRID_X:
-        raise ValueError(f"too many tiles for one quantiser launch ({max(first, second)})")
+    if second > _MAX_GRID_X:
+        raise ValueError(f"too many tiles for one quantiser launch ({second})")
     args = [p]
-    if balance_qk:  # the balance needs every row of Q before any K or Q tile
-        dk.kernel(abi.balance_statistics_entry(dtype, dp, load)).launch((q_tiles,), abi.QUANTIZE_THREADS, args, stream)
-    dk.kernel(abi.key_stats_entry(dtype, dp, load)).launch((first,), abi.QUANTIZE_THREADS, args, stream)
+    if balance_qk:  # the balance needs the Q statistics before any K or Q tile
+        dk.kernel(abi.balance_statistics_entry(dtype, dp, load)).launch(
+            (b * h * abi.STATISTICS_TILES,), abi.QUANTIZE_THREADS, args, stream)
+    dk.kernel(abi.key_stats_entry(dtype, dp, load)).launch((statistics,), abi.QUANTIZE_THREADS, args, stream)
     tiles = dk.kernel(abi.quantize_tiles_entry(dtype, dp, load, qk_format))
-    prefetch = abi.PREFETCH_WAVES * dk.sms * tiles.blocks_per_sm(abi.QUANTIZE_THREADS)
-    tiles.launch((second,), abi.QUANTIZE_THREADS, [p, ctypes.c_int64(prefetch)], stream)
+    tiles.launch((second,), abi.QUANTIZE_THREADS, [p, ctypes.c_int32(0)], stream)
+    # the fix-up pass: every K and V tile to its head's tensor scale, one wave of CTAs looping over them
+    resident = dk.sms * tiles.blocks_per_sm(abi.QUANTIZE_THREADS)
+    tiles.launch((min(2 * kv_tiles, resident),), abi.QUANTIZE_THREADS, [p, ctypes.c_int32(1)], stream)
 
 
 # ---------------------------------------------------------------------------------------------
