@@ -271,7 +271,10 @@ def test_a_video_call_on_the_gpu_is_the_permuted_call_put_back(cuda_device, case
     ref_lse = torch.empty_like(ref_lse).index_copy_(2, rows, ref_lse)
     if case == "lengths":
         exact = nvfp4_dit.attention(q, k, v, backend="sdpa", attn_mask=kwargs["attn_mask"])
-        assert _cos(out, exact) > 0.97 and _cos(out, ref_out) > 0.999
+        # FP4 on this smooth, peaked content is at cos 0.964 to exact (the reference too): the video
+        # call must be as accurate as the permuted one, and nearly the same
+        assert _cos(out, ref_out) > 0.9999
+        assert _cos(out, exact) > max(0.95, _cos(ref_out, exact) - 1e-3)
         return
     torch.testing.assert_close(out, ref_out, rtol=0, atol=0, equal_nan=True)
     torch.testing.assert_close(lse, ref_lse, rtol=0, atol=0, equal_nan=True)
