@@ -41,8 +41,10 @@ The preparation (quantisation + correction) is modelled separately from its byte
 operations at the board's memory bandwidth (1.792 TB/s, GDDR7 on both boards) and int8 tensor rate
 (SMs x 4 SMSPs x 16x8x32x2 / 16 clocks x clock), memory and tensor overlapped perfectly; B=1, H=40,
 D=128 bf16 NHD inputs, balance_qk on, the default 1 GiB correction budget. Quantisation reads Q, K
-and V twice each (statistics, then quantisation) and writes codes, scales, means, q . km and the
-block statistics (key tile means, Q block similarity); each correction chunk reads K once and
+and V once each plus the statistics tiles (16 per head of each), writes codes, scales, means,
+q . km and the block statistics (key tile means, Q block similarity), and its fix-up pass reads
+and rewrites the K and V scale bytes (every tile moved to its head's scale; the rare tile that is
+quantised again is left out); each correction chunk reads K once and
 writes its rows of delta (fp16 and a 4-byte factor per 128 keys). Its share is against the
 modelled attention time at the nvfp4 D=128 non-causal TFLOP/s above. A block-sparse call at density d (``--json`` rows with ``seq_len``,
 ``density``, ``prep_share``) adds the estimate (the pooled scores written and read back, the map's
@@ -369,8 +371,9 @@ def preparation(seq: int, attention_tflops: float, sms: int, clock: float, heads
     skp = -(-seq // fmt.SEQ_TILE) * fmt.SEQ_TILE
     nblk = skp // fmt.SEQ_TILE
     block_stats = nblk * heads * head_dim * 4 + nblk * heads * 4           # key tile means, Q similarity
-    quant_bytes = (6 * 2 * elems + 3 * elems // 2 + 3 * elems // 16 + (seq // 128 + 1) * heads * head_dim * 4
-                   + seq * heads * 4 + block_stats)
+    sampled = min(seq, fmt.STATISTICS_TILES * fmt.SEQ_TILE) * heads * head_dim * 2   # one tensor's statistics tiles
+    quant_bytes = (3 * 2 * elems + 3 * sampled + 3 * elems // 2 + 3 * elems // 16 + 2 * 2 * elems // 16
+                   + (seq // 128 + 1) * heads * head_dim * 4 + seq * heads * 4 + block_stats)
     chunks = len(quantize.correction_chunks(nblk, 1, heads, skp, budget))
     # delta: 128 fp16 values and a 4-byte factor per (Q block, key tile)
     corr_bytes = chunks * 2 * skp * heads * head_dim + density * nblk * skp * heads * (2 + 4 / fmt.SEQ_TILE)
