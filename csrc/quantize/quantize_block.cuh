@@ -278,7 +278,7 @@ __device__ __forceinline__ uint32_t* arrivals(const QuantizeQkvParams& p) { retu
 
 // The statistics of statistics tile j of tensor `tensor` (0: K, 1: V) of kv head bh in the
 // workspace: [kStatVectors, dp] (sum, min, max per channel; QuantizeQkvParams::k_partial_sums).
-__device__ __forceinline__ float* key_chunk_stats(const QuantizeQkvParams& p, int64_t bh, int tensor, int64_t j, int dp) {
+__device__ __forceinline__ float* statistics_tile_partials(const QuantizeQkvParams& p, int64_t bh, int tensor, int64_t j, int dp) {
   return p.k_partial_sums + ((bh * kStatTensors + tensor) * kStatisticsTiles + j) * kStatVectors * dp;
 }
 

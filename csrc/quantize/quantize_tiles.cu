@@ -22,8 +22,8 @@
 //      blocks 2^-14 below the head's largest).
 // Statistics from a sample are exact transforms whatever their values (the means and the balance
 // only move the inputs' centre and channel magnitudes), so the inputs are read once plus the
-// statistics tiles (under 5 % of a head past 2,048 rows); the price is a pass over the K and V
-// scale bytes (1/32 of a bf16 input).
+// statistics tiles (2,048 rows of a head at most: 1.7 % of it at 118,800 tokens); the price is a
+// pass over the K and V scale bytes (1/32 of a bf16 input).
 // Padding rows/columns are written as zero data with zero scales; keys past kv_lens are padding.
 //
 // Every offset is int64. No fast-math: the scale and data divisions are correctly rounded
@@ -46,19 +46,20 @@ constexpr int kThreads = launch::kQuantizeThreads;
 // CTAs per SM for __launch_bounds__. sm_80/sm_90: 3 (80 registers): at 4 (64 registers) the K
 // tile's values, live across its amax pass, spill and the local traffic reaches DRAM; at 2 fewer
 // tiles are in flight than DRAM needs (both slower on the H100). sm_120/sm_121 compile without
-// spills: 2 (128 registers), 1 for the MXFP8 tiles (152 registers at D = 128) and the statistics
-// tiles.
+// spills: 2 (128 registers), 1 for the MXFP8 tiles (152 registers at D = 128), the fp32 and
+// strided NVFP4 tiles and the statistics tiles.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1200
 constexpr int kMinCtasPerSm = 2;
-// Strided (scalar) loads keep 16 loads per row in flight: at 128 registers those spilled.
-constexpr int kScalarMinCtasPerSm = 1;
+// Strided (scalar) loads keep 16 loads per row in flight and fp32 inputs twice the bytes of a
+// 16-bit tile: at 128 registers the NVFP4 tiles of both spilled.
+constexpr int kWideMinCtasPerSm = 1;
 constexpr int kMxfp8MinCtasPerSm = 1;
 constexpr int kKeyStatsMinCtasPerSm = 1;
 #else
 constexpr int kMinCtasPerSm = 3;
-constexpr int kScalarMinCtasPerSm = 3;
+constexpr int kWideMinCtasPerSm = 3;
 constexpr int kMxfp8MinCtasPerSm = 3;
-// The statistics chunks keep a sum, a minimum and a maximum of 16 columns per thread (48
+// The statistics tiles keep a sum, a minimum and a maximum of 16 columns per thread (48
 // registers) next to their loads in flight: two CTAs per SM (128 registers) hold them unspilled.
 constexpr int kKeyStatsMinCtasPerSm = 2;
 #endif
@@ -101,8 +102,9 @@ enum class Load { kScalar, kVec, kRows };
 template <Load L>
 constexpr bool kVectorLoads = L != Load::kScalar;
 
-template <Load L>
-constexpr int kNvfp4TilesMinCtasPerSm = L == Load::kScalar ? kScalarMinCtasPerSm : kMinCtasPerSm;
+template <InputDtype DT, Load L>
+constexpr int kNvfp4TilesMinCtasPerSm =
+    L == Load::kScalar || DT == InputDtype::kFloat32 ? kWideMinCtasPerSm : kMinCtasPerSm;
 
 // The input row of sequence position s.
 template <Load L>
@@ -168,13 +170,13 @@ struct SharedStorage {
   // them as 16-byte vectors without bank conflicts (a pitch of 16 floats would put four
   // blocks on the same banks). A tile quantises fma(x, factor, -offset) = (x - mean) * factor.
   float offset[DP + DP / 4];  // mean * factor
-  float factor[DP + DP / 4];  // a power of two: the balance over the tensor scale
+  float factor[DP + DP / 4];  // a power of two: the channel balance (Q tiles: over the tensor scale)
   float km[DP + DP / 4];      // Q tiles: km of the tile's kv head (q . km)
   float mean[DP + DP / 4];    // Q tiles: the tile's column means qm
   float warp_partial[kWarps];
   int32_t input_rows[kTileRows];  // "rows" loads: each tile row's input row, relative to the tile's first
   ScaleTables tables;
-  uint32_t last_arrival;  // this CTA added a head's last statistics chunk
+  uint32_t last_arrival;  // this CTA added a head's last statistics tile
 };
 
 // Column statistics: per column, a sum, a minimum or a maximum over rows (NaN-propagating).
@@ -294,7 +296,7 @@ __device__ __forceinline__ void key_stats_item(const QuantizeQkvParams& p, Share
   __syncthreads();
 
   if (threadIdx.x < DP) {
-    float* out = key_chunk_stats(p, bh, tensor, j, DP);
+    float* out = statistics_tile_partials(p, bh, tensor, j, DP);
     float stats[kStatVectors];
     cta_column_stats(sm, kKinds, threadIdx.x, stats);
 #pragma unroll
@@ -311,7 +313,7 @@ __device__ __forceinline__ void key_stats_item(const QuantizeQkvParams& p, Share
     tlo[t][0] = INFINITY;
     thi[t][0] = -INFINITY;
     for (int64_t k = 0; k < kStatisticsTiles; ++k) {
-      const float* st = key_chunk_stats(p, bh, t, k, DP);
+      const float* st = statistics_tile_partials(p, bh, t, k, DP);
       tsum[t][0] += __ldcg(st + c);
       tlo[t][0] = min_nan(tlo[t][0], __ldcg(st + DP + c));
       thi[t][0] = max_nan(thi[t][0], __ldcg(st + 2 * DP + c));
@@ -952,7 +954,7 @@ __device__ __forceinline__ void balance_statistics_kernel(const QuantizeQkvParam
       nvfp4_dit_key_stats_##NAME##_d##DP##_##LOAD(const __grid_constant__ nvfp4_dit::QuantizeQkvParams p) {                        \
     nvfp4_dit::key_stats_kernel<nvfp4_dit::InputDtype::DT, DP, nvfp4_dit::Load::L>(p);                                         \
   }                                                                                                              \
-  extern "C" __global__ void __launch_bounds__(nvfp4_dit::kThreads, nvfp4_dit::kNvfp4TilesMinCtasPerSm<nvfp4_dit::Load::L>) \
+  extern "C" __global__ void __launch_bounds__(nvfp4_dit::kThreads, nvfp4_dit::kNvfp4TilesMinCtasPerSm<nvfp4_dit::InputDtype::DT, nvfp4_dit::Load::L>) \
       nvfp4_dit_quantize_tiles_##NAME##_d##DP##_##LOAD##_nvfp4(const __grid_constant__ nvfp4_dit::QuantizeQkvParams p,            \
                                                                int32_t fix_up) {                                 \
     nvfp4_dit::tiles_kernel<nvfp4_dit::InputDtype::DT, DP, nvfp4_dit::Load::L, nvfp4_dit::QkFormatNvfp4>(p, fix_up != 0);       \
