@@ -157,8 +157,6 @@ def test_mx_blocks_round_trip_within_half_an_e4m3_ulp():
         fmt.quantize_mx_blocks(torch.zeros(2, 48))
 
 
-
-
 def test_statistics_rows_are_at_most_16_strided_tiles_of_the_valid_rows():
     n_valid = torch.tensor([0, 1, 128, 2048, 2049, 118_800, 5000])
     mask = fmt.statistics_row_mask(n_valid, 118_784 + 128)
