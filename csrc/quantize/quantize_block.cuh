@@ -301,6 +301,12 @@ __device__ __forceinline__ uint32_t* head_exponent_slot(const QuantizeQkvParams&
   return p.work_counters + p.batch * p.heads_kv + bh * kStatTensors + tensor;
 }
 
+// Tile `tile` of K (tensor 0) or V's record in tile_records: its exponent, then its headroom.
+__device__ __forceinline__ int32_t* tile_record(const QuantizeQkvParams& p, int tensor, int64_t tile) {
+  const int64_t kv_tiles = p.batch * p.heads_kv * (p.seq_k_padded / kTileRows);
+  return p.tile_records + (tensor * kv_tiles + tile) * 2;
+}
+
 __device__ __forceinline__ int head_exponent(uint32_t slot) {
   return slot == 0 || slot == kNonfiniteExponent ? 0 : int(slot) - kExponentBias;
 }

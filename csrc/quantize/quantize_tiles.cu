@@ -616,8 +616,7 @@ __device__ __forceinline__ void record_tile_scale(const QuantizeQkvParams& p, Sh
                                                   int headroom) {
   const int least = int(cta_reduce(kColumnMin, float(headroom), sm));  // small integers: exact in fp32
   if (threadIdx.x != 0) return;
-  const int64_t kv_tiles = p.batch * p.heads_kv * (p.seq_k_padded / kTileRows);
-  int32_t* record = p.tile_records + (tensor * kv_tiles + tile) * 2;
+  int32_t* record = tile_record(p, tensor, tile);
   record[0] = exponent;
   record[1] = least;
   if (!(tile_amax <= FLT_MAX)) atomicMax(head_exponent_slot(p, bh, tensor), kNonfiniteExponent);
@@ -868,7 +867,7 @@ __device__ __forceinline__ void fix_up_tiles(const QuantizeQkvParams& p, SharedS
     const int64_t tile = item % kv_tiles, bh = tile / n_kblocks, blk = tile % n_kblocks;
     const int exponent = head_exponent(__ldcg(head_exponent_slot(p, bh, tensor)));
     if (blk == 0 && threadIdx.x == 0) (tensor == 0 ? p.k_scale : p.v_scale)[bh] = power_of_two(exponent);
-    const int32_t* record = p.tile_records + item * 2;
+    const int32_t* record = tile_record(p, tensor, tile);
     const int shift = exponent - __ldcg(record), headroom = __ldcg(record + 1);
     if (shift == 0 || headroom == kAnyShift) continue;  // uniform across the CTA
     if (shift > 0 && shift <= headroom) {
