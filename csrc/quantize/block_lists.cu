@@ -14,9 +14,10 @@
 // lower tile) whose mass reaches keep_mass. Sorted that way, the kept tiles are those above a
 // threshold mass tau plus the first few (by index) of those equal to it; tau is the largest mass
 // whose "at least tau" sum reaches keep_mass, found by bisection on the masses' bits (non-negative
-// floats order as their bits), each step one CTA sum. Then the safeguards (an unreliable block
-// keeps every tile, the diagonal tile and the always-kept key range stay), all within the allowed
-// tiles. The mass sums run in another order than PyTorch's, so a tile on the edge of keep_mass may
+// floats order as their bits) below the row's largest mass, each step one CTA reduction, until one
+// mass is left in the interval. Then the safeguards (an unreliable block keeps every tile and
+// skips the selection, the diagonal tile and the always-kept key range stay), all within the
+// allowed tiles. The mass sums run in another order than PyTorch's, so a tile on the edge of keep_mass may
 // differ from sparse.map_rows; the lists of a given map are exact.
 #include "common/launch.h"
 #include "common/portable.h"
@@ -31,7 +32,6 @@ constexpr int kMaxWords = launch::kBlockListsMaxTiles / 32;
 constexpr int kListWarps = launch::kBlockListRowsPerCta;
 
 constexpr int kMaxPerThread = launch::kBlockListsMaxTiles / kThreads;  // a row's masses, in registers
-constexpr uint32_t kOneBits = 0x3F800000u;                             // the bits of 1.0f
 
 __device__ __forceinline__ uint32_t lanes_below() {
   uint32_t mask;
@@ -56,6 +56,30 @@ __device__ __forceinline__ float cta_reduce(float x, float* partial) {
   return r;
 }
 
+// (a, b) summed over the CTA, or with b's maximum (kMaxB); `partial` holds 2 * kWarps floats.
+template <bool kMaxB>
+__device__ __forceinline__ float2 cta_reduce_pair(float a, float b, float* partial) {
+#pragma unroll
+  for (int off = 16; off; off >>= 1) {
+    a += __shfl_xor_sync(0xFFFFFFFFu, a, off);
+    const float y = __shfl_xor_sync(0xFFFFFFFFu, b, off);
+    b = kMaxB ? fmaxf(b, y) : b + y;
+  }
+  __syncthreads();  // earlier readers of partial are done
+  if ((threadIdx.x & 31) == 0) {
+    partial[threadIdx.x / 32] = a;
+    partial[kWarps + threadIdx.x / 32] = b;
+  }
+  __syncthreads();
+  float2 r = make_float2(partial[0], partial[kWarps]);
+#pragma unroll
+  for (int w = 1; w < kWarps; ++w) {
+    r.x += partial[w];
+    r.y = kMaxB ? fmaxf(r.y, partial[kWarps + w]) : r.y + partial[kWarps + w];
+  }
+  return r;
+}
+
 __device__ __forceinline__ int64_t map_row_index(const BlockListsParams& p, int64_t c, int64_t bh, int64_t m) {
   return (c * p.batch * p.heads + bh) * p.step + m;
 }
@@ -71,12 +95,18 @@ __device__ __forceinline__ bool tile_allowed(const BlockListsParams& p, int64_t 
   return true;
 }
 
-// The CTA's sum of the masses whose bits are at least `bits`.
-__device__ __forceinline__ float cta_mass_from(const float (&mass)[kMaxPerThread], uint32_t bits, float* partial) {
-  float sum = 0.0f;
+// The CTA's sum of the masses whose bits are at least `bits`, and how many masses have bits in
+// [lo, hi) (exact: at most kBlockListsMaxTiles).
+__device__ __forceinline__ float2 cta_mass_from(const float (&mass)[kMaxPerThread], uint32_t bits, uint32_t lo,
+                                                uint32_t hi, float* partial) {
+  float sum = 0.0f, count = 0.0f;
 #pragma unroll
-  for (int e = 0; e < kMaxPerThread; ++e) sum += __float_as_uint(mass[e]) >= bits ? mass[e] : 0.0f;
-  return cta_reduce<false>(sum, partial);
+  for (int e = 0; e < kMaxPerThread; ++e) {
+    const uint32_t m = __float_as_uint(mass[e]);
+    sum += m >= bits ? mass[e] : 0.0f;
+    count += m >= lo && m < hi ? 1.0f : 0.0f;
+  }
+  return cta_reduce_pair<false>(sum, count, partial);
 }
 
 // The estimate of one row into `selected` (bit words in shared memory, zeroed by the caller): the
@@ -108,25 +138,42 @@ __device__ void select_by_mass(const BlockListsParams& p, int64_t b, int64_t h, 
     total += mass[e];
   }
   total = cta_reduce<false>(total, partial);
+  float local_sum = 0.0f, local_top = 0.0f;
 #pragma unroll
   for (int e = 0; e < kMaxPerThread; ++e) {
     const float m = mass[e] / total;
     mass[e] = m >= 0.0f ? m : 0.0f;  // a NaN row (non-finite inputs) keeps nothing, as in PyTorch
+    local_sum += __float_as_uint(mass[e]) >= 1u ? mass[e] : 0.0f;
+    local_top = fmaxf(local_top, mass[e]);
   }
-  auto mass_from = [&](uint32_t bits) { return cta_mass_from(mass, bits, partial); };
-  // tau: the largest bits with mass_from(tau) >= keep_mass, in [1, 1.0f]; if even every positive
-  // mass together stays below keep_mass (rounding), every positive mass is kept.
+  // The positive masses' sum and the largest mass.
+  const float2 positive = cta_reduce_pair<true>(local_sum, local_top, partial);
+  // tau: the largest bits with mass_from(tau) >= keep_mass, in [1, largest mass]; if even every
+  // positive mass together stays below keep_mass (rounding), every positive mass is kept. mass_from
+  // is a step function of the bits that drops just past each mass, so tau is the bits of a mass:
+  // once [tau, hi) holds a single mass, tau is that mass.
   uint32_t tau = 1u;
   int tied_kept = 1 << 30;
-  if (mass_from(1u) >= p.keep_mass) {
-    uint32_t hi = kOneBits + 1u;  // mass_from(hi) == 0 < keep_mass
+  if (positive.x >= p.keep_mass) {
+    uint32_t hi = __float_as_uint(positive.y) + 1u;  // mass_from(hi) == 0 < keep_mass
     while (hi - tau > 1u) {
       const uint32_t mid = tau + (hi - tau) / 2u;
-      if (mass_from(mid) >= p.keep_mass) tau = mid; else hi = mid;
+      const float2 step = cta_mass_from(mass, mid, tau, hi, partial);  // y: masses in [tau, hi)
+      if (step.y == 1.0f) break;
+      if (step.x >= p.keep_mass) tau = mid; else hi = mid;
+    }
+    if (hi - tau > 1u) {  // the single mass in [tau, hi)
+      float in_range = 0.0f;
+#pragma unroll
+      for (int e = 0; e < kMaxPerThread; ++e) {
+        const uint32_t m = __float_as_uint(mass[e]);
+        if (m >= tau && m < hi) in_range = mass[e];
+      }
+      tau = __float_as_uint(cta_reduce<true>(in_range, partial));
     }
     // Masses above tau are all kept; of those equal to it, in tile order, while the mass before
     // each stays below keep_mass.
-    const float above = mass_from(tau + 1u), tied_mass = __uint_as_float(tau);
+    const float above = cta_mass_from(mass, tau + 1u, 0u, 0u, partial).x, tied_mass = __uint_as_float(tau);
     float before = above;
     for (tied_kept = 0; before < p.keep_mass && tied_kept < nk; ++tied_kept) before += tied_mass;
   }
@@ -165,7 +212,7 @@ __device__ void select_by_mass(const BlockListsParams& p, int64_t b, int64_t h, 
 
 __device__ void block_map_rows(const BlockListsParams& p) {
   __shared__ uint32_t selected[kMaxWords];
-  __shared__ float partial[kWarps];
+  __shared__ float partial[2 * kWarps];
   __shared__ int32_t word_count[kMaxWords];
 
   const int64_t g = blockIdx.x, bh = blockIdx.y;
@@ -189,9 +236,9 @@ __device__ void block_map_rows(const BlockListsParams& p) {
   const bool estimated = p.scores != nullptr;
   bool keep_all = !estimated;
   if (estimated) {
-    select_by_mass(p, b, h, bh, g, i, visible_keys, partial, selected);
-    // The safeguard: a block whose rows share no direction keeps every tile.
+    // The safeguard: a block whose rows share no direction keeps every tile (no selection).
     keep_all = p.q_similarity[bh * p.num_q_blocks + i] < p.similarity_threshold;
+    if (!keep_all) select_by_mass(p, b, h, bh, g, i, visible_keys, partial, selected);
   }
   const float* log_weights = estimated ? p.log_weights + b * p.log_weights_stride_b + h * p.log_weights_stride_h : nullptr;
   int32_t* col_counts = p.col_counts + (c * p.batch * p.heads + bh) * p.num_k_tiles;
