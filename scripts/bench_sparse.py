@@ -91,12 +91,19 @@ def estimate_fn(q, k, keep_mass: float):
     return run
 
 
+def video_qk(seq: int, heads: int, dim: int) -> tuple[tuple[int, int, int], torch.Tensor, torch.Tensor]:
+    """A 21-frame latent grid of about ``seq`` tokens and video-structured q, k on it, [1, H, S, D]."""
+    grid = grid_for(seq)
+    q, k, _ = (t.transpose(1, 2) for t in video_qkv(grid, heads, dim, device="cuda"))
+    return grid, q, k
+
+
 def estimate_ops(seq: int, heads: int, dim: int, top: int = 15) -> str:
     """The estimate's device time by operator at one length, video-structured inputs (the CUDA
     profiler's table)."""
     from torch.profiler import ProfilerActivity, profile
 
-    q, k, _ = (t.transpose(1, 2) for t in video_qkv(grid_for(seq), heads, dim, device="cuda"))
+    _, q, k = video_qk(seq, heads, dim)
     run = estimate_fn(q, k, 0.9)
     run()
     torch.cuda.synchronize()
@@ -137,8 +144,7 @@ def bench(seq: int, heads: int, dim: int, densities, reps: int) -> tuple[list[di
         print(f"S={seq} density {density}: call {row['call_ms']:.1f} ms, kernel {row['attention_ms']:.1f} ms",
               file=sys.stderr, flush=True)
     est = {"seq": seq, "estimate_ms": time_ms(estimate_fn(q, k, 0.9), reps), "sdpa_cudnn_ms": time_ms(sdpa_cudnn(q, k, v), reps)}
-    grid = grid_for(seq)
-    qv, kv, _ = (t.transpose(1, 2) for t in video_qkv(grid, heads, dim, device="cuda"))
+    grid, qv, kv = video_qk(seq, heads, dim)
     est["video_grid"], est["video_estimate_ms"] = list(grid), time_ms(estimate_fn(qv, kv, 0.9), reps)
     est["estimate_vs_sdpa"] = est["estimate_ms"] / est["sdpa_cudnn_ms"]
     est["video_estimate_vs_sdpa"] = est["video_estimate_ms"] / est["sdpa_cudnn_ms"]

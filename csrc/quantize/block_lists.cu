@@ -17,8 +17,8 @@
 // floats order as their bits) below the row's largest mass, each step one CTA reduction, until one
 // mass is left in the interval. Then the safeguards (an unreliable block keeps every tile and
 // skips the selection, the diagonal tile and the always-kept key range stay), all within the
-// allowed tiles. The mass sums run in another order than PyTorch's, so a tile on the edge of keep_mass may
-// differ from sparse.map_rows; the lists of a given map are exact.
+// allowed tiles. The mass sums run in another order than PyTorch's, so a tile on the edge of
+// keep_mass may differ from sparse.map_rows; the lists of a given map are exact.
 #include "common/launch.h"
 #include "common/portable.h"
 #include "quantize/params.h"
