@@ -49,7 +49,7 @@ def _layout_program() -> str:
         "CORRECTION_THREADS": "launch::kCorrectionThreads",
         "CORRECTION_TILE_M": "launch::kCorrectionTileM", "CORRECTION_TILE_N": "launch::kCorrectionTileN",
         "BLOCK_LISTS_THREADS": "launch::kBlockListsThreads", "BLOCK_LISTS_MAX_TILES": "launch::kBlockListsMaxTiles",
-        "BLOCK_LIST_ROWS_PER_CTA": "launch::kBlockListRowsPerCta",
+        "BLOCK_LIST_ROWS_PER_CTA": "launch::kBlockListRowsPerCta", "BLOCK_MAP_WARP_MAX_TILES": "launch::kBlockMapWarpMaxTiles",
         "TILE_ROWS": "kTileRows", "STATISTICS_TILES": "kStatisticsTiles", "STAT_TENSORS": "kStatTensors",
         "STAT_VECTORS": "kStatVectors",
     }

@@ -97,6 +97,17 @@ def test_chunks_and_groups_do_not_change_the_result(cuda_device, monkeypatch):
     assert torch.equal(whole[0], split[0]) and torch.equal(whole[1], split[1])
 
 
+@pytest.fixture(params=["warp", "cta"])
+def map_row_threads(request, monkeypatch):
+    """The threads block_map_rows gives a row: a warp (rows of at most BLOCK_MAP_WARP_MAX_TILES
+    tiles) or, forced here for any row, the CTA."""
+    from nvfp4_dit.cuda import abi
+
+    if request.param == "cta":
+        monkeypatch.setattr(abi, "BLOCK_MAP_WARP_MAX_TILES", 0)
+    return request.param
+
+
 def _kernel_lists(stats, sparsity, grid, chunks):
     from nvfp4_dit.cuda import block_lists, launch
 
@@ -119,7 +130,7 @@ def _assert_lists_equal(got: sparse.BlockLists, want: sparse.BlockLists):
 @pytest.mark.cuda
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("broadcast", [(1, 3), (2, 1)])
-def test_the_list_kernels_list_a_given_map_exactly(cuda_device, causal, broadcast):
+def test_the_list_kernels_list_a_given_map_exactly(cuda_device, map_row_threads, causal, broadcast):
     b, h, sq, sk = 2, 3, 1900, 5000   # 15 Q blocks, 40 key tiles: two bit words per row
     bmap = _random_map(*broadcast, 15, 40, 0.3, seed=7)
     grid = sparse.TileGrid(b, h, sq, sk, 0.1, causal, torch.tensor([5000, 2100], device="cuda"))
@@ -134,7 +145,7 @@ def test_the_list_kernels_list_a_given_map_exactly(cuda_device, causal, broadcas
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("case", ["plain", "masked", "restricted"])
-def test_the_list_kernels_estimate_as_the_reference_does(cuda_device, case):
+def test_the_list_kernels_estimate_as_the_reference_does(cuda_device, map_row_threads, case):
     q, k, _ = _structured(6000, 4, 128, seed=3)
     kv = k[:, :, ::2]                                      # GQA: two query heads per kv head
     qh, kh = fmt.to_hnd(q, "NHD"), fmt.to_hnd(kv, "NHD")
@@ -161,10 +172,12 @@ def test_the_list_kernels_estimate_as_the_reference_does(cuda_device, case):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("seq_k, keep_mass, kept", [(5120, 0.51, 21), (76800, 0.5042, 303)])
-def test_the_list_kernels_break_ties_to_the_lower_tile(cuda_device, seq_k, keep_mass, kept):
+@pytest.mark.parametrize("seq_k, keep_mass, kept", [(5120, 0.51, 21), (76800, 0.5042, 303), (131072, 0.5042, 517),
+                                                    (140800, 0.5042, 555)])
+def test_the_list_kernels_break_ties_to_the_lower_tile(cuda_device, map_row_threads, seq_k, keep_mass, kept):
     """Equal pooled scores give every tile the same mass: the fewest tiles reaching keep_mass are
-    the lowest ones (plus the diagonal), in the kernels as in PyTorch."""
+    the lowest ones (plus the diagonal), in the kernels as in PyTorch (1024 tiles fill a warp's
+    registers; 1100 take the CTA)."""
     nk = seq_k // 128
     ones = torch.ones(1, 1, 2, 128, device="cuda")
     stats = sparse.BlockStatistics(ones, torch.ones(1, 1, nk, 128, device="cuda"), torch.ones(1, 1, 2, device="cuda"))

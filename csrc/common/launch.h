@@ -19,9 +19,10 @@
 //   quantize/correction.cu:
 //     nvfp4_dit_correction_<dtype>_d<DP>_{vec,scalar}_{vecstore,scalarstore}(CorrectionParams)
 //   quantize/block_lists.cu:
-//     nvfp4_dit_block_map_rows(BlockListsParams)       grid (chunks * step, B * H)
-//     nvfp4_dit_block_list_rows(BlockListsParams)      grid (ceil(chunks * step / warps), B * H)
-//     nvfp4_dit_block_list_columns(BlockListsParams)   grid (ceil(B * H * nk / warps), chunks)
+//     nvfp4_dit_block_map_rows(BlockListsParams)          grid (chunks * step, B * H)
+//     nvfp4_dit_block_map_rows_by_warp(BlockListsParams)  grid (ceil(chunks * step / warps), B * H)
+//     nvfp4_dit_block_list_rows(BlockListsParams)         grid (ceil(chunks * step / warps), B * H)
+//     nvfp4_dit_block_list_columns(BlockListsParams)      grid (ceil(B * H * nk / warps), chunks)
 #pragma once
 
 namespace nvfp4_dit {
@@ -45,12 +46,14 @@ constexpr int kCorrectionTileM = 64;
 constexpr int kCorrectionTileN = 128;
 constexpr int kCorrectionSmemBytes[2] = {47620, 84740};
 
-// The block map and its lists: a CTA per map row holds the row's estimated tile masses in
-// registers (kBlockListsMaxTiles / kBlockListsThreads per thread), so a row has at most
-// kBlockListsMaxTiles tiles (524,288 keys); longer rows use the PyTorch estimate. block_list_rows
-// takes a warp per map row, block_list_columns a warp per column.
+// The block map and its lists: the threads that estimate a map row hold its tile masses in
+// registers, 32 per thread in a warp per row (block_map_rows_by_warp: rows of at most
+// kBlockMapWarpMaxTiles tiles, 131,072 keys), 16 per thread in a CTA per row (block_map_rows), so
+// a row has at most kBlockListsMaxTiles tiles (524,288 keys); longer rows use the PyTorch
+// estimate. block_list_rows takes a warp per map row, block_list_columns a warp per column.
 constexpr int kBlockListsThreads = 256;
 constexpr int kBlockListsMaxTiles = 4096;
+constexpr int kBlockMapWarpMaxTiles = 1024;
 constexpr int kBlockListRowsPerCta = 4;
 
 }  // namespace launch

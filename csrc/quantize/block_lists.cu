@@ -1,9 +1,11 @@
 // The block map of a block-sparse call and the lists the kernels read (params.h: BlockListsParams),
 // for one group of correction chunks, in three launches and two scans the host queues in between:
 //
-//   block_map_rows      a CTA per map row: the tiles the Q block keeps, as 32-tile bit words, the
-//                       row's count, the words' popcount prefix, each column's count (integer
-//                       atomics: the sums do not depend on their order) and optionally the bool map;
+//   block_map_rows      per map row: the tiles the Q block keeps, as 32-tile bit words, the row's
+//                       count, the words' popcount prefix, each column's count (integer atomics:
+//                       the sums do not depend on their order) and optionally the bool map; a warp
+//                       estimates a row of at most kBlockMapWarpMaxTiles tiles (_by_warp), a CTA a
+//                       longer one;
 //   (host)              offsets = exclusive scans of the row and column counts, per chunk;
 //   block_list_rows     a warp per row: the row's tiles at its offset, ascending;
 //   block_list_columns  a warp per (bh, tile) column: the chunk's Q blocks that list it, ascending,
@@ -14,11 +16,11 @@
 // lower tile) whose mass reaches keep_mass. Sorted that way, the kept tiles are those above a
 // threshold mass tau plus the first few (by index) of those equal to it; tau is the largest mass
 // whose "at least tau" sum reaches keep_mass, found by bisection on the masses' bits (non-negative
-// floats order as their bits) below the row's largest mass, each step one CTA reduction, until one
-// mass is left in the interval. Then the safeguards (an unreliable block keeps every tile and
-// skips the selection, the diagonal tile and the always-kept key range stay), all within the
-// allowed tiles. The mass sums run in another order than PyTorch's, so a tile on the edge of
-// keep_mass may differ from sparse.map_rows; the lists of a given map are exact.
+// floats order as their bits) below the row's largest mass, each step one reduction over the row's
+// threads, until one mass is left in the interval. Then the safeguards (an unreliable block keeps
+// every tile and skips the selection, the diagonal tile and the always-kept key range stay), all
+// within the allowed tiles. The mass sums run in another order than PyTorch's, so a tile on the
+// edge of keep_mass may differ from sparse.map_rows; the lists of a given map are exact.
 #include "common/launch.h"
 #include "common/portable.h"
 #include "quantize/params.h"
@@ -28,10 +30,7 @@ namespace {
 
 constexpr int kThreads = launch::kBlockListsThreads;
 constexpr int kWarps = kThreads / 32;
-constexpr int kMaxWords = launch::kBlockListsMaxTiles / 32;
 constexpr int kListWarps = launch::kBlockListRowsPerCta;
-
-constexpr int kMaxPerThread = launch::kBlockListsMaxTiles / kThreads;  // a row's masses, in registers
 
 __device__ __forceinline__ uint32_t lanes_below() {
   uint32_t mask;
@@ -39,46 +38,81 @@ __device__ __forceinline__ uint32_t lanes_below() {
   return mask;
 }
 
-// x combined over the CTA (max or sum); every thread gets the result.
 template <bool kMax>
-__device__ __forceinline__ float cta_reduce(float x, float* partial) {
-#pragma unroll
-  for (int off = 16; off; off >>= 1) {
-    const float y = __shfl_xor_sync(0xFFFFFFFFu, x, off);
-    x = kMax ? fmaxf(x, y) : x + y;
-  }
-  __syncthreads();  // earlier readers of partial are done
-  if ((threadIdx.x & 31) == 0) partial[threadIdx.x / 32] = x;
-  __syncthreads();
-  float r = partial[0];
-#pragma unroll
-  for (int w = 1; w < kWarps; ++w) r = kMax ? fmaxf(r, partial[w]) : r + partial[w];
-  return r;
+__device__ __forceinline__ float combine(float x, float y) {
+  return kMax ? fmaxf(x, y) : x + y;
 }
 
-// (a, b) summed over the CTA, or with b's maximum (kMaxB); `partial` holds 2 * kWarps floats.
-template <bool kMaxB>
-__device__ __forceinline__ float2 cta_reduce_pair(float a, float b, float* partial) {
+// The threads that estimate one map row: kRowWarps warps (1: a warp per row, no barriers; kWarps:
+// the CTA). A row's masses sit in registers, kSlots per thread: thread t holds tiles t + kThreads * e.
+template <int kRowWarps>
+struct RowGroup {
+  static constexpr int kThreads = 32 * kRowWarps;
+  static constexpr int kMaxTiles = kRowWarps == 1 ? launch::kBlockMapWarpMaxTiles : launch::kBlockListsMaxTiles;
+  static constexpr int kSlots = kMaxTiles / kThreads;
+  static constexpr int kWords = kMaxTiles / 32;
+  static_assert(kRowWarps == 1 || kRowWarps == kWarps, "a row is a warp's or the CTA's");
+
+  int t;           // the thread within the group
+  float* partial;  // 2 * kRowWarps floats of shared memory (the CTA's group)
+
+  __device__ int lane() const { return t & 31; }
+  __device__ int warp() const { return t / 32; }
+
+  __device__ void sync() const {
+    if (kRowWarps == 1) __syncwarp(); else __syncthreads();
+  }
+
+  // (a, b) combined over the group (each a sum or a maximum); every thread gets the result. The
+  // butterfly gives every lane the same sums (each step adds the same two values).
+  template <bool kMaxA, bool kMaxB>
+  __device__ float2 reduce(float a, float b) const {
 #pragma unroll
-  for (int off = 16; off; off >>= 1) {
-    a += __shfl_xor_sync(0xFFFFFFFFu, a, off);
-    const float y = __shfl_xor_sync(0xFFFFFFFFu, b, off);
-    b = kMaxB ? fmaxf(b, y) : b + y;
-  }
-  __syncthreads();  // earlier readers of partial are done
-  if ((threadIdx.x & 31) == 0) {
-    partial[threadIdx.x / 32] = a;
-    partial[kWarps + threadIdx.x / 32] = b;
-  }
-  __syncthreads();
-  float2 r = make_float2(partial[0], partial[kWarps]);
+    for (int off = 16; off; off >>= 1) {
+      a = combine<kMaxA>(a, __shfl_xor_sync(0xFFFFFFFFu, a, off));
+      b = combine<kMaxB>(b, __shfl_xor_sync(0xFFFFFFFFu, b, off));
+    }
+    if (kRowWarps == 1) return make_float2(a, b);
+    __syncthreads();  // earlier readers of partial are done
+    if (lane() == 0) {
+      partial[warp()] = a;
+      partial[kRowWarps + warp()] = b;
+    }
+    __syncthreads();
+    float2 r = make_float2(partial[0], partial[kRowWarps]);
 #pragma unroll
-  for (int w = 1; w < kWarps; ++w) {
-    r.x += partial[w];
-    r.y = kMaxB ? fmaxf(r.y, partial[kWarps + w]) : r.y + partial[kWarps + w];
+    for (int w = 1; w < kRowWarps; ++w) {
+      r.x = combine<kMaxA>(r.x, partial[w]);
+      r.y = combine<kMaxB>(r.y, partial[kRowWarps + w]);
+    }
+    return r;
   }
-  return r;
-}
+
+  template <bool kMax>
+  __device__ float reduce(float a) const {
+    return reduce<kMax, kMax>(a, a).x;
+  }
+
+  // The rank of this thread's flag among the group's set flags of one slot (in thread order), after
+  // `before` set flags of earlier slots; `before` grows by the slot's count.
+  __device__ int rank_in_slot(bool flag, int& before) const {
+    const uint32_t ballot = __ballot_sync(0xFFFFFFFFu, flag);
+    int rank = before + __popc(ballot & lanes_below());
+    if (kRowWarps == 1) {
+      before += __popc(ballot);
+      return rank;
+    }
+    __syncthreads();
+    if (lane() == 0) partial[warp()] = static_cast<float>(__popc(ballot));
+    __syncthreads();
+    for (int w = 0; w < kRowWarps; ++w) {
+      const int n = static_cast<int>(partial[w]);
+      if (w < warp()) rank += n;
+      before += n;
+    }
+    return rank;
+  }
+};
 
 __device__ __forceinline__ int64_t map_row_index(const BlockListsParams& p, int64_t c, int64_t bh, int64_t m) {
   return (c * p.batch * p.heads + bh) * p.step + m;
@@ -95,156 +129,157 @@ __device__ __forceinline__ bool tile_allowed(const BlockListsParams& p, int64_t 
   return true;
 }
 
-// The CTA's sum of the masses whose bits are at least `bits`, and how many masses have bits in
-// [lo, hi) (exact: at most kBlockListsMaxTiles).
-__device__ __forceinline__ float2 cta_mass_from(const float (&mass)[kMaxPerThread], uint32_t bits, uint32_t lo,
-                                                uint32_t hi, float* partial) {
+// The group's sum of the masses whose bits are at least `bits`, and how many masses have bits in
+// [lo, hi) (exact: at most kMaxTiles).
+template <class Group>
+__device__ __forceinline__ float2 mass_from(const Group& group, const float (&mass)[Group::kSlots], uint32_t bits,
+                                            uint32_t lo, uint32_t hi) {
   float sum = 0.0f, count = 0.0f;
 #pragma unroll
-  for (int e = 0; e < kMaxPerThread; ++e) {
+  for (int e = 0; e < Group::kSlots; ++e) {
     const uint32_t m = __float_as_uint(mass[e]);
     sum += m >= bits ? mass[e] : 0.0f;
     count += m >= lo && m < hi ? 1.0f : 0.0f;
   }
-  return cta_reduce_pair<false>(sum, count, partial);
+  return group.template reduce<false, false>(sum, count);
 }
 
 // The estimate of one row into `selected` (bit words in shared memory, zeroed by the caller): the
 // fewest allowed tiles by descending mass (ties to the lower tile) whose mass reaches keep_mass.
-// Thread t holds the masses of tiles t + kThreads * e in registers.
-__device__ void select_by_mass(const BlockListsParams& p, int64_t b, int64_t h, int64_t bh, int64_t g, int64_t i,
-                               int64_t visible_keys, float* partial, uint32_t* selected) {
+template <class Group>
+__device__ void select_by_mass(const Group& group, const BlockListsParams& p, int64_t b, int64_t h, int64_t bh,
+                               int64_t g, int64_t i, int64_t visible_keys, uint32_t* selected) {
+  constexpr int kSlots = Group::kSlots;
   const int nk = static_cast<int>(p.num_k_tiles);
   const float* scores = p.scores + (bh * p.rows + g) * p.num_k_tiles;
   const float* log_weights = p.log_weights + b * p.log_weights_stride_b + h * p.log_weights_stride_h;
   const float row_factor = rsqrtf(fmaxf(p.q_similarity[bh * p.num_q_blocks + i], p.similarity_threshold));
-  float mass[kMaxPerThread];
+  float mass[kSlots];
   float top = -INFINITY;
 #pragma unroll
-  for (int e = 0; e < kMaxPerThread; ++e) {
-    const int j = threadIdx.x + kThreads * e;
+  for (int e = 0; e < kSlots; ++e) {
+    const int j = group.t + Group::kThreads * e;
     float z = -INFINITY;
     if (j < nk && log_weights[j] > -INFINITY && tile_allowed(p, b, h, i, j, visible_keys))
       z = scores[j] * p.scale * row_factor + log_weights[j];
     mass[e] = z;
     top = fmaxf(top, z);
   }
-  top = cta_reduce<true>(top, partial);
+  top = group.template reduce<true>(top);
   if (top == -INFINITY) return;  // no candidate: the estimate keeps nothing
   float total = 0.0f;
 #pragma unroll
-  for (int e = 0; e < kMaxPerThread; ++e) {
+  for (int e = 0; e < kSlots; ++e) {
     mass[e] = expf(mass[e] - top);
     total += mass[e];
   }
-  total = cta_reduce<false>(total, partial);
+  total = group.template reduce<false>(total);
   float local_sum = 0.0f, local_top = 0.0f;
 #pragma unroll
-  for (int e = 0; e < kMaxPerThread; ++e) {
+  for (int e = 0; e < kSlots; ++e) {
     const float m = mass[e] / total;
     mass[e] = m >= 0.0f ? m : 0.0f;  // a NaN row (non-finite inputs) keeps nothing, as in PyTorch
     local_sum += __float_as_uint(mass[e]) >= 1u ? mass[e] : 0.0f;
     local_top = fmaxf(local_top, mass[e]);
   }
   // The positive masses' sum and the largest mass.
-  const float2 positive = cta_reduce_pair<true>(local_sum, local_top, partial);
+  const float2 positive = group.template reduce<false, true>(local_sum, local_top);
   // tau: the largest bits with mass_from(tau) >= keep_mass, in [1, largest mass]; if even every
   // positive mass together stays below keep_mass (rounding), every positive mass is kept. mass_from
   // is a step function of the bits that drops just past each mass, so tau is the bits of a mass:
   // once [tau, hi) holds a single mass, tau is that mass.
   uint32_t tau = 1u;
-  int tied_kept = 1 << 30;
+  int tied_kept = 1 << 30, tied_total = 0;
   if (positive.x >= p.keep_mass) {
     uint32_t hi = __float_as_uint(positive.y) + 1u;  // mass_from(hi) == 0 < keep_mass
     while (hi - tau > 1u) {
       const uint32_t mid = tau + (hi - tau) / 2u;
-      const float2 step = cta_mass_from(mass, mid, tau, hi, partial);  // y: masses in [tau, hi)
+      const float2 step = mass_from(group, mass, mid, tau, hi);  // y: masses in [tau, hi)
       if (step.y == 1.0f) break;
       if (step.x >= p.keep_mass) tau = mid; else hi = mid;
     }
     if (hi - tau > 1u) {  // the single mass in [tau, hi)
       float in_range = 0.0f;
 #pragma unroll
-      for (int e = 0; e < kMaxPerThread; ++e) {
+      for (int e = 0; e < kSlots; ++e) {
         const uint32_t m = __float_as_uint(mass[e]);
         if (m >= tau && m < hi) in_range = mass[e];
       }
-      tau = __float_as_uint(cta_reduce<true>(in_range, partial));
+      tau = __float_as_uint(group.template reduce<true>(in_range));
     }
     // Masses above tau are all kept; of those equal to it, in tile order, while the mass before
     // each stays below keep_mass.
-    const float above = cta_mass_from(mass, tau + 1u, 0u, 0u, partial).x, tied_mass = __uint_as_float(tau);
-    float before = above;
+    const float2 split = mass_from(group, mass, tau + 1u, tau, tau + 1u);  // above tau; equal to it
+    tied_total = static_cast<int>(split.y);
+    float before = split.x;
+    const float tied_mass = __uint_as_float(tau);
     for (tied_kept = 0; before < p.keep_mass && tied_kept < nk; ++tied_kept) before += tied_mass;
   }
-  // Tie ranks in tile order (tile t + kThreads * e: slot e first, then thread) only where the ties
-  // outnumber the kept ones.
-  int tied_total = 0;
-#pragma unroll
-  for (int e = 0; e < kMaxPerThread; ++e) tied_total += __float_as_uint(mass[e]) == tau && mass[e] > 0.0f;
-  tied_total = static_cast<int>(cta_reduce<false>(static_cast<float>(tied_total), partial));
-  const bool rank_ties = tied_total > tied_kept;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
+  // Tie ranks in tile order (slot e first, then thread) only where the ties outnumber the kept ones;
+  // if every positive mass is kept (tau = 1), there are none.
+  const bool rank_ties = tied_total > tied_kept;  // group-uniform
   int tied_before_slot = 0;
 #pragma unroll
-  for (int e = 0; e < kMaxPerThread; ++e) {
-    const int j = threadIdx.x + kThreads * e;
+  for (int e = 0; e < kSlots; ++e) {
+    const int j = group.t + Group::kThreads * e;
     const uint32_t bits = __float_as_uint(mass[e]);
     const bool tied = bits == tau && mass[e] > 0.0f;
     bool keep = bits > tau || (tied && !rank_ties);
-    if (rank_ties) {  // CTA-uniform
-      const uint32_t ballot = __ballot_sync(0xFFFFFFFFu, tied);
-      __syncthreads();
-      if (lane == 0) partial[warp] = static_cast<float>(__popc(ballot));
-      __syncthreads();
-      int rank = tied_before_slot + __popc(ballot & lanes_below());
-      for (int w = 0; w < kWarps; ++w) {
-        const int n = static_cast<int>(partial[w]);
-        if (w < warp) rank += n;
-        tied_before_slot += n;
-      }
+    if (rank_ties) {  // every thread of the group takes part
+      const int rank = group.rank_in_slot(tied, tied_before_slot);
       keep = keep || (tied && rank < tied_kept);
     }
     if (keep && j < nk) atomicOr(&selected[j / 32], 1u << (j % 32));
   }
-  __syncthreads();
+  group.sync();
 }
 
+// One map row per group of kRowWarps warps; a CTA holds kWarps / kRowWarps rows.
+template <int kRowWarps>
 __device__ void block_map_rows(const BlockListsParams& p) {
-  __shared__ uint32_t selected[kMaxWords];
-  __shared__ float partial[2 * kWarps];
-  __shared__ int32_t word_count[kMaxWords];
+  using Group = RowGroup<kRowWarps>;
+  constexpr int kRows = kWarps / kRowWarps;
+  __shared__ uint32_t selected_rows[kRows][Group::kWords];
+  __shared__ int32_t word_count_rows[kRows][Group::kWords];
+  __shared__ float partial_rows[kRows][2 * kRowWarps];
 
-  const int64_t g = blockIdx.x, bh = blockIdx.y;
+  const int row_in_cta = threadIdx.x / Group::kThreads;
+  const Group group{static_cast<int>(threadIdx.x % Group::kThreads), partial_rows[row_in_cta]};
+  uint32_t* selected = selected_rows[row_in_cta];
+  int32_t* word_count = word_count_rows[row_in_cta];
+  const int64_t g = static_cast<int64_t>(blockIdx.x) * kRows + row_in_cta, bh = blockIdx.y;
+  if (g >= p.chunks * p.step) return;  // past the last row: the whole group
   const int64_t b = bh / p.heads, h = bh % p.heads;
   const int64_t c = g / p.step, m = g % p.step;
-  const int64_t r = map_row_index(p, c, bh, m);
   const int nk = static_cast<int>(p.num_k_tiles), words = static_cast<int>(p.words);
-  uint32_t* bits = p.bits + r * p.words;
-  int32_t* prefix = p.word_prefix + r * p.words;
   if (g >= p.rows) {  // a padding row of the last chunk: empty
-    for (int w = threadIdx.x; w < words; w += kThreads) bits[w] = prefix[w] = 0;
-    if (threadIdx.x == 0) p.row_counts[r] = 0;
+    const int64_t r = map_row_index(p, c, bh, m);
+    for (int w = group.t; w < words; w += Group::kThreads) p.bits[r * p.words + w] = p.word_prefix[r * p.words + w] = 0;
+    if (group.t == 0) p.row_counts[r] = 0;
     return;
   }
   const int64_t i = p.block_begin + g;
   int64_t visible_keys = p.seq_k;
   if (p.kv_lens != nullptr) visible_keys = min(max(static_cast<int64_t>(p.kv_lens[b]), int64_t(0)), p.seq_k);
 
-  for (int w = threadIdx.x; w < words; w += kThreads) selected[w] = 0u;
-  __syncthreads();
+  for (int w = group.t; w < words; w += Group::kThreads) selected[w] = 0u;
+  group.sync();
   const bool estimated = p.scores != nullptr;
   bool keep_all = !estimated;
   if (estimated) {
     // The safeguard: a block whose rows share no direction keeps every tile (no selection).
     keep_all = p.q_similarity[bh * p.num_q_blocks + i] < p.similarity_threshold;
-    if (!keep_all) select_by_mass(p, b, h, bh, g, i, visible_keys, partial, selected);
+    if (!keep_all) select_by_mass(group, p, b, h, bh, g, i, visible_keys, selected);
   }
+  // The row's outputs, addressed after the selection (fewer registers live across it).
+  const int64_t r = map_row_index(p, c, bh, m);
+  uint32_t* bits = p.bits + r * p.words;
+  int32_t* prefix = p.word_prefix + r * p.words;
   const float* log_weights = estimated ? p.log_weights + b * p.log_weights_stride_b + h * p.log_weights_stride_h : nullptr;
   int32_t* col_counts = p.col_counts + (c * p.batch * p.heads + bh) * p.num_k_tiles;
   uint8_t* row_map = p.row_map != nullptr ? p.row_map + (bh * p.rows + g) * p.num_k_tiles : nullptr;
-  const int lane = threadIdx.x & 31;
-  for (int w = threadIdx.x / 32; w < words; w += kWarps) {
+  const int lane = group.lane();
+  for (int w = group.warp(); w < words; w += kRowWarps) {
     const int j = 32 * w + lane;
     bool keep = false;
     if (j < nk && tile_allowed(p, b, h, i, j, visible_keys) && (!estimated || log_weights[j] > -INFINITY)) {
@@ -262,14 +297,22 @@ __device__ void block_map_rows(const BlockListsParams& p) {
     if (keep) atomicAdd(&col_counts[j], 1);
     if (row_map != nullptr && j < nk) row_map[j] = keep;
   }
-  __syncthreads();
-  if (threadIdx.x == 0) {
+  group.sync();
+  if (group.warp() == 0) {  // the words' exclusive prefix, 32 words at a time
     int32_t total = 0;
-    for (int w = 0; w < words; ++w) {
-      prefix[w] = total;
-      total += word_count[w];
+    for (int w0 = 0; w0 < words; w0 += 32) {
+      const int w = w0 + lane;
+      const int32_t n = w < words ? word_count[w] : 0;
+      int32_t inclusive = n;
+#pragma unroll
+      for (int off = 1; off < 32; off <<= 1) {
+        const int32_t y = __shfl_up_sync(0xFFFFFFFFu, inclusive, off);
+        if (lane >= off) inclusive += y;
+      }
+      if (w < words) prefix[w] = total + inclusive - n;
+      total += __shfl_sync(0xFFFFFFFFu, inclusive, 31);
     }
-    p.row_counts[r] = total;
+    if (lane == 0) p.row_counts[r] = total;
   }
 }
 
@@ -329,7 +372,12 @@ __device__ void block_list_columns(const BlockListsParams& p) {
 // Four CTAs per SM: 64 registers, enough for a row's masses without spilling.
 extern "C" __global__ void __launch_bounds__(nvfp4_dit::kThreads, 4)
     nvfp4_dit_block_map_rows(const __grid_constant__ nvfp4_dit::BlockListsParams p) {
-  nvfp4_dit::block_map_rows(p);
+  nvfp4_dit::block_map_rows<nvfp4_dit::kWarps>(p);
+}
+// Three CTAs per SM: 80 registers, enough for a warp's 32 masses per thread.
+extern "C" __global__ void __launch_bounds__(nvfp4_dit::kThreads, 3)
+    nvfp4_dit_block_map_rows_by_warp(const __grid_constant__ nvfp4_dit::BlockListsParams p) {
+  nvfp4_dit::block_map_rows<1>(p);
 }
 extern "C" __global__ void __launch_bounds__(32 * nvfp4_dit::kListWarps)
     nvfp4_dit_block_list_rows(const __grid_constant__ nvfp4_dit::BlockListsParams p) {

@@ -24,6 +24,7 @@ CORRECTION_TILE_N = 128
 CORRECTION_SMEM_BYTES = (47620, 84740)     # [head dim 64, 128]
 BLOCK_LISTS_THREADS = 256
 BLOCK_LISTS_MAX_TILES = 4096
+BLOCK_MAP_WARP_MAX_TILES = 1024  # block_map_rows_by_warp: a warp per map row of at most this many tiles
 BLOCK_LIST_ROWS_PER_CTA = 4    # block_list_rows: a warp per map row
 
 # csrc/quantize/params.h
@@ -187,7 +188,8 @@ def correction_entry(dtype: str, head_dim_padded: int, vector_load: bool, vector
     return f"nvfp4_dit_correction_{dtype}_d{head_dim_padded}_{_load(vector_load)}_{store}"
 
 
-BLOCK_LISTS_ENTRIES = ("nvfp4_dit_block_map_rows", "nvfp4_dit_block_list_rows", "nvfp4_dit_block_list_columns")
+BLOCK_LISTS_ENTRIES = ("nvfp4_dit_block_map_rows", "nvfp4_dit_block_map_rows_by_warp", "nvfp4_dit_block_list_rows",
+                       "nvfp4_dit_block_list_columns")
 
 
 def launcher_entries(kind: str) -> set[str]:

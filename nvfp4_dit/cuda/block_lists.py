@@ -3,10 +3,11 @@
 The same map and lists as :func:`nvfp4_dit.sparse.lists_by_group` (the PyTorch twin, which the
 ``torch`` quantiser path and the reference use): per group of correction chunks, the pooled scores
 (one batched matmul of the quantiser's block means) go to ``block_map_rows``, which estimates each
-Q block's tiles in one CTA (softmax, the threshold mass by bisection, the safeguards) and writes the
-map as bit words with its row and column counts; two scans of the counts give the CSR and CSC offsets, and
-``block_list_rows`` / ``block_list_columns`` write the lists. A handful of launches per group instead
-of dozens of passes over the bool map, and nothing waits for the GPU.
+Q block's tiles in one warp, or one CTA past ``BLOCK_MAP_WARP_MAX_TILES`` tiles (softmax, the
+threshold mass by bisection, the safeguards), and writes the map as bit words with its row and
+column counts; two scans of the counts give the CSR and CSC offsets, and ``block_list_rows`` /
+``block_list_columns`` write the lists. A handful of launches per group instead of dozens of passes
+over the bool map, and nothing waits for the GPU.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from .. import sparse as sp
 from . import abi
 from .launch import DeviceKernels
 
-_MAP_ROWS, _LIST_ROWS, _LIST_COLUMNS = abi.BLOCK_LISTS_ENTRIES
+_MAP_ROWS, _MAP_ROWS_BY_WARP, _LIST_ROWS, _LIST_COLUMNS = abi.BLOCK_LISTS_ENTRIES
 
 
 def supported(grid: sp.TileGrid) -> bool:
@@ -64,7 +65,11 @@ def lists_by_group(dk: DeviceKernels, stats: Optional[sp.BlockStatistics], spars
     if grid.kv_lens is not None:
         lens = grid.kv_lens.to(device=device, dtype=torch.int32).contiguous()
         p.kv_lens = lens.data_ptr()
-    map_rows, list_rows, list_columns = (dk.kernel(name) for name in (_MAP_ROWS, _LIST_ROWS, _LIST_COLUMNS))
+    # A warp estimates a row of up to BLOCK_MAP_WARP_MAX_TILES tiles, a CTA a longer one.
+    by_warp = nk <= abi.BLOCK_MAP_WARP_MAX_TILES
+    rows_per_map_cta = abi.BLOCK_LISTS_THREADS // 32 if by_warp else 1
+    map_rows, list_rows, list_columns = (dk.kernel(name) for name in (_MAP_ROWS_BY_WARP if by_warp else _MAP_ROWS,
+                                                                      _LIST_ROWS, _LIST_COLUMNS))
     for group in sp.chunk_groups(chunks, bh, nk):
         g0, g1 = group[0][0], group[-1][1]
         lengths = [c1 - c0 for c0, c1 in group]
@@ -81,7 +86,7 @@ def lists_by_group(dk: DeviceKernels, stats: Optional[sp.BlockStatistics], spars
         p.bits, p.row_counts, p.word_prefix, p.col_counts = (t.data_ptr() for t in (bits, row_counts, word_prefix,
                                                                                      col_counts))
         p.row_map = None if rows_map is None else rows_map.data_ptr()
-        map_rows.launch((n_chunks * step, bh), abi.BLOCK_LISTS_THREADS, [p], stream)
+        map_rows.launch((-(-n_chunks * step // rows_per_map_cta), bh), abi.BLOCK_LISTS_THREADS, [p], stream)
 
         offsets, col_offsets = sp.offsets_of(row_counts), sp.offsets_of(col_counts)
         entries = bh * step * nk
