@@ -7,7 +7,8 @@
 //                       estimates a row of at most kBlockMapWarpMaxTiles tiles (_by_warp), a CTA a
 //                       longer one;
 //   (host)              offsets = exclusive scans of the row and column counts, per chunk;
-//   block_list_rows     a warp per row: the row's tiles at its offset, ascending;
+//   block_list_rows     a warp per row: the row's tiles at its offset, ascending, and the row's place
+//                       in the chunk's visiting order;
 //   block_list_columns  a warp per (bh, tile) column: the chunk's Q blocks that list it, ascending,
 //                       and their entries.
 //
@@ -321,7 +322,7 @@ __device__ void block_list_rows(const BlockListsParams& p) {
   if (g >= p.chunks * p.step) return;
   const int64_t c = g / p.step, m = g % p.step;
   const int64_t r = map_row_index(p, c, bh, m);
-  const int64_t per_chunk = p.batch * p.heads * p.step;
+  const int64_t bh_count = p.batch * p.heads, per_chunk = bh_count * p.step;
   const int64_t base = p.offsets[c * (per_chunk + 1) + bh * p.step + m];
   int32_t* tiles = p.tiles + c * per_chunk * p.num_k_tiles;
   const int lane = threadIdx.x & 31;
@@ -329,6 +330,28 @@ __device__ void block_list_rows(const BlockListsParams& p) {
     const uint32_t word = p.bits[r * p.words + w];
     if ((word >> lane) & 1u) tiles[base + p.word_prefix[r * p.words + w] + __popc(word & lanes_below())] = 32 * w + lane;
   }
+  // The row's place in the visiting order: among its head's real rows of the chunk, after those
+  // with more tiles and the earlier ones with as many (the kernel's longest-first schedule).
+  const int64_t length = min(p.step, p.rows - c * p.step);  // the chunk's real rows
+  int64_t place;
+  if (m < length) {
+    const int32_t* counts = p.row_counts + (c * bh_count + bh) * p.step;
+    const int32_t own = counts[m];
+    int64_t rank = 0;
+    for (int64_t m0 = 0; m0 < length; m0 += 32) {
+      const int64_t other = m0 + lane;
+      bool ahead = false;
+      if (other < length) {
+        const int32_t n = counts[other];
+        ahead = n > own || (n == own && other < m);
+      }
+      rank += __popc(__ballot_sync(0xFFFFFFFFu, ahead));
+    }
+    place = bh * length + rank;
+  } else {
+    place = bh_count * length + bh * (p.step - length) + (m - length);
+  }
+  if (lane == 0) p.order[c * per_chunk + place] = static_cast<int32_t>(bh * p.step + m);
 }
 
 __device__ void block_list_columns(const BlockListsParams& p) {

@@ -235,6 +235,9 @@ struct BlockListsParams {
   int32_t* tiles;              // [C, E]
   int32_t* col_rows;           // [C, E]
   int32_t* col_entries;        // [C, E]
+  // block_list_rows also writes each chunk's visiting order of its rows (BlockLists.order): per
+  // head, the chunk's real rows by descending count (ties by Q block), then every padding row.
+  int32_t* order;              // [C, B*H*step]: r - c * B*H*step of the row visited at that place
 };
 
 }  // namespace nvfp4_dit

@@ -123,7 +123,7 @@ class BlockListsParams(ctypes.Structure):
         ("step", c_int64), ("chunks", c_int64),
         ("bits", c_void_p), ("row_counts", c_void_p), ("word_prefix", c_void_p), ("col_counts", c_void_p),
         ("row_map", c_void_p), ("offsets", c_void_p), ("col_offsets", c_void_p), ("tiles", c_void_p),
-        ("col_rows", c_void_p), ("col_entries", c_void_p),
+        ("col_rows", c_void_p), ("col_entries", c_void_p), ("order", c_void_p),
     ]
 
 

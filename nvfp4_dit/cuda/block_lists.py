@@ -5,9 +5,9 @@ The same map and lists as :func:`nvfp4_dit.sparse.lists_by_group` (the PyTorch t
 (one batched matmul of the quantiser's block means) go to ``block_map_rows``, which estimates each
 Q block's tiles in one warp, or one CTA past ``BLOCK_MAP_WARP_MAX_TILES`` tiles (softmax, the
 threshold mass by bisection, the safeguards), and writes the map as bit words with its row and
-column counts; two scans of the counts give the CSR and CSC offsets, and ``block_list_rows`` /
-``block_list_columns`` write the lists. A handful of launches per group instead of dozens of passes
-over the bool map, and nothing waits for the GPU.
+column counts; two scans of the counts give the CSR and CSC offsets, ``block_list_rows`` writes
+the row lists and the visiting order, ``block_list_columns`` the column lists. A handful of
+launches per group instead of dozens of passes over the bool map, and nothing waits for the GPU.
 """
 
 from __future__ import annotations
@@ -91,13 +91,14 @@ def lists_by_group(dk: DeviceKernels, stats: Optional[sp.BlockStatistics], spars
         offsets, col_offsets = sp.offsets_of(row_counts), sp.offsets_of(col_counts)
         entries = bh * step * nk
         tiles, col_rows, col_entries = (torch.empty(n_chunks, entries, **i32) for _ in range(3))
+        order = torch.empty(n_chunks, bh * step, **i32)
         p.offsets, p.col_offsets = offsets.data_ptr(), col_offsets.data_ptr()
         p.tiles, p.col_rows, p.col_entries = tiles.data_ptr(), col_rows.data_ptr(), col_entries.data_ptr()
-        rows_per_cta = abi.BLOCK_LIST_ROWS_PER_CTA                 # a warp per map row
+        p.order = order.data_ptr()
+        rows_per_cta = abi.BLOCK_LIST_ROWS_PER_CTA                 # a warp per map row (and its place in order)
         list_rows.launch((-(-n_chunks * step // rows_per_cta), bh), 32 * rows_per_cta, [p], stream)
         columns_per_cta = abi.BLOCK_LISTS_THREADS // 32            # a warp per column
         list_columns.launch((-(-bh * nk // columns_per_cta), n_chunks), abi.BLOCK_LISTS_THREADS, [p], stream)
-        order = sp.visiting_order(row_counts, lengths, nk)
         yield group, rows_map, sp.BlockLists(offsets=offsets, tiles=tiles, order=order, col_offsets=col_offsets,
                                              col_rows=col_rows, col_entries=col_entries, step=step)
 
