@@ -91,6 +91,12 @@ def estimate_fn(q, k, keep_mass: float):
     return run
 
 
+def iid_qkv(seq: int, heads: int, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """iid normal q, k, v, [1, H, S, D] bf16 (seeded by the length)."""
+    g = torch.Generator(device="cuda").manual_seed(seq)
+    return tuple(torch.randn(1, heads, seq, dim, generator=g, device="cuda").to(torch.bfloat16) for _ in range(3))
+
+
 def video_qk(seq: int, heads: int, dim: int) -> tuple[tuple[int, int, int], torch.Tensor, torch.Tensor]:
     """A 21-frame latent grid of about ``seq`` tokens and video-structured q, k on it, [1, H, S, D]."""
     grid = grid_for(seq)
@@ -98,12 +104,12 @@ def video_qk(seq: int, heads: int, dim: int) -> tuple[tuple[int, int, int], torc
     return grid, q, k
 
 
-def estimate_ops(seq: int, heads: int, dim: int, top: int = 15) -> str:
-    """The estimate's device time by operator at one length, video-structured inputs (the CUDA
-    profiler's table)."""
+def estimate_ops(seq: int, heads: int, dim: int, video: bool, top: int = 15) -> str:
+    """The estimate's device time by operator at one length, on video-structured or iid inputs
+    (the CUDA profiler's table)."""
     from torch.profiler import ProfilerActivity, profile
 
-    _, q, k = video_qk(seq, heads, dim)
+    q, k = video_qk(seq, heads, dim)[1:] if video else iid_qkv(seq, heads, dim)[:2]
     run = estimate_fn(q, k, 0.9)
     run()
     torch.cuda.synchronize()
@@ -123,8 +129,7 @@ def sdpa_cudnn(q, k, v):
 
 
 def bench(seq: int, heads: int, dim: int, densities, reps: int) -> tuple[list[dict], dict]:
-    g = torch.Generator(device="cuda").manual_seed(seq)
-    q, k, v = (torch.randn(1, heads, seq, dim, generator=g, device="cuda").to(torch.bfloat16) for _ in range(3))
+    q, k, v = iid_qkv(seq, heads, dim)
     nq = sparse.num_blocks(seq)
     rows, dense = [], None
     for density in densities or ():
@@ -192,8 +197,9 @@ def main(argv=None) -> int:
         print(f"| {e['seq']:,} | {e['sdpa_cudnn_ms']:.1f} | {e['estimate_ms']:.2f} | {e['estimate_vs_sdpa']:.2%} "
               f"| {'x'.join(map(str, e['video_grid']))} | {e['video_estimate_ms']:.2f} | {e['video_estimate_vs_sdpa']:.2%} |")
     if args.estimate_ops:
-        print(f"\nThe estimate at S={args.seq[-1]:,} (video-structured inputs) by operator:\n")
-        print(estimate_ops(args.seq[-1], args.heads, args.dim))
+        for video in (True, False):
+            print(f"\nThe estimate at S={args.seq[-1]:,} ({'video-structured' if video else 'iid'} inputs) by operator:\n")
+            print(estimate_ops(args.seq[-1], args.heads, args.dim, video))
     if args.json:
         args.json.write_text(json.dumps({"device": name, "rows": all_rows, "estimate": estimates}, indent=1))
     return 0
