@@ -45,12 +45,12 @@ __device__ __forceinline__ float combine(float x, float y) {
 }
 
 // The threads that estimate one map row: kRowWarps warps (1: a warp per row, no barriers; kWarps:
-// the CTA). A row's masses sit in registers, kSlots per thread: thread t holds tiles t + kThreads * e.
+// the CTA). A row's masses sit in registers, kSlots per thread: thread t holds tiles t + kRowThreads * e.
 template <int kRowWarps>
 struct RowGroup {
-  static constexpr int kThreads = 32 * kRowWarps;
+  static constexpr int kRowThreads = 32 * kRowWarps;
   static constexpr int kMaxTiles = kRowWarps == 1 ? launch::kBlockMapWarpMaxTiles : launch::kBlockListsMaxTiles;
-  static constexpr int kSlots = kMaxTiles / kThreads;
+  static constexpr int kSlots = kMaxTiles / kRowThreads;
   static constexpr int kWords = kMaxTiles / 32;
   static_assert(kRowWarps == 1 || kRowWarps == kWarps, "a row is a warp's or the CTA's");
 
@@ -159,7 +159,7 @@ __device__ void select_by_mass(const Group& group, const BlockListsParams& p, in
   float top = -INFINITY;
 #pragma unroll
   for (int e = 0; e < kSlots; ++e) {
-    const int j = group.t + Group::kThreads * e;
+    const int j = group.t + Group::kRowThreads * e;
     float z = -INFINITY;
     if (j < nk && log_weights[j] > -INFINITY && tile_allowed(p, b, h, i, j, visible_keys))
       z = scores[j] * p.scale * row_factor + log_weights[j];
@@ -222,7 +222,7 @@ __device__ void select_by_mass(const Group& group, const BlockListsParams& p, in
   int tied_before_slot = 0;
 #pragma unroll
   for (int e = 0; e < kSlots; ++e) {
-    const int j = group.t + Group::kThreads * e;
+    const int j = group.t + Group::kRowThreads * e;
     const uint32_t bits = __float_as_uint(mass[e]);
     const bool tied = bits == tau && mass[e] > 0.0f;
     bool keep = bits > tau || (tied && !rank_ties);
@@ -244,8 +244,8 @@ __device__ void block_map_rows(const BlockListsParams& p) {
   __shared__ int32_t word_count_rows[kRows][Group::kWords];
   __shared__ float partial_rows[kRows][2 * kRowWarps];
 
-  const int row_in_cta = threadIdx.x / Group::kThreads;
-  const Group group{static_cast<int>(threadIdx.x % Group::kThreads), partial_rows[row_in_cta]};
+  const int row_in_cta = threadIdx.x / Group::kRowThreads;
+  const Group group{static_cast<int>(threadIdx.x % Group::kRowThreads), partial_rows[row_in_cta]};
   uint32_t* selected = selected_rows[row_in_cta];
   int32_t* word_count = word_count_rows[row_in_cta];
   const int64_t g = static_cast<int64_t>(blockIdx.x) * kRows + row_in_cta, bh = blockIdx.y;
@@ -255,7 +255,7 @@ __device__ void block_map_rows(const BlockListsParams& p) {
   const int nk = static_cast<int>(p.num_k_tiles), words = static_cast<int>(p.words);
   if (g >= p.rows) {  // a padding row of the last chunk: empty
     const int64_t r = map_row_index(p, c, bh, m);
-    for (int w = group.t; w < words; w += Group::kThreads) p.bits[r * p.words + w] = p.word_prefix[r * p.words + w] = 0;
+    for (int w = group.t; w < words; w += Group::kRowThreads) p.bits[r * p.words + w] = p.word_prefix[r * p.words + w] = 0;
     if (group.t == 0) p.row_counts[r] = 0;
     return;
   }
@@ -263,7 +263,7 @@ __device__ void block_map_rows(const BlockListsParams& p) {
   int64_t visible_keys = p.seq_k;
   if (p.kv_lens != nullptr) visible_keys = min(max(static_cast<int64_t>(p.kv_lens[b]), int64_t(0)), p.seq_k);
 
-  for (int w = group.t; w < words; w += Group::kThreads) selected[w] = 0u;
+  for (int w = group.t; w < words; w += Group::kRowThreads) selected[w] = 0u;
   group.sync();
   const bool estimated = p.scores != nullptr;
   bool keep_all = !estimated;
@@ -335,7 +335,7 @@ __device__ void block_list_rows(const BlockListsParams& p) {
   const int64_t length = min(p.step, p.rows - c * p.step);  // the chunk's real rows
   int64_t place;
   if (m < length) {
-    const int32_t* counts = p.row_counts + (c * bh_count + bh) * p.step;
+    const int32_t* counts = p.row_counts + map_row_index(p, c, bh, 0);  // the head's rows of the chunk
     const int32_t own = counts[m];
     int64_t rank = 0;
     for (int64_t m0 = 0; m0 < length; m0 += 32) {
