@@ -87,14 +87,14 @@ def expected_correction_imma(head_dim_padded: int) -> int:
 def expected_mma_of(kernel: str) -> dict[str, int] | None:
     """The MMA counts the SASS of native entry point ``kernel`` must hold: {omma, qmma} of an
     attention kernel, {imma} of a correction kernel; None for the other entry points."""
-    m = re.fullmatch(r"nvfp4_dit_attention_fwd_native_(nvfp4|mxfp8)_d(\d+)(_sparse)?(_lse)?", kernel)
+    m = re.fullmatch(r"nvfp4_dit_attention_fwd_native_(nvfp4|mxfp8)_d(\d+)(_sparse)?", kernel)
     if m:
         d = int(m.group(2))
         if m.group(1) == "nvfp4":
             return dict(omma=expected_mma_in_sass(d), qmma=0)
         qmma, omma = expected_mx_mma_in_sass(d)
         return dict(omma=omma, qmma=qmma)
-    m = re.fullmatch(CORRECTION_PREFIX + r"\w+_d(\d+)_\w+", kernel)
+    m = re.fullmatch(CORRECTION_PREFIX + r"\w+_d(\d+)", kernel)
     if m:
         return dict(imma=expected_correction_imma(int(m.group(1))))
     return None
@@ -273,8 +273,7 @@ def _check_unit(arch: str, d: int, qk_format: str, tmp: Path, encoding: dict, mx
         want_qmma, want_omma = expected_mx_mma_in_sass(d)
     for kernel in sorted(k for k in sass if k.startswith(ATTENTION_PREFIX)):
         p, s = ptx.get(kernel, {}), sass[kernel]
-        row = dict(arch=f"sm_{arch}", head_dim=d, qk_format=qk_format, lse=kernel.endswith("_lse"),
-                   sparse="_sparse" in kernel, omma=s["omma"],
+        row = dict(arch=f"sm_{arch}", head_dim=d, qk_format=qk_format, sparse="_sparse" in kernel, omma=s["omma"],
                    expected=want_omma, qmma=s["qmma"], expected_qmma=want_qmma,
                    registers=p.get("registers"), spill=p.get("spill_stores", -1) + p.get("spill_loads", -1),
                    stack=p.get("stack"), local=s["local"], smem=smem,
@@ -283,7 +282,7 @@ def _check_unit(arch: str, d: int, qk_format: str, tmp: Path, encoding: dict, mx
                    qmma_selectors=", ".join(f"{s['qmma_selectors'].count(v)}x{mx_encoding.get(v, '?')}"
                                             for v in sorted(set(s["qmma_selectors"]), key=str)))
         rows.append(row)
-        name = f"sm_{arch} D={d} {qk_format} lse={row['lse']} sparse={row['sparse']}"
+        name = f"sm_{arch} D={d} {qk_format} sparse={row['sparse']}"
         failures += selector_failures(name, s["selectors"], encoding, want_omma)
         if want_qmma:
             failures += selector_failures(name + " 8-bit", s["qmma_selectors"], mx_encoding, want_qmma,
@@ -343,12 +342,12 @@ def main() -> int:
     ap.add_argument("--arch", action="append", help="e.g. 120a (default: 120a and 121a)")
     args = ap.parse_args()
     rows, failures = check(tuple(args.arch) if args.arch else ARCHS)
-    print("| arch | D | Q·Kᵀ | LSE | block-sparse | OMMA in SASS (expected) | selectors: count x (tid-a, tid-b) "
+    print("| arch | D | Q·Kᵀ | block-sparse | OMMA in SASS (expected) | selectors: count x (tid-a, tid-b) "
           "| QMMA (expected) | QMMA selectors: count x (tid-a, tid-b, byte-id) "
           "| registers | spill B | stack B | local ops | dyn smem B |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['arch']} | {r['head_dim']} | {r['qk_format']} | {r['lse']} | {r['sparse']} | {r['omma']} ({r['expected']}) | "
+        print(f"| {r['arch']} | {r['head_dim']} | {r['qk_format']} | {r['sparse']} | {r['omma']} ({r['expected']}) | "
               f"{r['selectors']} | {r['qmma']} ({r['expected_qmma']}) | {r['qmma_selectors'] or '-'} | "
               f"{r['registers']} | {r['spill']} | {r['stack']} | {r['local']} | {r['smem']} |")
     prep_rows, prep_failures = check_preparation(tuple(args.arch) if args.arch else ARCHS)

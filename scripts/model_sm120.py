@@ -342,7 +342,7 @@ def model(arch: str = "120a") -> list[dict]:
             for d in fmt.SUPPORTED_HEAD_DIMS:
                 stage_bytes = check_sass.dynamic_smem_bytes(d, Path(tmp), "kStageBytes", qk_format)
                 funcs = parse_nvdisasm(disassemble_with_lines(compile_with_lines(units[d], arch, Path(tmp))))
-                names = [n for n in funcs if n.startswith(check_sass.ATTENTION_PREFIX) and not n.endswith("_lse")]
+                names = [n for n in funcs if n.startswith(check_sass.ATTENTION_PREFIX)]
                 dense = next(n for n in names if "_sparse" not in n)
                 block_sparse = next(n for n in names if n.endswith("_sparse"))
                 for causal in (False, True):

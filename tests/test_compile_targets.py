@@ -4,7 +4,7 @@ No GPU needed: this is the CI guard for the arch matrix (native sm_120a/sm_121a,
 and sm_80). All (TU, arch) compiles start at once on a thread pool sized to the CPU count; each
 parametrized test then reads its result. ptxas runs at -O1: it still assembles and checks every
 instruction for the target, at about half the time of -O3 (the builds use -O3). The wheel test
-(tests/test_wheel.py) builds the same units with NVRTC.
+(tests/test_wheel.py) builds the same units with NVRTC. In the build group (marker ``compile``).
 """
 
 import os
@@ -16,6 +16,8 @@ import pytest
 
 from nvfp4_dit.cuda import build
 from nvfp4_dit.cuda import compile as kc
+
+pytestmark = pytest.mark.compile
 
 CSRC = build.csrc_dir()
 ARCHS = tuple(build.ARCHS)

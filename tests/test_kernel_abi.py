@@ -152,14 +152,14 @@ def test_entry_names_follow_the_header():
     """The names the launcher asks for are those csrc/common/launch.h documents (the cubin test in
     tests/test_build.py checks that the cubins hold exactly these)."""
     text = (CSRC / "common" / "launch.h").read_text()
-    for fragment in ("nvfp4_dit_attention_fwd_{native,emulated}_{nvfp4,mxfp8}_d{64,128}[_lse]",
-                     "nvfp4_dit_mma_probe_nvfp4_{native,emulated}_", "nvfp4_dit_balance_statistics_<dtype>_d<DP>_<load>",
-                     "nvfp4_dit_key_stats_<dtype>_d<DP>_<load>", "nvfp4_dit_quantize_tiles_<dtype>_d<DP>_<load>_{nvfp4,mxfp8}",
-                     "nvfp4_dit_correction_<dtype>_d<DP>_{vec,scalar}_{vecstore,scalarstore}",
-                     "load {vec,scalar,rows}",
+    for fragment in ("nvfp4_dit_attention_fwd_{native,emulated}_{nvfp4,mxfp8}_d{64,128}[_sparse]",
+                     "nvfp4_dit_mma_probe_nvfp4_{native,emulated}_", "nvfp4_dit_balance_statistics_<dtype>_d<DP>",
+                     "nvfp4_dit_key_stats_<dtype>_d<DP>", "nvfp4_dit_quantize_tiles_<dtype>_d<DP>_{nvfp4,mxfp8}",
+                     "nvfp4_dit_quantize_v_tiles_<dtype>_d<DP>", "nvfp4_dit_correction_<dtype>_d<DP>",
                      *abi.BLOCK_LISTS_ENTRIES):
         assert fragment in text, fragment
-    assert abi.attention_entry("native", "mxfp8", 128, True) == "nvfp4_dit_attention_fwd_native_mxfp8_d128_lse"
-    assert abi.quantize_tiles_entry("fp32", 64, "scalar", "nvfp4") == "nvfp4_dit_quantize_tiles_fp32_d64_scalar_nvfp4"
-    assert abi.key_stats_entry("bf16", 128, "rows") == "nvfp4_dit_key_stats_bf16_d128_rows"
-    assert abi.correction_entry("bf16", 128, True, False) == "nvfp4_dit_correction_bf16_d128_vec_scalarstore"
+    assert abi.attention_entry("native", "mxfp8", 128, sparse=True) == "nvfp4_dit_attention_fwd_native_mxfp8_d128_sparse"
+    assert abi.quantize_tiles_entry("fp32", 64, "nvfp4") == "nvfp4_dit_quantize_tiles_fp32_d64_nvfp4"
+    assert abi.quantize_v_tiles_entry("bf16", 128) == "nvfp4_dit_quantize_v_tiles_bf16_d128"
+    assert abi.key_stats_entry("bf16", 128) == "nvfp4_dit_key_stats_bf16_d128"
+    assert abi.correction_entry("bf16", 128) == "nvfp4_dit_correction_bf16_d128"

@@ -78,6 +78,7 @@ def test_rescale_lines_are_found_in_the_kernel_source():
     assert len(lines) == 4
 
 
+@pytest.mark.compile
 @needs_toolchain
 def test_model_of_the_native_build_against_the_recorded_baseline():
     rows = model_sm120.model()

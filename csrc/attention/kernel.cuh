@@ -111,7 +111,7 @@ __device__ __forceinline__ void store_one(void* out, int64_t offset, float x, bo
 
 }  // namespace detail
 
-template <int kHeadDim, bool kWithLse, bool kSparse, class Mma, class QkFmt>
+template <int kHeadDim, bool kSparse, class Mma, class QkFmt>
 __device__ __forceinline__ void attention_fwd_body(const AttentionFwdParams& p) {
   using T = AttentionTraits<kHeadDim, QkFmt>;
   using F = Fragments<kHeadDim, QkFmt>;
@@ -434,7 +434,7 @@ __device__ __forceinline__ void attention_fwd_body(const AttentionFwdParams& p) 
           if (col + 1 < p.head_dim_out) detail::store_one(p.out, base + col + 1, x1, bf16);
         }
       }
-      if constexpr (kWithLse) {
+      if (p.lse != nullptr) {   // uniform: the LSE costs a branch, not an instantiation
         if (t == 0) {
           float lse = poisoned ? kNaN : -INFINITY;
           if (l[r] > 0.0f && !poisoned) {
@@ -448,14 +448,14 @@ __device__ __forceinline__ void attention_fwd_body(const AttentionFwdParams& p) 
   }
 }
 
-template <int kHeadDim, bool kWithLse, bool kSparse, class Mma, class QkFmt>
+template <int kHeadDim, bool kSparse, class Mma, class QkFmt>
 __device__ __forceinline__ void attention_fwd_entry(const AttentionFwdParams& p) {
   static_assert(AttentionTraits<kHeadDim, QkFmt>::kThreads == launch::kAttentionThreads &&
                     AttentionTraits<kHeadDim, QkFmt>::kSmemBytes ==
                         launch::kAttentionSmemBytes[QkFmt::kFormatIndex][kHeadDim == 64 ? 0 : 1],
                 "common/launch.h states the attention kernel's launch geometry");
   if constexpr (Mma::kCompiledHere) {
-    attention_fwd_body<kHeadDim, kWithLse, kSparse, Mma, QkFmt>(p);
+    attention_fwd_body<kHeadDim, kSparse, Mma, QkFmt>(p);
   } else {
     __trap();   // the host never launches a back-end on an arch it was not built for
   }
@@ -463,15 +463,13 @@ __device__ __forceinline__ void attention_fwd_entry(const AttentionFwdParams& p)
 
 }  // namespace nvfp4_dit
 
-// The entry points of one back-end, Q·Kᵀ format and head dim: dense and block-sparse, each without
-// and with the LSE (common/launch.h); each instantiation TU (attention_fwd_*.cu) expands it once.
-#define NVFP4_DIT_ATTENTION_ENTRY(KIND, MMA, FORMAT, FMT, D, SUFFIX, LSE, SPARSE)                              \
+// The entry points of one back-end, Q·Kᵀ format and head dim: dense and block-sparse (each writes
+// the LSE where p.lse is set; common/launch.h); each instantiation TU (attention_fwd_*.cu) expands it once.
+#define NVFP4_DIT_ATTENTION_ENTRY(KIND, MMA, FORMAT, FMT, D, SUFFIX, SPARSE)                                    \
   extern "C" __global__ void __launch_bounds__(nvfp4_dit::launch::kAttentionThreads, 1)                       \
       nvfp4_dit_attention_fwd_##KIND##_##FORMAT##_d##D##SUFFIX(const __grid_constant__ nvfp4_dit::AttentionFwdParams p) { \
-    nvfp4_dit::attention_fwd_entry<D, LSE, SPARSE, nvfp4_dit::MMA, nvfp4_dit::FMT>(p);                        \
+    nvfp4_dit::attention_fwd_entry<D, SPARSE, nvfp4_dit::MMA, nvfp4_dit::FMT>(p);                             \
   }
 #define NVFP4_DIT_ATTENTION_ENTRIES(KIND, MMA, FORMAT, FMT, D)                                                \
-  NVFP4_DIT_ATTENTION_ENTRY(KIND, MMA, FORMAT, FMT, D, , false, false)                                         \
-  NVFP4_DIT_ATTENTION_ENTRY(KIND, MMA, FORMAT, FMT, D, _lse, true, false)                                      \
-  NVFP4_DIT_ATTENTION_ENTRY(KIND, MMA, FORMAT, FMT, D, _sparse, false, true)                                   \
-  NVFP4_DIT_ATTENTION_ENTRY(KIND, MMA, FORMAT, FMT, D, _sparse_lse, true, true)
+  NVFP4_DIT_ATTENTION_ENTRY(KIND, MMA, FORMAT, FMT, D, , false)                                                \
+  NVFP4_DIT_ATTENTION_ENTRY(KIND, MMA, FORMAT, FMT, D, _sparse, true)

@@ -5,19 +5,23 @@
 //
 // Entry points (extern "C", so that the launcher finds them by name in a cubin):
 //   attention/attention_fwd_{native,emulated}[_mxfp8]_d{64,128}.cu:
-//     nvfp4_dit_attention_fwd_{native,emulated}_{nvfp4,mxfp8}_d{64,128}[_lse](AttentionFwdParams)
+//     nvfp4_dit_attention_fwd_{native,emulated}_{nvfp4,mxfp8}_d{64,128}[_sparse](AttentionFwdParams)
+//         dense or block-sparse; each writes the LSE where AttentionFwdParams::lse is set
 //   attention/mma_probe.cu:
 //     nvfp4_dit_mma_probe_nvfp4_{native,emulated}_{4 * thread-id-a + thread-id-b}(a, b, sfa, sfb, c, d)
 //     nvfp4_dit_mma_probe_mxfp8_{native,emulated}_{16 * thread-id-a + 4 * thread-id-b + byte-id}(...)
-//   quantize/quantize_tiles.cu, for each input {bf16,fp16,fp32}, padded head dim d{64,128} and
-//   load {vec,scalar,rows} (16-byte vector loads need D == Dp, unit stride and 16-byte rows; "rows"
-//   reads them in a video call's tile order, QuantizeQkvParams::order):
-//     nvfp4_dit_balance_statistics_<dtype>_d<DP>_<load>(QuantizeQkvParams)      launch 0 (balance_qk)
-//     nvfp4_dit_key_stats_<dtype>_d<DP>_<load>(QuantizeQkvParams)               launch 1
-//     nvfp4_dit_quantize_tiles_<dtype>_d<DP>_<load>_{nvfp4,mxfp8}(QuantizeQkvParams, int32 fix_up)
-//         launch 2 (fix_up 0: one CTA per tile), then launch 3 (fix_up 1: the tiles to their heads' scales)
-//   quantize/correction.cu:
-//     nvfp4_dit_correction_<dtype>_d<DP>_{vec,scalar}_{vecstore,scalarstore}(CorrectionParams)
+//   quantize/quantize_tiles.cu, for each input {bf16,fp16,fp32} and padded head dim d{64,128}, every
+//   input read as 16-byte vectors (D == Dp, unit stride, 16-byte rows: the host copies any other),
+//   through a video call's tile order where QuantizeQkvParams::order is active:
+//     nvfp4_dit_balance_statistics_<dtype>_d<DP>(QuantizeQkvParams)            launch 0 (balance_qk)
+//     nvfp4_dit_key_stats_<dtype>_d<DP>(QuantizeQkvParams)                     launch 1
+//     nvfp4_dit_quantize_tiles_<dtype>_d<DP>_{nvfp4,mxfp8}(QuantizeQkvParams, int32 fix_up)
+//         the K and Q tiles: launch 2 (fix_up 0: one CTA per tile), launch 4 (fix_up 1: the K tiles
+//         to their heads' scales)
+//     nvfp4_dit_quantize_v_tiles_<dtype>_d<DP>(QuantizeQkvParams, int32 fix_up)
+//         the V^T tiles: launch 3 (fix_up 0), launch 5 (fix_up 1)
+//   quantize/correction.cu (K read as 16-byte vectors, as above):
+//     nvfp4_dit_correction_<dtype>_d<DP>(CorrectionParams)
 //   quantize/block_lists.cu:
 //     nvfp4_dit_block_map_rows(BlockListsParams)          grid (chunks * step, B * H)
 //     nvfp4_dit_block_map_rows_by_warp(BlockListsParams)  grid (ceil(chunks * step / warps), B * H)

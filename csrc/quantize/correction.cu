@@ -107,38 +107,31 @@ __device__ __forceinline__ void store_limbs(int8_t (&rows)[kLimbs][kN][kRow], in
 }
 
 // Two threads per key, half a row each: load, smooth, exponent of the whole row, limbs.
-template <InputDtype DT, int DP, bool VEC_LOAD>
+// K is read as 16-byte vectors (D == Dp, unit stride, 16-byte rows: the host copies any other K).
+template <InputDtype DT, int DP>
 __device__ __forceinline__ void convert_keys(CorrectionSmem<DP>& s, const CorrectionParams& p,
                                              const typename InputTraits<DT>::Raw* k_row, bool key_valid) {
   using Raw = typename InputTraits<DT>::Raw;
   constexpr int kHalf = DP / 2;
   const int key = threadIdx.x >> 1, d0 = (threadIdx.x & 1) * kHalf;
   float v[kHalf];
-  if constexpr (VEC_LOAD) {
-    constexpr int kWords = kHalf * int(sizeof(Raw)) / 4;
-    uint32_t w[kWords];
-    const uint4* src = reinterpret_cast<const uint4*>(k_row + d0);
+  constexpr int kWords = kHalf * int(sizeof(Raw)) / 4;
+  uint32_t w[kWords];
+  const uint4* src = reinterpret_cast<const uint4*>(k_row + d0);
 #pragma unroll
-    for (int i = 0; i < kWords / 4; ++i) {
-      const uint4 t = key_valid ? __ldg(src + i) : make_uint4(0, 0, 0, 0);
-      w[4 * i] = t.x;
-      w[4 * i + 1] = t.y;
-      w[4 * i + 2] = t.z;
-      w[4 * i + 3] = t.w;
-    }
+  for (int i = 0; i < kWords / 4; ++i) {
+    const uint4 t = key_valid ? __ldg(src + i) : make_uint4(0, 0, 0, 0);
+    w[4 * i] = t.x;
+    w[4 * i + 1] = t.y;
+    w[4 * i + 2] = t.z;
+    w[4 * i + 3] = t.w;
+  }
 #pragma unroll
-    for (int e = 0; e < kHalf; ++e) {
-      if constexpr (sizeof(Raw) == 2) {
-        v[e] = InputTraits<DT>::to_float((e & 1) ? (w[e >> 1] >> 16) : (w[e >> 1] & 0xFFFFu));
-      } else {
-        v[e] = InputTraits<DT>::to_float(w[e]);
-      }
-    }
-  } else {
-#pragma unroll
-    for (int e = 0; e < kHalf; ++e) {
-      const int d = d0 + e;
-      v[e] = (key_valid && d < p.head_dim) ? InputTraits<DT>::to_float(k_row[d * p.k.stride_d]) : 0.0f;
+  for (int e = 0; e < kHalf; ++e) {
+    if constexpr (sizeof(Raw) == 2) {
+      v[e] = InputTraits<DT>::to_float((e & 1) ? (w[e >> 1] >> 16) : (w[e >> 1] & 0xFFFFu));
+    } else {
+      v[e] = InputTraits<DT>::to_float(w[e]);
     }
   }
   float amax = 0.0f;
@@ -205,7 +198,7 @@ __device__ __forceinline__ void mma_s8(int32_t (&d)[4], const uint32_t (&a)[4], 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-template <InputDtype DT, int DP, bool VEC_LOAD, bool VEC_STORE>
+template <InputDtype DT, int DP>
 __device__ __forceinline__ void correction_kernel(const CorrectionParams& p) {
   using Raw = typename InputTraits<DT>::Raw;
   using Smem = CorrectionSmem<DP>;
@@ -239,7 +232,7 @@ __device__ __forceinline__ void correction_kernel(const CorrectionParams& p) {
   const bool key_valid = key < n_valid;
   const Raw* k_row = static_cast<const Raw*>(p.k.ptr) + b * p.k.stride_b + kvh * p.k.stride_h +
                      (key_valid ? source_row(p.k_order, key) : 0) * p.k.stride_s;
-  convert_keys<DT, DP, VEC_LOAD>(s, p, k_row, key_valid);
+  convert_keys<DT, DP>(s, p, k_row, key_valid);
 
   const float k_scale = p.k_scale[b * p.heads_kv + kvh];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -254,6 +247,8 @@ __device__ __forceinline__ void correction_kernel(const CorrectionParams& p) {
       __cvta_generic_to_shared(&s.k[0][wn * 64 + (j >> 1) * 8 + (lane & 7)][(j & 1) * 16]));
   constexpr uint32_t kQLimbBytes = kTileM * kRow, kKLimbBytes = kTileN * kRow;
   const int64_t out_offset = b * p.delta_stride_b + h * p.delta_stride_h;
+  // Pairs of values as one 4-byte store where delta is 4-byte aligned (every stride is a multiple of 128).
+  const bool vec_store = reinterpret_cast<uintptr_t>(p.delta) % 4 == 0;
   const float* key_bias = p.key_bias != nullptr ? p.key_bias + b * p.key_bias_stride_b + h * p.key_bias_stride_h
                                                 : nullptr;
 
@@ -336,7 +331,7 @@ __device__ __forceinline__ void correction_kernel(const CorrectionParams& p) {
               x += __fdiv_rn(key_bias[key0 + n + i], s.bias_divisor[r]);
             v[i] = stored_value(x, inverse);
           }
-          if constexpr (VEC_STORE) {
+          if (vec_store) {
             *reinterpret_cast<__half2*>(row + n) = __halves2half2(v[0], v[1]);
           } else {
             row[n] = __half_as_ushort(v[0]);
@@ -351,18 +346,12 @@ __device__ __forceinline__ void correction_kernel(const CorrectionParams& p) {
 }  // namespace
 }  // namespace nvfp4_dit
 
-// Entry points (common/launch.h): every input dtype and padded head dim, 16-byte or scalar loads of
-// K (16-byte ones need D == Dp, unit stride and 16-byte rows) and 4-byte or scalar stores of delta.
-#define NVFP4_DIT_CORRECTION_ENTRY(NAME, DT, DP, LOAD, VEC_LOAD, STORE, VEC_STORE)                            \
+// Entry points (common/launch.h): every input dtype and padded head dim.
+#define NVFP4_DIT_CORRECTION_ENTRIES(NAME, DT, DP)                                                           \
   extern "C" __global__ void __launch_bounds__(nvfp4_dit::kThreads, 2)                                       \
-      nvfp4_dit_correction_##NAME##_d##DP##_##LOAD##_##STORE(const __grid_constant__ nvfp4_dit::CorrectionParams p) {         \
-    nvfp4_dit::correction_kernel<nvfp4_dit::InputDtype::DT, DP, VEC_LOAD, VEC_STORE>(p);                    \
+      nvfp4_dit_correction_##NAME##_d##DP(const __grid_constant__ nvfp4_dit::CorrectionParams p) {           \
+    nvfp4_dit::correction_kernel<nvfp4_dit::InputDtype::DT, DP>(p);                                          \
   }
-#define NVFP4_DIT_CORRECTION_ENTRIES(NAME, DT, DP)                                       \
-  NVFP4_DIT_CORRECTION_ENTRY(NAME, DT, DP, vec, true, vecstore, true)                  \
-  NVFP4_DIT_CORRECTION_ENTRY(NAME, DT, DP, vec, true, scalarstore, false)              \
-  NVFP4_DIT_CORRECTION_ENTRY(NAME, DT, DP, scalar, false, vecstore, true)              \
-  NVFP4_DIT_CORRECTION_ENTRY(NAME, DT, DP, scalar, false, scalarstore, false)
 NVFP4_DIT_CORRECTION_ENTRIES(bf16, kBFloat16, 64)
 NVFP4_DIT_CORRECTION_ENTRIES(bf16, kBFloat16, 128)
 NVFP4_DIT_CORRECTION_ENTRIES(fp16, kFloat16, 64)

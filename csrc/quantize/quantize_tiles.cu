@@ -1,5 +1,5 @@
-// The quantiser of Q, K and V for the attention kernel (contract: params.h). It takes any input
-// (fp32, strided, D < Dp, any GPU) and reads each input byte from DRAM about once.
+// The quantiser of Q, K and V for the attention kernel (contract: params.h). It takes bf16, fp16 or
+// fp32 inputs on any GPU and reads each input byte from DRAM about once.
 //
 // Launches (after the caller's memset of a small counter workspace), each CTA one work item by
 // blockIdx, none waiting for another:
@@ -9,17 +9,21 @@
 //   1. key_stats_kernel: the same tiles of K and of V of each (b, kv-head) reduced to per-channel
 //      sums, minima and maxima (the last tile of a head to arrive adds them in a fixed order,
 //      deterministic, and finishes the head: km, vm, the channel balance);
-//   2. tiles_kernel: K tiles ((k - km) / (s t), rows permuted), Q tiles (the tile's own 128-row
-//      block mean and tensor scale, then (q - qm) s / q_scale, and q . km) and V^T tiles
-//      ((v - vm) / t, transposed through shared memory, quantized along tokens). A K or V tile
-//      does not wait for its head's tensor scale: it takes its own, t = tensor_scale(tile amax), a
-//      power of two, records it and raises its head's maximum (head_exponent_slot);
-//   3. tiles_kernel's fix-up pass: the head's scale is the largest tile's (tensor_scale is
-//      monotone), so each K or V tile under a smaller one moves its scale bytes down by the
-//      difference, which gives the bytes of quantising under the head's scale directly as long
-//      as every byte stays in its normal range (format.scale_headroom, proven on the host in
-//      tests/test_format.py); a tile whose bytes cannot move is quantised again (the rare tile of
-//      blocks 2^-14 below the head's largest).
+//   2. qk_tiles_kernel: K tiles ((k - km) / (s t), rows permuted) and Q tiles (the tile's own
+//      128-row block mean and tensor scale, then (q - qm) s / q_scale, and q . km);
+//   3. v_tiles_kernel: V^T tiles ((v - vm) / t, transposed through shared memory, quantized along
+//      tokens). A K or V tile does not wait for its head's tensor scale: it takes its own,
+//      t = tensor_scale(tile amax), a power of two, records it and raises its head's maximum
+//      (head_exponent_slot);
+//   4., 5. the same two entry points' fix-up passes (K, then V): the head's scale is the largest
+//      tile's (tensor_scale is monotone), so each K or V tile under a smaller one moves its scale
+//      bytes down by the difference, which gives the bytes of quantising under the head's scale
+//      directly as long as every byte stays in its normal range (format.scale_headroom, proven on
+//      the host in tests/test_format.py); a tile whose bytes cannot move is quantised again (the
+//      rare tile of blocks 2^-14 below the head's largest).
+// Every input is read as 16-byte vectors (the host copies one that cannot be: launch.h), through
+// p.order for a video call. Entry points exist per input dtype, head dim and (K and Q tiles) Q·Kᵀ
+// format; the order and a tile's own or head scale are run-time branches.
 // Statistics from a sample are exact transforms whatever their values (the means and the balance
 // only move the inputs' centre and channel magnitudes), so the inputs are read once plus the
 // statistics tiles (2,048 rows of a head at most: 1.7 % of it at 118,800 tokens); the price is a
@@ -46,12 +50,11 @@ constexpr int kThreads = launch::kQuantizeThreads;
 // CTAs per SM for __launch_bounds__. sm_80/sm_90: 3 (80 registers): at 4 (64 registers) the K
 // tile's values, live across its amax pass, spill and the local traffic reaches DRAM; at 2 fewer
 // tiles are in flight than DRAM needs (both slower on the H100). sm_120/sm_121 compile without
-// spills: 2 (128 registers), 1 for the MXFP8 tiles (152 registers at D = 128), the fp32 and
-// strided NVFP4 tiles and the statistics tiles.
+// spills: 2 (128 registers), 1 for the MXFP8 tiles (152 registers at D = 128), the fp32 NVFP4
+// and V^T tiles and the statistics tiles.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1200
 constexpr int kMinCtasPerSm = 2;
-// Strided (scalar) loads keep 16 loads per row in flight and fp32 inputs twice the bytes of a
-// 16-bit tile: at 128 registers the NVFP4 tiles of both spilled.
+// fp32 inputs keep twice the bytes of a 16-bit tile in registers: at 128 registers they spilled.
 constexpr int kWideMinCtasPerSm = 1;
 constexpr int kMxfp8MinCtasPerSm = 1;
 constexpr int kKeyStatsMinCtasPerSm = 1;
@@ -94,57 +97,26 @@ __device__ __forceinline__ int64_t row_offset(const StridedInput& t, int64_t b, 
   return b * t.stride_b + h * t.stride_h + s * t.stride_s;
 }
 
-// How a kernel reads its inputs (the entry points' "scalar", "vec" and "rows"): strided scalars,
-// 16-byte vectors, or 16-byte vectors of the rows of a video call's tile order (p.order), so the
-// tiles come out in tile order without a permuted copy of the inputs.
-enum class Load { kScalar, kVec, kRows };
+template <InputDtype DT>
+constexpr int kNvfp4TilesMinCtasPerSm = DT == InputDtype::kFloat32 ? kWideMinCtasPerSm : kMinCtasPerSm;
 
-template <Load L>
-constexpr bool kVectorLoads = L != Load::kScalar;
+// The input row of sequence position s: itself, or for a video call its row in the caller's
+// tensors (p.order, common/token_order.h), so the tiles come out in tile order without a permuted
+// copy of the inputs. An inactive order is the identity.
+__device__ __forceinline__ int64_t input_row(const QuantizeQkvParams& p, int64_t s) { return source_row(p.order, s); }
 
-template <InputDtype DT, Load L>
-constexpr int kNvfp4TilesMinCtasPerSm =
-    L == Load::kScalar || DT == InputDtype::kFloat32 ? kWideMinCtasPerSm : kMinCtasPerSm;
-
-// The input row of sequence position s.
-template <Load L>
-__device__ __forceinline__ int64_t input_row(const QuantizeQkvParams& p, int64_t s) {
-  if constexpr (L == Load::kRows) {
-    return source_row(p.order, s);
-  } else {
-    return s;
-  }
-}
-
-// Elements d0 .. d0+15 of one row. VEC: D == Dp, unit stride along D and 16-byte alignment, so
-// the block is two (bf16/fp16) or four (fp32) 16-byte loads; otherwise strided scalar loads,
-// with zeros past head_dim (the zero padding of D).
-template <InputDtype DT, bool VEC>
-__device__ __forceinline__ void load_block16(Block16<DT>& blk, const typename InputTraits<DT>::Raw* row,
-                                             int64_t stride_d, int d0, int head_dim) {
-  using Raw = typename InputTraits<DT>::Raw;
-  if constexpr (VEC) {
-    const uint4* p = reinterpret_cast<const uint4*>(row + d0);
+// Elements d0 .. d0+15 of one row: two (bf16/fp16) or four (fp32) 16-byte loads. Every input is
+// read this way (D == Dp, unit stride along D, 16-byte aligned rows: the host copies any other).
+template <InputDtype DT>
+__device__ __forceinline__ void load_block16(Block16<DT>& blk, const typename InputTraits<DT>::Raw* row, int d0) {
+  const uint4* p = reinterpret_cast<const uint4*>(row + d0);
 #pragma unroll
-    for (int i = 0; i < Block16<DT>::kWords / 4; ++i) {
-      const uint4 t = __ldg(p + i);
-      blk.w[4 * i + 0] = t.x;
-      blk.w[4 * i + 1] = t.y;
-      blk.w[4 * i + 2] = t.z;
-      blk.w[4 * i + 3] = t.w;
-    }
-  } else {
-#pragma unroll
-    for (int e = 0; e < 16; ++e) {
-      const int d = d0 + e;
-      const uint32_t x = d < head_dim ? static_cast<uint32_t>(row[d * stride_d]) : 0u;
-      if constexpr (sizeof(Raw) == 2) {
-        if (e & 1) blk.w[e >> 1] |= x << 16;
-        else blk.w[e >> 1] = x;
-      } else {
-        blk.w[e] = x;
-      }
-    }
+  for (int i = 0; i < Block16<DT>::kWords / 4; ++i) {
+    const uint4 t = __ldg(p + i);
+    blk.w[4 * i + 0] = t.x;
+    blk.w[4 * i + 1] = t.y;
+    blk.w[4 * i + 2] = t.z;
+    blk.w[4 * i + 3] = t.w;
   }
 }
 
@@ -253,7 +225,7 @@ __device__ __forceinline__ void cta_column_stats(const SharedStorage<DP>& sm, co
 // Item (bh, tensor, j): the sum, min and max per channel of statistics tile j of K (tensor 0) or V
 // (1) of kv head bh over its valid keys (none when the head has fewer tiles). The CTA that adds a
 // head's last tile finishes the head (finish_head_statistics: means, balance).
-template <InputDtype DT, int DP, Load L>
+template <InputDtype DT, int DP>
 __device__ __forceinline__ void key_stats_item(const QuantizeQkvParams& p, SharedStorage<DP>& sm, int64_t item) {
   using Raw = typename InputTraits<DT>::Raw;
   constexpr int kColGroups = DP / 16;             // threads per row, 16 columns each
@@ -279,8 +251,7 @@ __device__ __forceinline__ void key_stats_item(const QuantizeQkvParams& p, Share
     const int64_t key = key0 + u * kRowsPerPass + r0;
     blk[u].zero();
     if (key < n_valid)
-      load_block16<DT, kVectorLoads<L>>(blk[u], base + input_row<L>(p, key) * in.stride_s, in.stride_d, cg * 16,
-                                        int(p.head_dim));
+      load_block16<DT>(blk[u], base + input_row(p, key) * in.stride_s, cg * 16);
   }
 #pragma unroll
   for (int u = 0; u < kPasses; ++u)
@@ -361,12 +332,13 @@ struct RowTile {
   // Loads this thread's kPasses blocks of 16 columns of input t into x (zeros past valid_rows).
   // "rows" loads first stage the tile's input rows in shared memory (one barrier): computed at each
   // load site, next to the zeroed registers of every pass, they spilled at 128 registers.
-  template <InputDtype DT, Load L>
+  template <InputDtype DT>
   __device__ __forceinline__ void load(const QuantizeQkvParams& p, const StridedInput& t, int32_t* input_rows,
                                        Block16<DT> (&x)[RowTileMap<DP>::kPasses]) const {
     using Raw = typename InputTraits<DT>::Raw;
-    if constexpr (L == Load::kRows) {
-      if (threadIdx.x < kTileRows) input_rows[threadIdx.x] = int32_t(input_row<L>(p, row0 + threadIdx.x) - row0);
+    const bool ordered = token_order_active(p.order);  // uniform across the CTA
+    if (ordered) {
+      if (threadIdx.x < kTileRows) input_rows[threadIdx.x] = int32_t(input_row(p, row0 + threadIdx.x) - row0);
       __syncthreads();
     }
     const Raw* base = static_cast<const Raw*>(t.ptr) + row_offset(t, b, h, row0);
@@ -375,8 +347,8 @@ struct RowTile {
       const int r = r0 + ps * RowTileMap<DP>::kRowsPerPass;
       x[ps].zero();
       if (r < valid_rows) {
-        const int rel = L == Load::kRows ? input_rows[r] : r;
-        load_block16<DT, kVectorLoads<L>>(x[ps], base + rel * t.stride_s, t.stride_d, cb * 16, int(p.head_dim));
+        const int rel = ordered ? input_rows[r] : r;
+        load_block16<DT>(x[ps], base + rel * t.stride_s, cb * 16);
       }
     }
   }
@@ -406,11 +378,11 @@ __device__ __forceinline__ float tile_column_sum(SharedStorage<DP>& sm, const Bl
 // the valid rows into sm.mean; thread c < DP also returns qm_c. Ends with a barrier. Shared by the
 // Q tiles and the balance statistics, which then take max |fl(q - qm)| from the registers: two
 // passes over registers rather than a min and a max per column, which would not fit in 64 of them.
-template <InputDtype DT, int DP, Load L>
+template <InputDtype DT, int DP>
 __device__ __forceinline__ float q_tile_load(const QuantizeQkvParams& p, SharedStorage<DP>& sm,
                                              const RowTile<DP>& t, Block16<DT> (&x)[RowTileMap<DP>::kPasses]) {
   using Map = RowTileMap<DP>;
-  t.template load<DT, L>(p, p.q, sm.input_rows, x);
+  t.template load<DT>(p, p.q, sm.input_rows, x);
   const float sum = tile_column_sum(sm, x);
   float qm = 0.0f;
   if (threadIdx.x < DP) {
@@ -521,7 +493,7 @@ __device__ __forceinline__ bool quantize_qk_block(const float (&v)[16], bool val
   }
 }
 
-template <InputDtype DT, int DP, Load L, class QkFmt>
+template <InputDtype DT, int DP, class QkFmt>
 __device__ __forceinline__ void q_tile(const QuantizeQkvParams& p, SharedStorage<DP>& sm, int64_t tile) {
   using Map = RowTileMap<DP>;
   const RowTile<DP> t = RowTile<DP>::queries(p, tile);  // tile = bh * n_blocks + blk
@@ -529,7 +501,7 @@ __device__ __forceinline__ void q_tile(const QuantizeQkvParams& p, SharedStorage
   const int cb = t.cb, r0 = t.r0, valid_rows = t.valid_rows;
 
   Block16<DT> x[Map::kPasses];
-  const float qm = q_tile_load<DT, DP, L>(p, sm, t, x);
+  const float qm = q_tile_load<DT, DP>(p, sm, t, x);
   q_tile_similarity<DT, DP>(p, sm, t, x, tile);
   // The block's tensor scale t(max |fl(q - qm_c)| * s_c); then quantise (q - qm) * s_c / t.
   const int c = int(threadIdx.x);
@@ -598,12 +570,13 @@ __device__ __forceinline__ void key_tile_columns(const QuantizeQkvParams& p, Sha
   }
 }
 
-// The tensor scale 2^exponent of a K or V tile: its own (kOwnScale, the tiles pass: the exponent of
+// The tensor scale 2^exponent of a K or V tile: its own (own_scale, the tiles pass: the exponent of
 // its amax, recorded by record_tile_scale) or its head's `head` (the fix-up pass re-quantising a
 // tile). Every thread calls it alike (cta_reduce's barriers) and gets the same.
-template <bool kOwnScale, int DP>
-__device__ __forceinline__ int tile_scale_exponent(SharedStorage<DP>& sm, int head, float amax, float& tile_amax) {
-  if constexpr (!kOwnScale) return head;
+template <int DP>
+__device__ __forceinline__ int tile_scale_exponent(SharedStorage<DP>& sm, bool own_scale, int head, float amax,
+                                                   float& tile_amax) {
+  if (!own_scale) return head;
   tile_amax = cta_reduce(kColumnMax, amax, sm);
   return tensor_scale_exponent(tile_amax);
 }
@@ -623,14 +596,18 @@ __device__ __forceinline__ void record_tile_scale(const QuantizeQkvParams& p, Sh
   else if (tile_amax > 0.0f) atomicMax(head_exponent_slot(p, bh, tensor), uint32_t(exponent + kExponentBias));
 }
 
-template <InputDtype DT, int DP, Load L, class QkFmt, bool kOwnScale>
-__device__ __forceinline__ void k_tile(const QuantizeQkvParams& p, SharedStorage<DP>& sm, int64_t tile, int head_exponent) {
+// A K tile under its own tensor scale (own_scale: the tiles pass) or its head's 2^head_exponent (the
+// fix-up pass quantising it again). Not inlined, so both passes call one copy (own_scale is uniform:
+// its branches cost nothing measurable).
+template <InputDtype DT, int DP, class QkFmt>
+__device__ __noinline__ void k_tile(const QuantizeQkvParams& p, SharedStorage<DP>& sm, int64_t tile, bool own_scale,
+                                    int head_exponent) {
   using Map = RowTileMap<DP>;
   const RowTile<DP> t = RowTile<DP>::keys(p, tile);  // tile = bh * n_blocks + blk
   const int64_t bh = t.bh;
   const int cb = t.cb, r0 = t.r0, valid_rows = t.valid_rows;
   Block16<DT> x[Map::kPasses];
-  t.template load<DT, L>(p, p.k, sm.input_rows, x);
+  t.template load<DT>(p, p.k, sm.input_rows, x);
   // While the loads are in flight: km and the balance (written by the previous launch), the tables.
   key_tile_columns(p, sm, bh, false);
   fill_scale_tables(sm.tables);
@@ -640,7 +617,7 @@ __device__ __forceinline__ void k_tile(const QuantizeQkvParams& p, SharedStorage
   if (threadIdx.x < DP) p.k_tile_mean[tile * DP + threadIdx.x] = valid_rows > 0 ? __fdiv_rn(key_sum, float(valid_rows)) : 0.0f;
 
   float amax = 0.0f, tile_amax = 0.0f;
-  if constexpr (kOwnScale) {
+  if (own_scale) {
     // four columns at a time: the tile's values stay live across this pass, so it holds few more
     const float4* off4 = reinterpret_cast<const float4*>(sm.offset + padded_column(cb * 16));
     const float4* f4 = reinterpret_cast<const float4*>(sm.factor + padded_column(cb * 16));
@@ -657,7 +634,7 @@ __device__ __forceinline__ void k_tile(const QuantizeQkvParams& p, SharedStorage
         }
     }
   }
-  const int exponent = tile_scale_exponent<kOwnScale>(sm, head_exponent, amax, tile_amax);
+  const int exponent = tile_scale_exponent(sm, own_scale, head_exponent, amax, tile_amax);
   const float inverse = power_of_two(-exponent);
 
   // This thread's outputs of pass 0, rows permuted; pass ps writes kRowsPerPass * ps rows further
@@ -685,11 +662,13 @@ __device__ __forceinline__ void k_tile(const QuantizeQkvParams& p, SharedStorage
                                             sf + ps * Map::kRowsPerPass * Row::kScales, headroom);
   }
   raise_flag(p.nonfinite_kv + bh, nonfinite);
-  if constexpr (kOwnScale) record_tile_scale(p, sm, 0, tile, bh, exponent, tile_amax, headroom);
+  if (own_scale) record_tile_scale(p, sm, 0, tile, bh, exponent, tile_amax, headroom);
 }
 
-template <InputDtype DT, int DP, Load L, bool kOwnScale>
-__device__ __forceinline__ void v_tile(const QuantizeQkvParams& p, SharedStorage<DP>& sm, int64_t tile, int head_exponent) {
+// A V^T tile, under its own or its head's tensor scale as k_tile.
+template <InputDtype DT, int DP>
+__device__ __noinline__ void v_tile(const QuantizeQkvParams& p, SharedStorage<DP>& sm, int64_t tile, bool own_scale,
+                                    int head_exponent) {
   using Raw = typename InputTraits<DT>::Raw;
   // A sub-tile of kSubRows tokens x DP fits kVTileBytes; fp32 input needs two per 128 rows.
   constexpr int kSubRows = kVTileBytes / (DP * int(sizeof(Raw))) < kTileRows
@@ -718,46 +697,38 @@ __device__ __forceinline__ void v_tile(const QuantizeQkvParams& p, SharedStorage
   int exponent = head_exponent, headroom = kAnyShift;
   float tile_amax = 0.0f;
   if constexpr (kSubTiles > 1) {
-    if constexpr (kOwnScale) {  // the tile's amax before its first sub-tile (fp32, D = 128): the loads then hit L2
+    if (own_scale) {  // the tile's amax before its first sub-tile (fp32, D = 128): the loads then hit L2
       __syncthreads();  // the columns
       float amax = 0.0f;
       for (int i = threadIdx.x; i < kTileRows * DP; i += kThreads) {
         const int64_t tok = blk * kTileRows + i / DP;
         const int dd = i % DP;
-        if (tok < n_valid && dd < p.head_dim) {
-          const float x = InputTraits<DT>::to_float(base[input_row<L>(p, tok) * p.v.stride_s + dd * p.v.stride_d]);
+        if (tok < n_valid) {
+          const float x = InputTraits<DT>::to_float(base[input_row(p, tok) * p.v.stride_s + dd]);
           amax = max_nan(amax, fabsf(fmaf(x, sm.factor[padded_column(dd)], -sm.offset[padded_column(dd)])));
         }
       }
-      exponent = tile_scale_exponent<kOwnScale>(sm, head_exponent, amax, tile_amax);
+      exponent = tile_scale_exponent(sm, own_scale, head_exponent, amax, tile_amax);
     }
   }
 
   for (int sub = 0; sub < kSubTiles; ++sub) {
     const int64_t tok0 = blk * kTileRows + sub * kSubRows;
     if (sub) __syncthreads();  // the previous sub-tile is consumed
-    if constexpr (kVectorLoads<L>) {
-      // Every load of the sub-tile in flight at once (one memory latency), then the stores.
-      constexpr int kLoads = kSubRows * kChunksPerRow / kThreads;
-      static_assert(kSubRows * kChunksPerRow % kThreads == 0, "whole 16-byte chunks per thread");
-      uint4 val[kLoads];
+    // Every load of the sub-tile in flight at once (one memory latency), then the stores.
+    constexpr int kLoads = kSubRows * kChunksPerRow / kThreads;
+    static_assert(kSubRows * kChunksPerRow % kThreads == 0, "whole 16-byte chunks per thread");
+    uint4 val[kLoads];
 #pragma unroll
-      for (int j = 0; j < kLoads; ++j) {
-        const int i = int(threadIdx.x) + j * kThreads;
-        const int64_t tok = tok0 + i / kChunksPerRow;
-        val[j] = make_uint4(0, 0, 0, 0);
-        if (tok < n_valid)
-          val[j] = __ldg(reinterpret_cast<const uint4*>(base + input_row<L>(p, tok) * p.v.stride_s) + i % kChunksPerRow);
-      }
-#pragma unroll
-      for (int j = 0; j < kLoads; ++j) reinterpret_cast<uint4*>(stile)[int(threadIdx.x) + j * kThreads] = val[j];
-    } else {
-      for (int i = threadIdx.x; i < kSubRows * DP; i += kThreads) {
-        const int r = i / DP, dd = i % DP;
-        const int64_t tok = tok0 + r;
-        stile[i] = (tok < n_valid && dd < p.head_dim) ? base[tok * p.v.stride_s + dd * p.v.stride_d] : Raw(0);
-      }
+    for (int j = 0; j < kLoads; ++j) {
+      const int i = int(threadIdx.x) + j * kThreads;
+      const int64_t tok = tok0 + i / kChunksPerRow;
+      val[j] = make_uint4(0, 0, 0, 0);
+      if (tok < n_valid)
+        val[j] = __ldg(reinterpret_cast<const uint4*>(base + input_row(p, tok) * p.v.stride_s) + i % kChunksPerRow);
     }
+#pragma unroll
+    for (int j = 0; j < kLoads; ++j) reinterpret_cast<uint4*>(stile)[int(threadIdx.x) + j * kThreads] = val[j];
     __syncthreads();
 
     // Each thread reads one 32-bit word per token: kCols adjacent columns (two 16-bit or one
@@ -775,7 +746,7 @@ __device__ __forceinline__ void v_tile(const QuantizeQkvParams& p, SharedStorage
     }
     const uint32_t* swords = reinterpret_cast<const uint32_t*>(sm.v_tile);
     if constexpr (kSubTiles == 1) {
-      if constexpr (kOwnScale) {  // the tile's amax from the staged tile
+      if (own_scale) {  // the tile's amax from the staged tile
         float amax = 0.0f;
 #pragma unroll
         for (int i = 0; i < kBlocksPerThread; ++i)
@@ -791,7 +762,7 @@ __device__ __forceinline__ void v_tile(const QuantizeQkvParams& p, SharedStorage
               }
             }
           }
-        exponent = tile_scale_exponent<kOwnScale>(sm, head_exponent, amax, tile_amax);
+        exponent = tile_scale_exponent(sm, own_scale, head_exponent, amax, tile_amax);
       }
     }
     const float inverse = power_of_two(-exponent);
@@ -830,49 +801,35 @@ __device__ __forceinline__ void v_tile(const QuantizeQkvParams& p, SharedStorage
     __syncthreads();
     gather.store(p, bh, tok0, threadIdx.x, kThreads);
   }
-  if constexpr (kOwnScale) record_tile_scale(p, sm, 1, tile, bh, exponent, tile_amax, headroom);
+  if (own_scale) record_tile_scale(p, sm, 1, tile, bh, exponent, tile_amax, headroom);
 }
 
 // Launch 1: the K and V statistics items (key_stats_item).
-template <InputDtype DT, int DP, Load L>
+template <InputDtype DT, int DP>
 __device__ __forceinline__ void key_stats_kernel(const QuantizeQkvParams& p) {
   __shared__ __align__(16) SharedStorage<DP> sm;
-  key_stats_item<DT, DP, L>(p, sm, blockIdx.x);
+  key_stats_item<DT, DP>(p, sm, blockIdx.x);
 }
 
-// A K (tensor 0) or V tile quantised again under its head's tensor scale 2^exponent. Not inlined: its
-// registers then do not add to those of the fix-up loop around it (inlined, the sm_90 tiles kernels
-// spilled twice as much, in every path).
-template <InputDtype DT, int DP, Load L, class QkFmt>
-__device__ __noinline__ void requantize_tile(const QuantizeQkvParams& p, SharedStorage<DP>& sm, int tensor,
-                                             int64_t tile, int exponent) {
-  if (tensor == 0) {
-    k_tile<DT, DP, L, QkFmt, false>(p, sm, tile, exponent);
-  } else {
-    fill_scale_tables(sm.tables);  // v_tile synchronises before its first block
-    v_tile<DT, DP, L, false>(p, sm, tile, exponent);
-  }
-}
-
-// Launch 3, the fix-up pass (grid-stride, one K or V tile at a time): each tile moves to its head's
-// tensor scale, by shifting its scale bytes within their headroom or by quantising it again; the
-// first tile of a head writes the head's scale.
-template <InputDtype DT, int DP, Load L, class QkFmt>
+// Launch 4, the fix-up pass of tensor kTensor (0: K in format QkFmt, 1: V^T), grid-stride over its
+// tiles: each tile moves to its head's tensor scale, by shifting its scale bytes within their
+// headroom or by quantising it again (k_tile / v_tile, not inlined: their registers do not add to
+// those of this loop); the first tile of a head writes the head's scale.
+template <InputDtype DT, int DP, class QkFmt, int kTensor>
 __device__ __forceinline__ void fix_up_tiles(const QuantizeQkvParams& p, SharedStorage<DP>& sm) {
   using Row = QkRowBytes<DP, QkFmt>;
   const int64_t n_kblocks = p.seq_k_padded / kTileRows;
   const int64_t kv_tiles = p.batch * p.heads_kv * n_kblocks;
-  for (int64_t item = blockIdx.x; item < kStatTensors * kv_tiles; item += gridDim.x) {
-    const int tensor = int(item / kv_tiles);
-    const int64_t tile = item % kv_tiles, bh = tile / n_kblocks, blk = tile % n_kblocks;
-    const int exponent = head_exponent(__ldcg(head_exponent_slot(p, bh, tensor)));
-    if (blk == 0 && threadIdx.x == 0) (tensor == 0 ? p.k_scale : p.v_scale)[bh] = power_of_two(exponent);
-    const int32_t* record = tile_record(p, tensor, tile);
+  for (int64_t tile = blockIdx.x; tile < kv_tiles; tile += gridDim.x) {
+    const int64_t bh = tile / n_kblocks, blk = tile % n_kblocks;
+    const int exponent = head_exponent(__ldcg(head_exponent_slot(p, bh, kTensor)));
+    if (blk == 0 && threadIdx.x == 0) (kTensor == 0 ? p.k_scale : p.v_scale)[bh] = power_of_two(exponent);
+    const int32_t* record = tile_record(p, kTensor, tile);
     const int shift = exponent - __ldcg(record), headroom = __ldcg(record + 1);
     if (shift == 0 || headroom == kAnyShift) continue;  // uniform across the CTA
     if (shift > 0 && shift <= headroom) {
-      const uint32_t step = tensor == 0 && Row::kMx ? uint32_t(shift) : uint32_t(shift) << 3;
-      if (tensor == 0) {  // the tile's 128 rows of K scales, contiguous
+      if constexpr (kTensor == 0) {  // the tile's 128 rows of K scales, contiguous
+        const uint32_t step = Row::kMx ? uint32_t(shift) : uint32_t(shift) << 3;
         constexpr int kWords = kTileRows * Row::kScales / 4;
         static_assert(kWords <= kThreads, "a word per thread");
         uint32_t* words = reinterpret_cast<uint32_t*>(p.k_sf + tile * kTileRows * Row::kScales);
@@ -883,42 +840,57 @@ __device__ __forceinline__ void fix_up_tiles(const QuantizeQkvParams& p, SharedS
           const int64_t row = bh * DP + threadIdx.x / 2;
           uint32_t* word = reinterpret_cast<uint32_t*>(p.vt_sf + row * (p.seq_k_padded / 16) + blk * (kTileRows / 16)) +
                            threadIdx.x % 2;
-          *word = shift_scale_bytes(*word, step);
+          *word = shift_scale_bytes(*word, uint32_t(shift) << 3);
         }
       }
       continue;
     }
     __syncthreads();  // the previous tile's shared memory is consumed
-    requantize_tile<DT, DP, L, QkFmt>(p, sm, tensor, tile, exponent);
+    if constexpr (kTensor == 0) {
+      k_tile<DT, DP, QkFmt>(p, sm, tile, false, exponent);
+    } else {
+      fill_scale_tables(sm.tables);  // v_tile synchronises before its first block
+      v_tile<DT, DP>(p, sm, tile, false, exponent);
+    }
   }
 }
 
-// Launch 2: blocks [0, kv_tiles) quantize K tiles, then the Q tiles, then the V^T tiles, each
-// reading its input once. With `fix_up`, launch 3 (fix_up_tiles) instead.
-template <InputDtype DT, int DP, Load L, class QkFmt>
-__device__ __forceinline__ void tiles_kernel(const QuantizeQkvParams& p, bool fix_up) {
+// Launch 2: blocks [0, kv_tiles) quantize K tiles, then the Q tiles, each reading its input once.
+// With `fix_up`, the K tiles' fix-up pass instead.
+template <InputDtype DT, int DP, class QkFmt>
+__device__ __forceinline__ void qk_tiles_kernel(const QuantizeQkvParams& p, bool fix_up) {
   __shared__ __align__(16) SharedStorage<DP> sm;
   if (fix_up) {
-    fix_up_tiles<DT, DP, L, QkFmt>(p, sm);
+    fix_up_tiles<DT, DP, QkFmt, 0>(p, sm);
     return;
   }
-  const int64_t n_kblocks = p.seq_k_padded / kTileRows, n_qblocks = p.seq_q_padded / kTileRows;
-  const int64_t kv_tiles = p.batch * p.heads_kv * n_kblocks, q_tiles = p.batch * p.heads_q * n_qblocks;
+  const int64_t kv_tiles = p.batch * p.heads_kv * (p.seq_k_padded / kTileRows);
   const int64_t item = blockIdx.x;
   if (item < kv_tiles) {
-    k_tile<DT, DP, L, QkFmt, true>(p, sm, item, 0);
-  } else if (item < kv_tiles + q_tiles) {
-    q_tile<DT, DP, L, QkFmt>(p, sm, item - kv_tiles);
+    k_tile<DT, DP, QkFmt>(p, sm, item, true, 0);
   } else {
-    fill_scale_tables(sm.tables);  // v_tile synchronises before its first block
-    v_tile<DT, DP, L, true>(p, sm, item - kv_tiles - q_tiles, 0);
+    q_tile<DT, DP, QkFmt>(p, sm, item - kv_tiles);
   }
+}
+
+// Launch 3: one V^T tile per block, reading its input once; with `fix_up`, their fix-up pass. Its own
+// entry point (the V^T tiles do not depend on the Q·Kᵀ format), so each cubin holds their code once
+// per input dtype and head dim.
+template <InputDtype DT, int DP>
+__device__ __forceinline__ void v_tiles_kernel(const QuantizeQkvParams& p, bool fix_up) {
+  __shared__ __align__(16) SharedStorage<DP> sm;
+  if (fix_up) {
+    fix_up_tiles<DT, DP, QkFormatNvfp4, 1>(p, sm);
+    return;
+  }
+  fill_scale_tables(sm.tables);  // v_tile synchronises before its first block
+  v_tile<DT, DP>(p, sm, blockIdx.x, true, 0);
 }
 
 // The balance statistics: one CTA per Q statistics tile (kStatisticsTiles per query head, those
 // past the head's rows return at once), max |q - qm| per column into the kv head's q_channel_amax
 // (fp32 bits of non-negative values, or NaN: they order like unsigned integers).
-template <InputDtype DT, int DP, Load L>
+template <InputDtype DT, int DP>
 __device__ __forceinline__ void balance_statistics_kernel(const QuantizeQkvParams& p) {
   __shared__ __align__(16) SharedStorage<DP> sm;
   const int64_t bh = blockIdx.x / kStatisticsTiles, j = blockIdx.x % kStatisticsTiles;
@@ -927,7 +899,7 @@ __device__ __forceinline__ void balance_statistics_kernel(const QuantizeQkvParam
   using Map = RowTileMap<DP>;
   const RowTile<DP> t = RowTile<DP>::queries(p, bh * (p.seq_q_padded / kTileRows) + blk);
   Block16<DT> x[Map::kPasses];
-  q_tile_load<DT, DP, L>(p, sm, t, x);
+  q_tile_load<DT, DP>(p, sm, t, x);
   constexpr ColumnStat kKinds[1] = {kColumnMax};
   float dev[1][16];
   q_tile_deviation<true>(sm, t, x, nullptr, dev[0]);
@@ -943,33 +915,34 @@ __device__ __forceinline__ void balance_statistics_kernel(const QuantizeQkvParam
 }  // namespace
 }  // namespace nvfp4_dit
 
-// Entry points (common/launch.h): every input dtype, padded head dim and load width.
-#define NVFP4_DIT_TILES_ENTRIES(NAME, DT, DP, LOAD, L)                                                          \
+// Entry points (common/launch.h): every input dtype and padded head dim; the tiles in each Q·Kᵀ format.
+#define NVFP4_DIT_TILES_ENTRIES(NAME, DT, DP)                                                                     \
   extern "C" __global__ void __launch_bounds__(nvfp4_dit::kThreads, nvfp4_dit::kMinCtasPerSm)                   \
-      nvfp4_dit_balance_statistics_##NAME##_d##DP##_##LOAD(const __grid_constant__ nvfp4_dit::QuantizeQkvParams p) {               \
-    nvfp4_dit::balance_statistics_kernel<nvfp4_dit::InputDtype::DT, DP, nvfp4_dit::Load::L>(p);                                \
+      nvfp4_dit_balance_statistics_##NAME##_d##DP(const __grid_constant__ nvfp4_dit::QuantizeQkvParams p) {      \
+    nvfp4_dit::balance_statistics_kernel<nvfp4_dit::InputDtype::DT, DP>(p);                                     \
   }                                                                                                              \
   extern "C" __global__ void __launch_bounds__(nvfp4_dit::kThreads, nvfp4_dit::kKeyStatsMinCtasPerSm)           \
-      nvfp4_dit_key_stats_##NAME##_d##DP##_##LOAD(const __grid_constant__ nvfp4_dit::QuantizeQkvParams p) {                        \
-    nvfp4_dit::key_stats_kernel<nvfp4_dit::InputDtype::DT, DP, nvfp4_dit::Load::L>(p);                                         \
+      nvfp4_dit_key_stats_##NAME##_d##DP(const __grid_constant__ nvfp4_dit::QuantizeQkvParams p) {               \
+    nvfp4_dit::key_stats_kernel<nvfp4_dit::InputDtype::DT, DP>(p);                                              \
   }                                                                                                              \
-  extern "C" __global__ void __launch_bounds__(nvfp4_dit::kThreads, nvfp4_dit::kNvfp4TilesMinCtasPerSm<nvfp4_dit::InputDtype::DT, nvfp4_dit::Load::L>) \
-      nvfp4_dit_quantize_tiles_##NAME##_d##DP##_##LOAD##_nvfp4(const __grid_constant__ nvfp4_dit::QuantizeQkvParams p,            \
-                                                               int32_t fix_up) {                                 \
-    nvfp4_dit::tiles_kernel<nvfp4_dit::InputDtype::DT, DP, nvfp4_dit::Load::L, nvfp4_dit::QkFormatNvfp4>(p, fix_up != 0);       \
+  extern "C" __global__ void __launch_bounds__(nvfp4_dit::kThreads, nvfp4_dit::kNvfp4TilesMinCtasPerSm<nvfp4_dit::InputDtype::DT>) \
+      nvfp4_dit_quantize_tiles_##NAME##_d##DP##_nvfp4(const __grid_constant__ nvfp4_dit::QuantizeQkvParams p,    \
+                                                       int32_t fix_up) {                                         \
+    nvfp4_dit::qk_tiles_kernel<nvfp4_dit::InputDtype::DT, DP, nvfp4_dit::QkFormatNvfp4>(p, fix_up != 0);         \
   }                                                                                                              \
   extern "C" __global__ void __launch_bounds__(nvfp4_dit::kThreads, nvfp4_dit::kMxfp8MinCtasPerSm)             \
-      nvfp4_dit_quantize_tiles_##NAME##_d##DP##_##LOAD##_mxfp8(const __grid_constant__ nvfp4_dit::QuantizeQkvParams p,            \
-                                                               int32_t fix_up) {                                 \
-    nvfp4_dit::tiles_kernel<nvfp4_dit::InputDtype::DT, DP, nvfp4_dit::Load::L, nvfp4_dit::QkFormatMxfp8>(p, fix_up != 0);       \
+      nvfp4_dit_quantize_tiles_##NAME##_d##DP##_mxfp8(const __grid_constant__ nvfp4_dit::QuantizeQkvParams p,    \
+                                                       int32_t fix_up) {                                         \
+    nvfp4_dit::qk_tiles_kernel<nvfp4_dit::InputDtype::DT, DP, nvfp4_dit::QkFormatMxfp8>(p, fix_up != 0);         \
+  }                                                                                                              \
+  extern "C" __global__ void __launch_bounds__(nvfp4_dit::kThreads, nvfp4_dit::kNvfp4TilesMinCtasPerSm<nvfp4_dit::InputDtype::DT>) \
+      nvfp4_dit_quantize_v_tiles_##NAME##_d##DP(const __grid_constant__ nvfp4_dit::QuantizeQkvParams p,          \
+                                                 int32_t fix_up) {                                               \
+    nvfp4_dit::v_tiles_kernel<nvfp4_dit::InputDtype::DT, DP>(p, fix_up != 0);                                     \
   }
-#define NVFP4_DIT_TILES_LOADS(NAME, DT, DP)            \
-  NVFP4_DIT_TILES_ENTRIES(NAME, DT, DP, vec, kVec)       \
-  NVFP4_DIT_TILES_ENTRIES(NAME, DT, DP, scalar, kScalar) \
-  NVFP4_DIT_TILES_ENTRIES(NAME, DT, DP, rows, kRows)
-NVFP4_DIT_TILES_LOADS(bf16, kBFloat16, 64)
-NVFP4_DIT_TILES_LOADS(bf16, kBFloat16, 128)
-NVFP4_DIT_TILES_LOADS(fp16, kFloat16, 64)
-NVFP4_DIT_TILES_LOADS(fp16, kFloat16, 128)
-NVFP4_DIT_TILES_LOADS(fp32, kFloat32, 64)
-NVFP4_DIT_TILES_LOADS(fp32, kFloat32, 128)
+NVFP4_DIT_TILES_ENTRIES(bf16, kBFloat16, 64)
+NVFP4_DIT_TILES_ENTRIES(bf16, kBFloat16, 128)
+NVFP4_DIT_TILES_ENTRIES(fp16, kFloat16, 64)
+NVFP4_DIT_TILES_ENTRIES(fp16, kFloat16, 128)
+NVFP4_DIT_TILES_ENTRIES(fp32, kFloat32, 64)
+NVFP4_DIT_TILES_ENTRIES(fp32, kFloat32, 128)

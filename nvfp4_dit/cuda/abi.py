@@ -153,39 +153,35 @@ def workspace_records(batch: int, heads_kv: int, seq_k_padded: int) -> int:
 
 # Entry-point names (csrc/common/launch.h).
 
-def attention_entry(kind: str, qk_format: str, head_dim_padded: int, with_lse: bool, sparse: bool = False) -> str:
-    return (f"nvfp4_dit_attention_fwd_{kind}_{qk_format}_d{head_dim_padded}" + ("_sparse" if sparse else "")
-            + ("_lse" if with_lse else ""))
+def attention_entry(kind: str, qk_format: str, head_dim_padded: int, sparse: bool = False) -> str:
+    """Dense or block-sparse; both write the LSE where ``AttentionFwdParams.lse`` is set."""
+    return f"nvfp4_dit_attention_fwd_{kind}_{qk_format}_d{head_dim_padded}" + ("_sparse" if sparse else "")
 
 
 def probe_entry(probe: str, kind: str, combination: int) -> str:
     return f"nvfp4_dit_mma_probe_{probe}_{kind}_{combination}"
 
 
-QUANTIZE_LOADS = ("scalar", "vec", "rows")
-"""How the quantiser reads its inputs: strided scalars, 16-byte vectors, or 16-byte vectors in a
-video call's tile order (csrc/common/token_order.h)."""
+def balance_statistics_entry(dtype: str, head_dim_padded: int) -> str:
+    return f"nvfp4_dit_balance_statistics_{dtype}_d{head_dim_padded}"
 
 
-def _load(vector: bool) -> str:
-    return "vec" if vector else "scalar"
+def key_stats_entry(dtype: str, head_dim_padded: int) -> str:
+    return f"nvfp4_dit_key_stats_{dtype}_d{head_dim_padded}"
 
 
-def balance_statistics_entry(dtype: str, head_dim_padded: int, load: str) -> str:
-    return f"nvfp4_dit_balance_statistics_{dtype}_d{head_dim_padded}_{load}"
+def quantize_tiles_entry(dtype: str, head_dim_padded: int, qk_format: str) -> str:
+    """The K and Q tiles (and the K tiles' fix-up pass) of one Q·Kᵀ format."""
+    return f"nvfp4_dit_quantize_tiles_{dtype}_d{head_dim_padded}_{qk_format}"
 
 
-def key_stats_entry(dtype: str, head_dim_padded: int, load: str) -> str:
-    return f"nvfp4_dit_key_stats_{dtype}_d{head_dim_padded}_{load}"
+def quantize_v_tiles_entry(dtype: str, head_dim_padded: int) -> str:
+    """The V^T tiles and their fix-up pass (the same in both Q·Kᵀ formats)."""
+    return f"nvfp4_dit_quantize_v_tiles_{dtype}_d{head_dim_padded}"
 
 
-def quantize_tiles_entry(dtype: str, head_dim_padded: int, load: str, qk_format: str) -> str:
-    return f"nvfp4_dit_quantize_tiles_{dtype}_d{head_dim_padded}_{load}_{qk_format}"
-
-
-def correction_entry(dtype: str, head_dim_padded: int, vector_load: bool, vector_store: bool) -> str:
-    store = "vecstore" if vector_store else "scalarstore"
-    return f"nvfp4_dit_correction_{dtype}_d{head_dim_padded}_{_load(vector_load)}_{store}"
+def correction_entry(dtype: str, head_dim_padded: int) -> str:
+    return f"nvfp4_dit_correction_{dtype}_d{head_dim_padded}"
 
 
 BLOCK_LISTS_ENTRIES = ("nvfp4_dit_block_map_rows", "nvfp4_dit_block_map_rows_by_warp", "nvfp4_dit_block_list_rows",
@@ -195,15 +191,13 @@ BLOCK_LISTS_ENTRIES = ("nvfp4_dit_block_map_rows", "nvfp4_dit_block_map_rows_by_
 def launcher_entries(kind: str) -> set[str]:
     """Every entry point the launcher (nvfp4_dit/cuda/launch.py) may ask for on a target of MMA ``kind``."""
     formats, head_dims = ("nvfp4", "mxfp8"), (64, 128)
-    names = {attention_entry(kind, f, d, lse, sp) for f in formats for d in head_dims for lse in (False, True)
+    names = {attention_entry(kind, f, d, sp) for f in formats for d in head_dims
              for sp in (False, True)}
     names |= {probe_entry(p, k, i) for p, n in (("nvfp4", 8), ("mxfp8", 32)) for k in ("native", "emulated")
               for i in range(n)}
     for dt in INPUT_DTYPES:
         for d in head_dims:
-            for load in QUANTIZE_LOADS:
-                names |= {balance_statistics_entry(dt, d, load), key_stats_entry(dt, d, load)}
-                names |= {quantize_tiles_entry(dt, d, load, f) for f in formats}
-            for vec in (False, True):
-                names |= {correction_entry(dt, d, vec, st) for st in (False, True)}
+            names |= {balance_statistics_entry(dt, d), key_stats_entry(dt, d), quantize_v_tiles_entry(dt, d)}
+            names |= {quantize_tiles_entry(dt, d, f) for f in formats}
+            names.add(correction_entry(dt, d))
     return names | set(BLOCK_LISTS_ENTRIES)

@@ -112,8 +112,9 @@ def attention(q, k, v, *, layout: str, causal: bool, scale: Optional[float], kv_
     quantiser's statistics and listed on the device, and the correction and the kernel visit only
     the listed tiles. ``order``: a video call's :class:`~nvfp4_dit.token_order.TokenOrder`: the
     quantiser and the correction read the inputs in tile order and the kernel writes the output
-    rows back to the caller's (``kv_lens``, ``key_bias`` and the map are in tile order already);
-    inputs the quantiser cannot read as 16-byte vectors are gathered into tile order first.
+    rows back to the caller's (``kv_lens``, ``key_bias`` and the map are in tile order already).
+    Inputs the quantiser cannot read as 16-byte vectors are copied first, their head dim zero-padded
+    to 64 or 128 (:func:`~nvfp4_dit.cuda.launch.vector_readable`).
 
     Returns ``(out [q's layout and dtype], lse [B, H, Sq] fp32 or None)``. Rows whose Q block or
     kv head met a NaN/inf input (or whose batch's mask holds NaN/+inf) are NaN.
@@ -134,11 +135,12 @@ def attention(q, k, v, *, layout: str, causal: bool, scale: Optional[float], kv_
         rows = chunks[0][1] - chunks[0][0]
         ws = launch.Workspace(quantize.workspace_layout(qh, kh, balance_qk, qk_format, rows), q.device)
         ws.clear(stream)
-        launch.launch_quantize(dk, ws, qh, kh, vh, lens, balance_qk, qk_format, stream, order=read_order)
+        # read once as 16-byte vectors by the quantiser and the correction (a padded copy where needed)
+        qr, k_input, vr = (launch.vector_readable(t, fmt.padded_head_dim(d)) for t in (qh, kh, vh))
+        launch.launch_quantize(dk, ws, qr, k_input, vr, lens, balance_qk, qk_format, stream, order=read_order)
         planes = _workspace_planes(ws)
         if mask_nonfinite is not None:
             ws.view("nonfinite_kv").bitwise_or_(mask_nonfinite[:, None].to(torch.int32))
-        k_input = kh
         delta = launch.CorrectionAddress(ws.ptr("delta"), ws.ptr("delta_factor"), (h * rows * skp, rows * skp, skp))
     elif quantizer == "torch":
         qq = preprocess.quantize_qkv(qh, kh, vh, layout="HND", kv_lens=kv_lens, balance_qk=balance_qk,

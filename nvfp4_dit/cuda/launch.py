@@ -171,11 +171,20 @@ def _strided(t: torch.Tensor) -> abi.StridedInput:
 
 def vector_loads(t: torch.Tensor, head_dim_padded: int) -> bool:
     """Whether ``t`` [B, H, S, D] can be read as 16-byte vectors: D == Dp, unit stride along D and
-    16-byte aligned rows (csrc/common/launch.h, the "vec" instantiations)."""
+    16-byte aligned rows (how the quantiser reads every input)."""
     per16 = 16 // t.element_size()
     b, h, s, d = t.stride()
     return (t.shape[3] == head_dim_padded and d == 1 and t.data_ptr() % 16 == 0
             and b % per16 == 0 and h % per16 == 0 and s % per16 == 0)
+
+
+def vector_readable(t: torch.Tensor, head_dim_padded: int) -> torch.Tensor:
+    """``t`` itself where the quantiser can read it (:func:`vector_loads`), else a contiguous copy with
+    the head dim zero-padded to ``head_dim_padded`` (the zero columns the format pads with): head
+    dims other than 64 and 128, a stride along D, unaligned rows."""
+    if vector_loads(t, head_dim_padded):
+        return t
+    return torch.nn.functional.pad(t, (0, head_dim_padded - t.shape[3])).contiguous()
 
 
 def _order_struct(order) -> abi.TokenOrder:
@@ -186,10 +195,9 @@ def _order_struct(order) -> abi.TokenOrder:
 
 def inputs_in_order(order, qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, copy: bool = False):
     """``(qh, kh, vh, read_order)`` for quantising [B, H, S, D] inputs in a video call's tile
-    ``order``: the inputs themselves and the order to read them through (the "rows" loads), or,
-    where those cannot read them (:func:`vector_loads`) or ``copy``, permuted copies in tile order
-    and None."""
-    if order is None or (not copy and all(vector_loads(t, fmt.padded_head_dim(qh.shape[3])) for t in (qh, kh, vh))):
+    ``order``: the inputs themselves and the order to read them through, or with ``copy`` (the
+    torch quantiser, which cannot read through an order) permuted copies in tile order and None."""
+    if order is None or not copy:
         return qh, kh, vh, order
     rows = order.source_rows(qh.shape[2], qh.device)
     return (*(t.index_select(2, rows) for t in (qh, kh, vh)), None)
@@ -200,14 +208,15 @@ def launch_quantize(dk: DeviceKernels, ws: Workspace, q: torch.Tensor, k: torch.
                     order=None) -> None:
     """Quantise logical [B, H, S, D] views (any strides) into ``ws`` (cleared by the caller): the
     balance statistics (``balance_qk``), the K and V statistics tiles, the tiles, then the fix-up
-    pass that moves each K and V tile to its head's tensor scale. ``order``: a
-    video call's :class:`~nvfp4_dit.token_order.TokenOrder`, read through (the "rows" entry points;
-    every input must allow :func:`vector_loads`): the outputs are in tile order."""
+    passes that move each K and V tile to its head's tensor scale. Inputs the kernels cannot read as
+    16-byte vectors are copied first (:func:`vector_readable`). ``order``: a video call's
+    :class:`~nvfp4_dit.token_order.TokenOrder`, read through: the outputs are in tile order."""
     b, h, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     dp = fmt.padded_head_dim(d)
     sqp, skp = fmt.round_up(max(sq, 1), fmt.SEQ_TILE), fmt.round_up(max(sk, 1), fmt.SEQ_TILE)
     dtype = DTYPE_NAMES[q.dtype]
+    q, k, v = (vector_readable(t, dp) for t in (q, k, v))
     p = abi.QuantizeQkvParams(
         q=_strided(q), k=_strided(k), v=_strided(v), dtype=abi.INPUT_DTYPES[dtype],
         kv_lens=None if kv_lens is None else kv_lens.data_ptr(),
@@ -221,29 +230,26 @@ def launch_quantize(dk: DeviceKernels, ws: Workspace, q: torch.Tensor, k: torch.
         q_similarity=ws.ptr("q_similarity"), balance_qk=balance_qk,
         q_channel_amax=ws.ptr("q_channel_amax") if balance_qk else None,
         nonfinite_kv=ws.ptr("nonfinite_kv"), nonfinite_q_blocks=ws.ptr("nonfinite_q"),
-        k_partial_sums=ws.ptr("partial"), work_counters=ws.ptr("arrivals"), tile_records=ws.ptr("tile_records"))
-    vector = vector_loads(q, dp) and vector_loads(k, dp) and vector_loads(v, dp)
-    load = "vec" if vector else "scalar"
-    if order is not None:
-        if not vector:
-            raise ValueError("a token order needs inputs the quantiser reads as 16-byte vectors (vector_loads)")
-        p.order, load = _order_struct(order), "rows"
+        k_partial_sums=ws.ptr("partial"), work_counters=ws.ptr("arrivals"), tile_records=ws.ptr("tile_records"),
+        order=abi.TokenOrder() if order is None else _order_struct(order))
     kv_tiles = b * hkv * (skp // fmt.SEQ_TILE)
     q_tiles = b * h * (sqp // fmt.SEQ_TILE)
     statistics = b * hkv * abi.STAT_TENSORS * abi.STATISTICS_TILES
-    second = 2 * kv_tiles + q_tiles
-    if second > _MAX_GRID_X:
-        raise ValueError(f"too many tiles for one quantiser launch ({second})")
+    if kv_tiles + q_tiles > _MAX_GRID_X:
+        raise ValueError(f"too many tiles for one quantiser launch ({kv_tiles + q_tiles})")
     args = [p]
     if balance_qk:  # the balance needs the Q statistics before any K or Q tile
-        dk.kernel(abi.balance_statistics_entry(dtype, dp, load)).launch(
+        dk.kernel(abi.balance_statistics_entry(dtype, dp)).launch(
             (b * h * abi.STATISTICS_TILES,), abi.QUANTIZE_THREADS, args, stream)
-    dk.kernel(abi.key_stats_entry(dtype, dp, load)).launch((statistics,), abi.QUANTIZE_THREADS, args, stream)
-    tiles = dk.kernel(abi.quantize_tiles_entry(dtype, dp, load, qk_format))
-    tiles.launch((second,), abi.QUANTIZE_THREADS, [p, ctypes.c_int32(0)], stream)
-    # the fix-up pass: every K and V tile to its head's tensor scale, one wave of CTAs looping over them
-    resident = dk.sms * tiles.blocks_per_sm(abi.QUANTIZE_THREADS)
-    tiles.launch((min(2 * kv_tiles, resident),), abi.QUANTIZE_THREADS, [p, ctypes.c_int32(1)], stream)
+    dk.kernel(abi.key_stats_entry(dtype, dp)).launch((statistics,), abi.QUANTIZE_THREADS, args, stream)
+    qk_tiles = dk.kernel(abi.quantize_tiles_entry(dtype, dp, qk_format))
+    v_tiles = dk.kernel(abi.quantize_v_tiles_entry(dtype, dp))
+    qk_tiles.launch((kv_tiles + q_tiles,), abi.QUANTIZE_THREADS, [p, ctypes.c_int32(0)], stream)
+    v_tiles.launch((kv_tiles,), abi.QUANTIZE_THREADS, [p, ctypes.c_int32(0)], stream)
+    # the fix-up passes: every K and V tile to its head's tensor scale, a wave of CTAs looping over them
+    for tiles in (qk_tiles, v_tiles):
+        resident = dk.sms * tiles.blocks_per_sm(abi.QUANTIZE_THREADS)
+        tiles.launch((min(kv_tiles, resident),), abi.QUANTIZE_THREADS, [p, ctypes.c_int32(1)], stream)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -282,8 +288,8 @@ def launch_correction(dk: DeviceKernels, ws: Workspace, k: torch.Tensor, kv_lens
                       delta: CorrectionAddress, stream: int, columns=None, k_order=None) -> None:
     """delta = qm . (k - km)^T / (q_scale k_scale) (+ key_bias / (scale q_scale k_scale)) for Q blocks
     [block_begin, block_begin + rows) at ``delta`` (dense rows [B, H, rows, Skp] of a
-    :class:`~nvfp4_dit.format.Correction`), in one launch. ``k`` is the raw [B, Hkv, Sk, D] input;
-    the Q statistics come from ``ws``. With ``columns`` (a block-sparse chunk's
+    :class:`~nvfp4_dit.format.Correction`), in one launch. ``k`` is the raw [B, Hkv, Sk, Dp] input as
+    the kernel reads it (:func:`vector_readable`); the Q statistics come from ``ws``. With ``columns`` (a block-sparse chunk's
     :class:`nvfp4_dit.sparse.ChunkLists`) only the listed tiles are computed, into the compact layout
     the attention kernel reads (128 values and a factor per entry, ``delta.strides`` unused).
     ``k_order``: a video call's :class:`~nvfp4_dit.token_order.TokenOrder`: key s is row
@@ -296,8 +302,9 @@ def launch_correction(dk: DeviceKernels, ws: Workspace, k: torch.Tensor, kv_lens
     if b * h > _MAX_GRID_YZ:
         raise ValueError(f"too many batches x heads ({b * h}) for one correction launch")
     smem = abi.CORRECTION_SMEM_BYTES[abi.head_dim_index(dp)]
-    vec_store = delta.values % 4 == 0
-    kernel = dk.kernel(abi.correction_entry(DTYPE_NAMES[k.dtype], dp, vector_loads(k, dp), vec_store))
+    if not vector_loads(k, dp):
+        raise ValueError("the correction reads K as 16-byte vectors: pass launch.vector_readable(k, head_dim_padded)")
+    kernel = dk.kernel(abi.correction_entry(DTYPE_NAMES[k.dtype], dp))
     # A CTA converts its 128 keys once and walks the Q blocks; the blocks are split over grid.y only
     # as far as needed to give every SM its resident CTAs.
     key_tiles, m_tiles = skp // abi.CORRECTION_TILE_N, -(-rows // abi.CORRECTION_TILE_M)
@@ -378,7 +385,7 @@ def launch_attention(dk: DeviceKernels, planes: dict, seq_q: int, seq_k: int, bl
     if out_order is not None:
         p.out_order = _order_struct(out_order)
     smem = abi.ATTENTION_SMEM_BYTES[fmt.QK_FORMATS.index(qk_format)][abi.head_dim_index(dp)]
-    kernel = dk.kernel(abi.attention_entry(dk.kind, qk_format, dp, lse is not None, lists is not None))
+    kernel = dk.kernel(abi.attention_entry(dk.kind, qk_format, dp, lists is not None))
     work = b * h * nblk
     p.grid_size = min(work, max(kernel.blocks_per_sm(abi.ATTENTION_THREADS, smem), 1) * dk.sms)
     if p.grid_size > _MAX_GRID_X:

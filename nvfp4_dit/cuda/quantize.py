@@ -39,7 +39,8 @@ _SUFFIXES = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 class KernelQuantizedQKV(fmt.QuantizedQKV):
     """A :class:`~nvfp4_dit.format.QuantizedQKV` from the CUDA quantiser: views into one
     :class:`~nvfp4_dit.cuda.launch.Workspace`. It has no ``k_smoothed``: the correction is computed
-    from the raw K instead (``k_input``, a [B, Hkv, Sk, D] view of the caller's tensor)."""
+    from the raw K instead (``k_input``: the caller's [B, Hkv, Sk, D] tensor, or its copy padded to
+    [B, Hkv, Sk, Dp] where the kernels cannot read it as 16-byte vectors)."""
 
     k_input: Optional[torch.Tensor] = None
     kv_lens: Optional[torch.Tensor] = None
@@ -111,7 +112,8 @@ def quantized_from_workspace(ws: launch.Workspace, qh: torch.Tensor, kh: torch.T
         views["balance"] = None
     return KernelQuantizedQKV(
         **views, k_smoothed=None, seq_q=qh.shape[2], seq_k=kh.shape[2], head_dim=d,
-        head_dim_padded=fmt.padded_head_dim(d), k_input=kh, kv_lens=kv_lens,
+        head_dim_padded=fmt.padded_head_dim(d), k_input=launch.vector_readable(kh, fmt.padded_head_dim(d)),
+        kv_lens=kv_lens,
         nonfinite=(ws.view("nonfinite_q") != 0, ws.view("nonfinite_kv") != 0), qk_format=qk_format, workspace=ws)
 
 
