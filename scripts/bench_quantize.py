@@ -4,8 +4,8 @@ For B=1, H=40, D=128, bf16 NHD inputs at S = 8k, 32k, 77k and 118.8k tokens:
 
 * default: ``nvfp4_dit.cuda.quantize.quantize_qkv`` with the default per-channel Q/K balance;
 * no balance: the default kernel with ``balance_qk=False`` (no statistics pass over Q);
-* 3D tiles: the default kernel reading a video call's tile order (``order=``, the "rows" entry
-  points; the grid of each length in :data:`VIDEO_GRIDS`) instead of the caller's rows;
+* 3D tiles: the default kernel reading a video call's tile order (``order=``; the grid of each
+  length in :data:`VIDEO_GRIDS`) instead of the caller's rows;
 * copy: a device-to-device copy moving the same number of bytes (the bandwidth ceiling);
 * torch-ops: ``nvfp4_dit.preprocess.quantize_qkv`` on the GPU (the plain-PyTorch preprocessing);
 * correction: every chunk of ``qm . (k - km)^T`` under the default 1 GiB budget;

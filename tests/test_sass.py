@@ -46,9 +46,9 @@ def test_native_preparation_kernels_do_not_spill():
     assert len(correction) == 2 * 6 and all(r["imma"] in (64, 128) for r in correction)
     lists = {r["kernel"] for r in rows if r["kernel"].startswith("nvfp4_dit_block_")}
     assert lists == set(abi.BLOCK_LISTS_ENTRIES)
-    # and the quantiser's: 3 dtypes x 2 head dims x 5 entry points (balance and key statistics, the
-    # K/Q tiles of each Q·Kᵀ format, the V^T tiles)
-    assert len(rows) == len(correction) + 2 * 30 + 2 * len(lists)
+    # and the quantiser's: per head dim the balance and key statistics (any dtype), and per input
+    # dtype and head dim the K/Q tiles of each Q·Kᵀ format and the V^T tiles
+    assert len(rows) == len(correction) + 2 * (2 * 2 + 3 * 2 * 3) + 2 * len(lists)
     assert not failures, "\n".join(failures)
 
 

@@ -10,11 +10,12 @@
 //   attention/mma_probe.cu:
 //     nvfp4_dit_mma_probe_nvfp4_{native,emulated}_{4 * thread-id-a + thread-id-b}(a, b, sfa, sfb, c, d)
 //     nvfp4_dit_mma_probe_mxfp8_{native,emulated}_{16 * thread-id-a + 4 * thread-id-b + byte-id}(...)
-//   quantize/quantize_tiles.cu, for each input {bf16,fp16,fp32} and padded head dim d{64,128}, every
-//   input read as 16-byte vectors (D == Dp, unit stride, 16-byte rows: the host copies any other),
-//   through a video call's tile order where QuantizeQkvParams::order is active:
-//     nvfp4_dit_balance_statistics_<dtype>_d<DP>(QuantizeQkvParams)            launch 0 (balance_qk)
-//     nvfp4_dit_key_stats_<dtype>_d<DP>(QuantizeQkvParams)                     launch 1
+//   quantize/quantize_tiles.cu, every input read as 16-byte vectors (D == Dp, unit stride, 16-byte
+//   rows: the host copies any other), through a video call's tile order where
+//   QuantizeQkvParams::order is active; the statistics per padded head dim d{64,128} (any input
+//   dtype, QuantizeQkvParams::dtype), the tiles per input {bf16,fp16,fp32} and padded head dim:
+//     nvfp4_dit_balance_statistics_d<DP>(QuantizeQkvParams)                    launch 0 (balance_qk)
+//     nvfp4_dit_key_stats_d<DP>(QuantizeQkvParams)                             launch 1
 //     nvfp4_dit_quantize_tiles_<dtype>_d<DP>_{nvfp4,mxfp8}(QuantizeQkvParams, int32 fix_up)
 //         the K and Q tiles: launch 2 (fix_up 0: one CTA per tile), launch 4 (fix_up 1: the K tiles
 //         to their heads' scales)

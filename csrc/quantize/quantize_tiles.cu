@@ -120,6 +120,32 @@ __device__ __forceinline__ void load_block16(Block16<DT>& blk, const typename In
   }
 }
 
+// The same 16 elements of an input of run-time dtype `dt` as fp32 values. The statistics kernels read
+// at most kStatisticsTiles tiles of a head, so they take the dtype at run time: one instantiation
+// per head dim serves every input. `row` points at the row's first element.
+__device__ __forceinline__ void load_block16_as_float(Block16<InputDtype::kFloat32>& blk, const void* row, InputDtype dt,
+                                                      int d0) {
+  if (dt == InputDtype::kFloat32) {
+    load_block16<InputDtype::kFloat32>(blk, static_cast<const uint32_t*>(row), d0);
+    return;
+  }
+  Block16<InputDtype::kBFloat16> raw;  // the 16-bit words; bf16 or fp16 decode them
+  load_block16<InputDtype::kBFloat16>(raw, static_cast<const uint16_t*>(row), d0);
+#pragma unroll
+  for (int e = 0; e < 16; ++e) {
+    const uint32_t bits = (e & 1) ? raw.w[e >> 1] >> 16 : raw.w[e >> 1] & 0xFFFFu;
+    const float x = dt == InputDtype::kBFloat16 ? InputTraits<InputDtype::kBFloat16>::to_float(bits)
+                                                : InputTraits<InputDtype::kFloat16>::to_float(bits);
+    blk.w[e] = __float_as_uint(x);
+  }
+}
+
+// Row s of head (b, h) of input t, whose elements are `dt`.
+__device__ __forceinline__ const void* input_row_address(const StridedInput& t, InputDtype dt, int64_t b, int64_t h,
+                                                         int64_t s) {
+  return static_cast<const char*>(t.ptr) + row_offset(t, b, h, s) * (dt == InputDtype::kFloat32 ? 4 : 2);
+}
+
 ////////////////////////////////////////////////////////////////////////////////////////////////
 // Shared memory and the CTA's column statistics
 
@@ -225,9 +251,8 @@ __device__ __forceinline__ void cta_column_stats(const SharedStorage<DP>& sm, co
 // Item (bh, tensor, j): the sum, min and max per channel of statistics tile j of K (tensor 0) or V
 // (1) of kv head bh over its valid keys (none when the head has fewer tiles). The CTA that adds a
 // head's last tile finishes the head (finish_head_statistics: means, balance).
-template <InputDtype DT, int DP>
+template <int DP>
 __device__ __forceinline__ void key_stats_item(const QuantizeQkvParams& p, SharedStorage<DP>& sm, int64_t item) {
-  using Raw = typename InputTraits<DT>::Raw;
   constexpr int kColGroups = DP / 16;             // threads per row, 16 columns each
   constexpr int kRowsPerPass = kThreads / kColGroups;
   constexpr int kPasses = kTileRows / kRowsPerPass;  // every load of the tile in flight at once
@@ -240,18 +265,16 @@ __device__ __forceinline__ void key_stats_item(const QuantizeQkvParams& p, Share
   const StridedInput& in = tensor == 0 ? p.k : p.v;
   const int cg = threadIdx.x % kColGroups;
   const int r0 = threadIdx.x / kColGroups;
-  const Raw* base = static_cast<const Raw*>(in.ptr) + row_offset(in, b, h, 0);
 
   constexpr ColumnStat kKinds[kStatVectors] = {kColumnSum, kColumnMin, kColumnMax};
   float st[kStatVectors][16];
   init_column_stats(kKinds, st);
-  Block16<DT> blk[kPasses];
+  Block16<InputDtype::kFloat32> blk[kPasses];
 #pragma unroll
   for (int u = 0; u < kPasses; ++u) {
     const int64_t key = key0 + u * kRowsPerPass + r0;
     blk[u].zero();
-    if (key < n_valid)
-      load_block16<DT>(blk[u], base + input_row(p, key) * in.stride_s, cg * 16);
+    if (key < n_valid) load_block16_as_float(blk[u], input_row_address(in, p.dtype, b, h, input_row(p, key)), p.dtype, cg * 16);
   }
 #pragma unroll
   for (int u = 0; u < kPasses; ++u)
@@ -332,9 +355,11 @@ struct RowTile {
   // Loads this thread's kPasses blocks of 16 columns of input t into x (zeros past valid_rows).
   // "rows" loads first stage the tile's input rows in shared memory (one barrier): computed at each
   // load site, next to the zeroed registers of every pass, they spilled at 128 registers.
-  template <InputDtype DT>
+  // kAnyDtype (x holds fp32): the input's dtype is p.dtype, read with load_block16_as_float.
+  template <InputDtype DT, bool kAnyDtype = false>
   __device__ __forceinline__ void load(const QuantizeQkvParams& p, const StridedInput& t, int32_t* input_rows,
                                        Block16<DT> (&x)[RowTileMap<DP>::kPasses]) const {
+    static_assert(!kAnyDtype || DT == InputDtype::kFloat32, "any dtype is read as fp32");
     using Raw = typename InputTraits<DT>::Raw;
     const bool ordered = token_order_active(p.order);  // uniform across the CTA
     if (ordered) {
@@ -348,7 +373,11 @@ struct RowTile {
       x[ps].zero();
       if (r < valid_rows) {
         const int rel = ordered ? input_rows[r] : r;
-        load_block16<DT>(x[ps], base + rel * t.stride_s, cb * 16);
+        if constexpr (kAnyDtype) {
+          load_block16_as_float(x[ps], input_row_address(t, p.dtype, b, h, row0 + rel), p.dtype, cb * 16);
+        } else {
+          load_block16<DT>(x[ps], base + rel * t.stride_s, cb * 16);
+        }
       }
     }
   }
@@ -378,11 +407,11 @@ __device__ __forceinline__ float tile_column_sum(SharedStorage<DP>& sm, const Bl
 // the valid rows into sm.mean; thread c < DP also returns qm_c. Ends with a barrier. Shared by the
 // Q tiles and the balance statistics, which then take max |fl(q - qm)| from the registers: two
 // passes over registers rather than a min and a max per column, which would not fit in 64 of them.
-template <InputDtype DT, int DP>
+template <InputDtype DT, int DP, bool kAnyDtype = false>
 __device__ __forceinline__ float q_tile_load(const QuantizeQkvParams& p, SharedStorage<DP>& sm,
                                              const RowTile<DP>& t, Block16<DT> (&x)[RowTileMap<DP>::kPasses]) {
   using Map = RowTileMap<DP>;
-  t.template load<DT>(p, p.q, sm.input_rows, x);
+  t.template load<DT, kAnyDtype>(p, p.q, sm.input_rows, x);
   const float sum = tile_column_sum(sm, x);
   float qm = 0.0f;
   if (threadIdx.x < DP) {
@@ -804,11 +833,11 @@ __device__ __noinline__ void v_tile(const QuantizeQkvParams& p, SharedStorage<DP
   if (own_scale) record_tile_scale(p, sm, 1, tile, bh, exponent, tile_amax, headroom);
 }
 
-// Launch 1: the K and V statistics items (key_stats_item).
-template <InputDtype DT, int DP>
+// Launch 1: the K and V statistics items (key_stats_item), any input dtype.
+template <int DP>
 __device__ __forceinline__ void key_stats_kernel(const QuantizeQkvParams& p) {
   __shared__ __align__(16) SharedStorage<DP> sm;
-  key_stats_item<DT, DP>(p, sm, blockIdx.x);
+  key_stats_item<DP>(p, sm, blockIdx.x);
 }
 
 // Launch 4, the fix-up pass of tensor kTensor (0: K in format QkFmt, 1: V^T), grid-stride over its
@@ -890,7 +919,7 @@ __device__ __forceinline__ void v_tiles_kernel(const QuantizeQkvParams& p, bool 
 // The balance statistics: one CTA per Q statistics tile (kStatisticsTiles per query head, those
 // past the head's rows return at once), max |q - qm| per column into the kv head's q_channel_amax
 // (fp32 bits of non-negative values, or NaN: they order like unsigned integers).
-template <InputDtype DT, int DP>
+template <int DP>
 __device__ __forceinline__ void balance_statistics_kernel(const QuantizeQkvParams& p) {
   __shared__ __align__(16) SharedStorage<DP> sm;
   const int64_t bh = blockIdx.x / kStatisticsTiles, j = blockIdx.x % kStatisticsTiles;
@@ -898,8 +927,8 @@ __device__ __forceinline__ void balance_statistics_kernel(const QuantizeQkvParam
   if (blk * kTileRows >= p.seq_q) return;
   using Map = RowTileMap<DP>;
   const RowTile<DP> t = RowTile<DP>::queries(p, bh * (p.seq_q_padded / kTileRows) + blk);
-  Block16<DT> x[Map::kPasses];
-  q_tile_load<DT, DP>(p, sm, t, x);
+  Block16<InputDtype::kFloat32> x[Map::kPasses];
+  q_tile_load<InputDtype::kFloat32, DP, true>(p, sm, t, x);
   constexpr ColumnStat kKinds[1] = {kColumnMax};
   float dev[1][16];
   q_tile_deviation<true>(sm, t, x, nullptr, dev[0]);
@@ -915,16 +944,18 @@ __device__ __forceinline__ void balance_statistics_kernel(const QuantizeQkvParam
 }  // namespace
 }  // namespace nvfp4_dit
 
-// Entry points (common/launch.h): every input dtype and padded head dim; the tiles in each Q·Kᵀ format.
-#define NVFP4_DIT_TILES_ENTRIES(NAME, DT, DP)                                                                     \
+// Entry points (common/launch.h): the statistics per padded head dim (any input dtype); the tiles
+// per input dtype and padded head dim, the K and Q tiles in each Q·Kᵀ format.
+#define NVFP4_DIT_STATISTICS_ENTRIES(DP)                                                                        \
   extern "C" __global__ void __launch_bounds__(nvfp4_dit::kThreads, nvfp4_dit::kMinCtasPerSm)                   \
-      nvfp4_dit_balance_statistics_##NAME##_d##DP(const __grid_constant__ nvfp4_dit::QuantizeQkvParams p) {      \
-    nvfp4_dit::balance_statistics_kernel<nvfp4_dit::InputDtype::DT, DP>(p);                                     \
+      nvfp4_dit_balance_statistics_d##DP(const __grid_constant__ nvfp4_dit::QuantizeQkvParams p) {               \
+    nvfp4_dit::balance_statistics_kernel<DP>(p);                                                                 \
   }                                                                                                              \
   extern "C" __global__ void __launch_bounds__(nvfp4_dit::kThreads, nvfp4_dit::kKeyStatsMinCtasPerSm)           \
-      nvfp4_dit_key_stats_##NAME##_d##DP(const __grid_constant__ nvfp4_dit::QuantizeQkvParams p) {               \
-    nvfp4_dit::key_stats_kernel<nvfp4_dit::InputDtype::DT, DP>(p);                                              \
-  }                                                                                                              \
+      nvfp4_dit_key_stats_d##DP(const __grid_constant__ nvfp4_dit::QuantizeQkvParams p) {                        \
+    nvfp4_dit::key_stats_kernel<DP>(p);                                                                          \
+  }
+#define NVFP4_DIT_TILES_ENTRIES(NAME, DT, DP)                                                                     \
   extern "C" __global__ void __launch_bounds__(nvfp4_dit::kThreads, nvfp4_dit::kNvfp4TilesMinCtasPerSm<nvfp4_dit::InputDtype::DT>) \
       nvfp4_dit_quantize_tiles_##NAME##_d##DP##_nvfp4(const __grid_constant__ nvfp4_dit::QuantizeQkvParams p,    \
                                                        int32_t fix_up) {                                         \
@@ -940,6 +971,8 @@ __device__ __forceinline__ void balance_statistics_kernel(const QuantizeQkvParam
                                                  int32_t fix_up) {                                               \
     nvfp4_dit::v_tiles_kernel<nvfp4_dit::InputDtype::DT, DP>(p, fix_up != 0);                                     \
   }
+NVFP4_DIT_STATISTICS_ENTRIES(64)
+NVFP4_DIT_STATISTICS_ENTRIES(128)
 NVFP4_DIT_TILES_ENTRIES(bf16, kBFloat16, 64)
 NVFP4_DIT_TILES_ENTRIES(bf16, kBFloat16, 128)
 NVFP4_DIT_TILES_ENTRIES(fp16, kFloat16, 64)

@@ -162,12 +162,14 @@ def probe_entry(probe: str, kind: str, combination: int) -> str:
     return f"nvfp4_dit_mma_probe_{probe}_{kind}_{combination}"
 
 
-def balance_statistics_entry(dtype: str, head_dim_padded: int) -> str:
-    return f"nvfp4_dit_balance_statistics_{dtype}_d{head_dim_padded}"
+def balance_statistics_entry(head_dim_padded: int) -> str:
+    """The balance statistics (any input dtype: QuantizeQkvParams.dtype)."""
+    return f"nvfp4_dit_balance_statistics_d{head_dim_padded}"
 
 
-def key_stats_entry(dtype: str, head_dim_padded: int) -> str:
-    return f"nvfp4_dit_key_stats_{dtype}_d{head_dim_padded}"
+def key_stats_entry(head_dim_padded: int) -> str:
+    """The K and V statistics (any input dtype)."""
+    return f"nvfp4_dit_key_stats_d{head_dim_padded}"
 
 
 def quantize_tiles_entry(dtype: str, head_dim_padded: int, qk_format: str) -> str:
@@ -197,7 +199,7 @@ def launcher_entries(kind: str) -> set[str]:
               for i in range(n)}
     for dt in INPUT_DTYPES:
         for d in head_dims:
-            names |= {balance_statistics_entry(dt, d), key_stats_entry(dt, d), quantize_v_tiles_entry(dt, d)}
+            names |= {balance_statistics_entry(d), key_stats_entry(d), quantize_v_tiles_entry(dt, d)}
             names |= {quantize_tiles_entry(dt, d, f) for f in formats}
             names.add(correction_entry(dt, d))
     return names | set(BLOCK_LISTS_ENTRIES)

@@ -239,9 +239,9 @@ def launch_quantize(dk: DeviceKernels, ws: Workspace, q: torch.Tensor, k: torch.
         raise ValueError(f"too many tiles for one quantiser launch ({kv_tiles + q_tiles})")
     args = [p]
     if balance_qk:  # the balance needs the Q statistics before any K or Q tile
-        dk.kernel(abi.balance_statistics_entry(dtype, dp)).launch(
+        dk.kernel(abi.balance_statistics_entry(dp)).launch(
             (b * h * abi.STATISTICS_TILES,), abi.QUANTIZE_THREADS, args, stream)
-    dk.kernel(abi.key_stats_entry(dtype, dp)).launch((statistics,), abi.QUANTIZE_THREADS, args, stream)
+    dk.kernel(abi.key_stats_entry(dp)).launch((statistics,), abi.QUANTIZE_THREADS, args, stream)
     qk_tiles = dk.kernel(abi.quantize_tiles_entry(dtype, dp, qk_format))
     v_tiles = dk.kernel(abi.quantize_v_tiles_entry(dtype, dp))
     qk_tiles.launch((kv_tiles + q_tiles,), abi.QUANTIZE_THREADS, [p, ctypes.c_int32(0)], stream)
