@@ -34,10 +34,8 @@ from typing import Iterable, Optional, Union
 from .checks import BACKENDS, check_keep_mass
 from .format import BALANCE_QK_DEFAULT, QK_FORMAT_DEFAULT, QK_FORMATS
 
-DEFAULT_DENSE_STEPS = (1, 1)
-DEFAULT_MIN_SEQ_LEN = 1024
-DEFAULT_SPARSE_OFF_STEPS = (2, 0)
-DEFAULT_SPARSE_MIN_SEQ_LEN = 16384
+from .defaults import (DEFAULT_DENSE_STEPS, DEFAULT_MIN_SEQ_LEN, DEFAULT_SPARSE_MIN_SEQ_LEN,  # noqa: F401
+                       DEFAULT_SPARSE_OFF_STEPS)
 
 LayerSpec = Union[str, int]
 _BLOCK_INDEX = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
@@ -341,12 +339,30 @@ class AttentionPolicy:
                       layer: Optional[str] = None) -> Optional[float]:
         """The ``keep_mass`` of an NVFP4 call at ``step`` (None: unknown) with these lengths, in
         module ``layer``: the layer's calibrated one where ``per_layer`` has it, else the policy's;
-        None (dense) without one, on the ``sparse_off_steps`` and below ``sparse_min_seq_len``."""
-        entry = self.layer_entry(layer, step)
-        keep_mass = self.keep_mass if entry is None or entry.keep_mass is None else entry.keep_mass
-        if keep_mass is None or keep_mass == 1.0 or min(seq_q, seq_k) < self.sparse_min_seq_len:
+        None (dense) without one, on the ``sparse_off_steps`` and below ``sparse_min_seq_len``
+        (:meth:`sparse_off_reason` says which)."""
+        if self.sparse_off_reason(step, seq_q, seq_k, layer) is not None:
             return None
-        return None if _in_edge_steps(step, self.sparse_off_steps) else keep_mass
+        return self._layer_keep_mass(layer, step)
+
+    def sparse_off_reason(self, step: Optional[tuple[int, int]], seq_q: int, seq_k: int,
+                          layer: Optional[str] = None) -> Optional[str]:
+        """Why an NVFP4 call at ``step`` with these lengths, in module ``layer``, runs dense under
+        this policy (a line naming the rule and its threshold), or None if it runs block-sparse."""
+        keep_mass = self._layer_keep_mass(layer, step)
+        if keep_mass is None:
+            return "no keep_mass"
+        if keep_mass == 1.0:
+            return "keep_mass 1.0"
+        if min(seq_q, seq_k) < self.sparse_min_seq_len:
+            return f"shorter than sparse_min_seq_len {self.sparse_min_seq_len}"
+        if _in_edge_steps(step, self.sparse_off_steps):
+            return f"on sparse_off_steps {self.sparse_off_steps[0]},{self.sparse_off_steps[1]}"
+        return None
+
+    def _layer_keep_mass(self, layer: Optional[str], step: Optional[tuple[int, int]]) -> Optional[float]:
+        entry = self.layer_entry(layer, step)
+        return self.keep_mass if entry is None or entry.keep_mass is None else entry.keep_mass
 
     def dense_reason(self, *, cross: Optional[bool] = None, step: Optional[tuple[int, int]] = None,
                      seq_q: Optional[int] = None, seq_k: Optional[int] = None) -> Optional[str]:

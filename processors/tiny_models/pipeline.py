@@ -162,6 +162,22 @@ def load_config(path: Optional[Union[str, Path]] = None) -> dict:
         return json.load(f)
 
 
+def cast_like_from_pretrained(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """``model`` in ``dtype`` as ``from_pretrained(torch_dtype=dtype)`` loads it: the modules the model
+    keeps in float32 (``_keep_in_fp32_modules``: Wan's rope, time embedder, norms) stay there, as
+    on a real Wan checkpoint (``model.to(dtype)`` would cast them too, and diffusers warns)."""
+    keep = set(getattr(model, "_keep_in_fp32_modules", None) or ())
+    for prefix, module in model.named_modules():
+        for key, tensor in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+            if not tensor.is_floating_point() or keep & set(f"{prefix}.{key}".split(".")):
+                continue   # diffusers matches any component of the tensor's name, as here
+            if key in module._parameters:
+                tensor.data = tensor.data.to(dtype)
+            else:
+                module._buffers[key] = tensor.to(dtype)
+    return model
+
+
 def build_tiny_pipeline(config: Optional[Union[str, Path, dict]] = None, *, dtype: torch.dtype = torch.float32,
                         seed: Optional[int] = None) -> TinyVideoPipeline:
     """The tiny pipeline from a config (path or dict; default: the shipped ``tiny_wan_t2v.json``)."""
@@ -169,7 +185,7 @@ def build_tiny_pipeline(config: Optional[Union[str, Path, dict]] = None, *, dtyp
     torch.manual_seed(cfg.get("seed", 0) if seed is None else seed)
     tcfg = dict(cfg["transformer"])
     tcfg["patch_size"] = tuple(tcfg["patch_size"])
-    transformer = WanTransformer3DModel(**tcfg).to(dtype).eval()
+    transformer = cast_like_from_pretrained(WanTransformer3DModel(**tcfg), dtype).eval()
     vae = AutoencoderKLWan(**cfg["vae"]).eval()  # the VAE stays fp32, as in Wan's examples
     text_encoder = ByteTextEncoder(**cfg["text_encoder"]).eval()
     scfg = dict(cfg["scheduler"])
