@@ -9,23 +9,40 @@ only when those entry points are used.
 
 from __future__ import annotations
 
-from . import format, sparse
-from .fallback import FallbackWarning, reset_fallback_warnings
-from .ops import BACKENDS, BackendUnavailableError, attention, available_backends, run_fp4
-from .policy import AttentionPolicy
-from .reference import attention_exact, attention_reference
-
 __version__ = "0.1.0"
+
+# Every name is imported on first use, so that importing nvfp4_dit (or a torch-free module of it,
+# such as nvfp4_dit.defaults or nvfp4_dit.cli) imports neither torch nor diffusers. apply() and
+# calibrate() live in the diffusers layer (nvfp4_dit.processors): importing them registers the
+# diffusers backend.
+_LAZY = {
+    "format": (".format", None), "sparse": (".sparse", None),
+    "FallbackWarning": (".fallback", "FallbackWarning"),
+    "reset_fallback_warnings": (".fallback", "reset_fallback_warnings"),
+    "BACKENDS": (".ops", "BACKENDS"), "BackendUnavailableError": (".ops", "BackendUnavailableError"),
+    "attention": (".ops", "attention"), "available_backends": (".ops", "available_backends"),
+    "run_fp4": (".ops", "run_fp4"), "AttentionPolicy": (".policy", "AttentionPolicy"),
+    "attention_exact": (".reference", "attention_exact"),
+    "attention_reference": (".reference", "attention_reference"),
+    "apply": (".processors", "apply"), "calibrate": (".processors", "calibrate"),
+}
 
 
 def __getattr__(name: str):
-    # apply() and calibrate() live in the diffusers layer (nvfp4_dit.processors): imported on first
-    # use, so that importing nvfp4_dit neither imports diffusers nor registers its backend.
-    if name in ("apply", "calibrate"):
-        from . import processors
+    if name not in _LAZY:
+        raise AttributeError(f"module 'nvfp4_dit' has no attribute {name!r}")
+    import importlib
 
-        return getattr(processors, name)
-    raise AttributeError(f"module 'nvfp4_dit' has no attribute {name!r}")
+    module_name, attribute = _LAZY[name]
+    module = importlib.import_module(module_name, __name__)
+    value = module if attribute is None else getattr(module, attribute)
+    if name not in ("apply", "calibrate"):   # cached; apply/calibrate stay looked up in processors
+        globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))
 
 
 __all__ = [

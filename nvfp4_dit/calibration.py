@@ -22,14 +22,9 @@ from typing import Callable, Optional
 
 import torch
 
+from .defaults import DEFAULT_BUDGET  # noqa: F401 (re-exported)
 from .policy import EXACT, FP4_PRECISIONS, PRECISION_COST, AttentionPolicy, LayerPrecision, Precision, step_bucket
 
-# Relative L2 error of a layer's attention output that calibration accepts by default.  Measured
-# with the FP4 path against exact attention on bf16 inputs (docs/report): iid 0.19, RoPE'd Q/K
-# 0.10, the tiny Wan's self-attention 0.07, K outlier channels with the channel balance 0.22-0.27,
-# logits twice as sharp as iid 0.33, three times 0.43.  0.25 keeps the first group in FP4 and
-# sends the sharp heads to exact attention.
-DEFAULT_BUDGET = 0.25
 
 def measurement_policy(policy: AttentionPolicy) -> AttentionPolicy:
     """The policy that measures ``policy``'s FP4 numerics. Its ``backend="auto"`` runs exact SDPA

@@ -12,8 +12,8 @@ from typing import Optional
 import torch
 
 from . import format as fmt
+from .defaults import BACKENDS  # noqa: F401 (re-exported)
 
-BACKENDS = ("auto", "reference", "sdpa", "cuda")
 LAYOUTS = ("NHD", "HND")
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 

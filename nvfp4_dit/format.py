@@ -53,6 +53,8 @@ from typing import Optional
 
 import torch
 
+from .defaults import BALANCE_QK_DEFAULT, QK_FORMAT_DEFAULT, QK_FORMATS  # noqa: F401 (re-exported)
+
 BLOCK = 16
 """Elements per scale block."""
 
@@ -76,18 +78,11 @@ TENSOR_SCALE_RANGE = E4M3_MAX * E2M1_MAX
 """2688: a tensor scale t puts the largest |x| / t of a tensor in (1344, 2688], so its largest
 block scale e4m3(amax / 6) lands in the top octave of ue4m3."""
 
-BALANCE_QK_DEFAULT = True
-"""Whether Q and K are balanced per channel unless the caller says otherwise (docs/report)."""
-
 BALANCE_MAX_EXPONENT = 64
 """The channel balance s_c lies in [2^-64, 2^64]."""
 
 SUPPORTED_HEAD_DIMS = (64, 128)
 
-QK_FORMATS = ("nvfp4", "mxfp8")
-"""Formats of the quantised Q and K (P and V are NVFP4 in both): ``nvfp4`` as above, or ``mxfp8``,
-e4m3 data with one ue8m0 (power-of-two) scale per 32 elements along D."""
-QK_FORMAT_DEFAULT = "nvfp4"
 MX_BLOCK = 32
 UE8M0_BIAS = 127
 

@@ -3,7 +3,8 @@
 Used by ``scripts/generate_video.py``, ``capture_attention.py`` and ``report.py``:
 
 * the generation arguments every tool takes (model, prompt, size, steps, seed, dtype, offload,
-  and the NVFP4 policy: back-end, dense steps, cross-attention, min_seq_len, layers);
+  and the NVFP4 policy: back-end, dense steps, cross-attention, min_seq_len, layers), defined in
+  the torch-free :mod:`nvfp4_dit.cli` and turned into a pipeline and a policy here;
 * loading a pipeline: a hub id or local path through ``DiffusionPipeline.from_pretrained``, or,
   with no ``--model``, the built-in tiny random video DiT (``processors/tiny_models``);
 * :class:`RunRecorder`: per-step DiT time, attention time and share, sequence lengths per
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import re
 import resource
 import time
 from collections import defaultdict
@@ -22,123 +22,12 @@ from typing import Optional
 
 import torch
 
-from nvfp4_dit.format import QK_FORMATS
-from nvfp4_dit.policy import DEFAULT_MIN_SEQ_LEN, AttentionPolicy
+from nvfp4_dit.cli import (PAIR_OPTIONS, POLICY_GROUP, TINY_MIN_SEQ_LEN, add_generation_args,  # noqa: F401
+                           join_pair_values, keep_mass_arg, non_negative_int, parse_pair, positive_int)
+from nvfp4_dit.policy import DEFAULT_MIN_SEQ_LEN, AttentionPolicy  # noqa: F401
 from nvfp4_dit.processors import apply, routing
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
-# The built-in tiny model's video sequence is 320 tokens: below the policy's default threshold,
-# which is sized for real models. Its runs use this one so that their FP4 path runs.
-TINY_MIN_SEQ_LEN = 256
-
-
-def _int_at_least(minimum: int):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
-        return value
-
-    parse.__name__ = "int"  # argparse names the type in its error messages
-    return parse
-
-
-positive_int = _int_at_least(1)
-non_negative_int = _int_at_least(0)
-
-
-def parse_pair(text: str) -> tuple[int, int]:
-    try:
-        a, b = (int(x) for x in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected FIRST,LAST (two ints), got {text!r}") from None
-    if a < 0 or b < 0:
-        raise argparse.ArgumentTypeError(f"steps must be >= 0, got {text!r}")
-    return a, b
-
-
-def keep_mass_arg(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
-    if not 0.0 < value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text!r}")
-    return value
-
-
-keep_mass_arg.__name__ = "float"   # argparse names the type in its error messages
-
-PAIR_OPTIONS = ("--dense-steps", "--sparse-off-steps")
-
-
-def join_pair_values(argv: list) -> list:
-    """``--dense-steps -1,1`` as ``--dense-steps=-1,1``: argparse reads a value that starts with "-"
-    and is no plain number as an option, and would say "expected one argument" instead of what is
-    wrong with the value."""
-    out, i = [], 0
-    while i < len(argv):
-        if argv[i] in PAIR_OPTIONS and i + 1 < len(argv) and re.fullmatch(r"-?\d+,-?\d+", argv[i + 1]):
-            out.append(f"{argv[i]}={argv[i + 1]}")
-            i += 2
-        else:
-            out.append(argv[i])
-            i += 1
-    return out
-
-
-def add_generation_args(ap: argparse.ArgumentParser) -> None:
-    g = ap.add_argument_group("model and sampling")
-    g.add_argument("--model", default=None,
-                   help="diffusers pipeline: hub id or local folder (Wan 2.1/2.2, Cosmos Predict2/2.5, HunyuanVideo, "
-                        "LTX-Video, CogVideoX, Mochi). Default: the built-in tiny random video DiT (CPU, seconds)")
-    g.add_argument("--tiny-config", default=None, help="config JSON of the tiny model (default: the shipped one)")
-    g.add_argument("--prompt", default="a red fox running through fresh snow, cinematic")
-    g.add_argument("--negative-prompt", default=None)
-    g.add_argument("--image", default=None, help="conditioning image (path or URL) for image-to-video pipelines")
-    g.add_argument("--height", type=positive_int, default=None, help="default: the pipeline's (tiny: 128)")
-    g.add_argument("--width", type=positive_int, default=None)
-    g.add_argument("--frames", type=positive_int, default=None, help="number of frames (tiny: 17)")
-    g.add_argument("--steps", type=positive_int, default=None, help="denoising steps (tiny: 8)")
-    g.add_argument("--guidance-scale", type=float, default=None)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--dtype", choices=("auto", *DTYPES), default="auto", help="auto: bf16 on CUDA, fp32 on CPU")
-    g.add_argument("--device", default="auto", help="auto: cuda if available, else cpu")
-    g.add_argument("--cpu-offload", choices=("none", "model", "sequential"), default="none",
-                   help="enable_model_cpu_offload / enable_sequential_cpu_offload (CUDA only)")
-    a = ap.add_argument_group("NVFP4 attention policy")
-    a.add_argument("--backend", choices=("auto", "cuda", "reference", "sdpa"), default=None,
-                   help="nvfp4_dit.attention back-end for FP4 calls. Default: auto on CUDA (the kernel where the "
-                        "native FP4 MMA exists), reference (FP4 numerics in PyTorch) on CPU")
-    first, last = AttentionPolicy().dense_steps
-    a.add_argument("--dense-steps", type=parse_pair, default=(first, last), metavar="FIRST,LAST",
-                   help=f"first/last denoising steps that run dense attention (default {first},{last})")
-    a.add_argument("--cross-attention", action="store_true", help="FP4 for cross-attention too (default: dense)")
-    a.add_argument("--min-seq-len", type=non_negative_int, default=None,
-                   help=f"calls with fewer query or key tokens stay dense (default {DEFAULT_MIN_SEQ_LEN}; the "
-                        f"built-in tiny model, whose sequences are 320 tokens: {TINY_MIN_SEQ_LEN})")
-    a.add_argument("--layers", default=None, help="comma-separated allow-list of module patterns, e.g. 'blocks.*.attn1'")
-    a.add_argument("--balance-qk", action=argparse.BooleanOptionalAction, default=AttentionPolicy().balance_qk,
-                   help="balance Q and K per channel before FP4 quantisation (default: on)")
-    a.add_argument("--qk-format", choices=QK_FORMATS, default=AttentionPolicy().qk_format,
-                   help="Q·Kᵀ format: nvfp4 (default) or mxfp8 (8-bit Q·Kᵀ for sharp attention; P·V stays NVFP4)")
-    default = AttentionPolicy()
-    a.add_argument("--keep-mass", type=keep_mass_arg, default=None, metavar="MASS",
-                   help="block-sparse NVFP4: each call keeps, per 128-query block, the key tiles holding this "
-                        "share of the estimated attention mass, e.g. 0.9 (default: dense)")
-    a.add_argument("--sparse-off-steps", type=parse_pair, default=default.sparse_off_steps, metavar="FIRST,LAST",
-                   help="first/last denoising steps that stay dense NVFP4 with --keep-mass "
-                        f"(default {default.sparse_off_steps[0]},{default.sparse_off_steps[1]})")
-    a.add_argument("--sparse-min-seq-len", type=non_negative_int, default=default.sparse_min_seq_len,
-                   help=f"calls with fewer query or key tokens stay dense NVFP4 with --keep-mass "
-                        f"(default {default.sparse_min_seq_len})")
-    a.add_argument("--policy", default=None, metavar="FILE",
-                   help="a saved policy JSON (e.g. from --calibrate) instead of the policy arguments above")
 
 
 def resolve_device(args) -> torch.device:
@@ -211,6 +100,7 @@ def load_pipeline(args, device: torch.device, dtype: torch.dtype):
         pipe = build_tiny_pipeline(args.tiny_config, dtype=dtype)
         defaults, name = dict(pipe.tiny_config["defaults"]), "tiny-wan-t2v (built-in, random weights)"
         defaults.setdefault("min_seq_len", TINY_MIN_SEQ_LEN)
+        defaults.setdefault("sparse_min_seq_len", TINY_MIN_SEQ_LEN)
     else:
         pipe = _from_pretrained(args.model, dtype)
         defaults, name = {"fps": 16}, args.model
@@ -351,11 +241,17 @@ class RunRecorder:
     def _observe(self, info, q, k, v, out):
         qs = q.shape
         layout_hnd = info.layout == "HND"
+        q_len, k_len = int(qs[2] if layout_hnd else qs[1]), int(k.shape[2] if layout_hnd else k.shape[1])
+        policy = self.handle.policy
+        sparse_off = None   # why an NVFP4 call of a block-sparse policy ran dense: the rule and its threshold
+        if info.path == "fp4" and info.sparsity is None and policy.may_run_sparse:
+            sparse_off = (policy.sparse_off_reason(info.step, q_len, k_len, info.layer)
+                          or "dense on this route (ring context parallelism)")
         self.calls.append({
             "step": info.step[0] if info.step else -1,
             "layer": info.layer,
-            "q_len": int(qs[2] if layout_hnd else qs[1]),
-            "k_len": int(k.shape[2] if layout_hnd else k.shape[1]),
+            "q_len": q_len,
+            "k_len": k_len,
             "heads": int(qs[1] if layout_hnd else qs[2]),
             "head_dim": int(qs[3]),
             "batch": int(qs[0]),
@@ -367,6 +263,7 @@ class RunRecorder:
             "density": None if info.sparsity is None else round(routing.block_density(info, q, k, info.sparsity), 4),
             # ... and the latent grid whose 3D tiles it ran in (None: the model's token order).
             "video_grid": None if info.order is None else list(info.order.grid),
+            "sparse_off": sparse_off,
         })
 
     def callback(self, pipe, step_index, timestep, callback_kwargs):
@@ -428,34 +325,66 @@ class RunRecorder:
             "sequence_lengths": seqs,
             "sparse_density": {layer: {step: round(sum(d) / len(d), 4) for step, d in sorted(per.items())}
                                for layer, per in density.items()},
+            "block_sparse": block_sparse_summary(self.calls),
             "attention_calls": self.calls,
         }
 
 
+def block_sparse_summary(calls: list) -> Optional[dict]:
+    """The block-sparse part of a recorded run: how many NVFP4 calls ran block-sparse, their mean
+    density (share of key tiles visited), and the NVFP4 calls that ran dense by the rule that kept
+    them dense; None when the policy runs nothing block-sparse."""
+    sparse = [c["density"] for c in calls if c["density"] is not None]
+    dense = defaultdict(int)
+    for c in calls:
+        if c.get("sparse_off"):
+            dense[c["sparse_off"]] += 1
+    if not sparse and not dense:
+        return None
+    return {"calls": len(sparse), "mean_density": round(sum(sparse) / len(sparse), 4) if sparse else None,
+            "dense_calls": dict(sorted(dense.items(), key=lambda x: -x[1]))}
+
+
+def _counted(reasons: dict) -> str:
+    return ", ".join(f"{n} {reason}" for reason, n in sorted(reasons.items(), key=lambda x: -x[1]))
+
+
 def describe_paths(summary: dict) -> str:
-    """How many attention calls of a recorded run ran NVFP4, and why the others ran exact."""
+    """How many attention calls of a recorded run ran NVFP4, and why the others ran exact; with a
+    block-sparse policy, how many ran block-sparse at which mean density, and why the others did not."""
     calls = summary["attention_calls"]
     fp4 = sum(c["path"] == "fp4" for c in calls)
     reasons = defaultdict(int)
     for c in calls:
         if c["path"] != "fp4":
             reasons[c["reason"]] += 1
-    why = ", ".join(f"{n} {reason}" for reason, n in sorted(reasons.items(), key=lambda x: -x[1]))
+    why = _counted(reasons)
     text = f"attention calls: {fp4} NVFP4, {len(calls) - fp4} exact" + (f" ({why})" if why else "")
     if calls and fp4 == 0:
         text += ("; no call ran NVFP4 -- see the reasons (a shorter --min-seq-len, --dense-steps 0,0 or "
                  "--cross-attention change them)")
+    sparse = summary.get("block_sparse")
+    if sparse is not None:
+        text += f"; block-sparse: {sparse['calls']} of the NVFP4 calls"
+        if sparse["calls"]:
+            text += f", mean density {sparse['mean_density']:.3f}"
+            if sparse["mean_density"] >= 1.0:
+                text += " (the estimate kept every key tile: no tile held little enough of the attention mass)"
+        if sparse["dense_calls"]:
+            text += f"; dense NVFP4: {_counted(sparse['dense_calls'])}"
     return text
 
 
-def min_seq_len(args, defaults: dict, ring_shards: int = 1) -> int:
-    """--min-seq-len, else the pipeline's default (the tiny model's, divided by the ring's shard
-    count: ring attention calls see one shard), else the policy's."""
-    if args.min_seq_len is not None:
-        return args.min_seq_len
-    if "min_seq_len" in defaults:
-        return defaults["min_seq_len"] // ring_shards
-    return DEFAULT_MIN_SEQ_LEN
+def min_seq_len(args, defaults: dict, ring_shards: int = 1, name: str = "min_seq_len") -> int:
+    """--min-seq-len (``name`` "sparse_min_seq_len": --sparse-min-seq-len), else the pipeline's default
+    (the tiny model's, divided by the ring's shard count: ring attention calls see one shard), else
+    the policy's."""
+    given = getattr(args, name)
+    if given is not None:
+        return given
+    if name in defaults:
+        return defaults[name] // ring_shards
+    return getattr(AttentionPolicy(), name)
 
 
 def policy_from_args(ap: argparse.ArgumentParser, args, backend: str, defaults: dict,
@@ -463,7 +392,7 @@ def policy_from_args(ap: argparse.ArgumentParser, args, backend: str, defaults: 
     """The policy of --policy FILE, else of the policy arguments; a usage error if both are given."""
     if args.policy is None:
         return AttentionPolicy(**policy_kwargs(args, backend, defaults, ring_shards))
-    given = [f"--{a.dest.replace('_', '-')}" for g in ap._action_groups if g.title == "NVFP4 attention policy"
+    given = [f"--{a.dest.replace('_', '-')}" for g in ap._action_groups if g.title == POLICY_GROUP
              for a in g._group_actions if a.dest != "policy" and getattr(args, a.dest) != a.default]
     if given:
         ap.error(f"--policy replaces the policy arguments; drop {', '.join(given)}")
@@ -492,7 +421,7 @@ def policy_kwargs(args, backend: str, defaults: dict, ring_shards: int = 1) -> d
     return dict(backend=backend, dense_steps=tuple(args.dense_steps), cross_attention=args.cross_attention,
                 min_seq_len=min_seq_len(args, defaults, ring_shards), layers=layers, balance_qk=args.balance_qk,
                 qk_format=args.qk_format, keep_mass=args.keep_mass, sparse_off_steps=tuple(args.sparse_off_steps),
-                sparse_min_seq_len=args.sparse_min_seq_len)
+                sparse_min_seq_len=min_seq_len(args, defaults, ring_shards, "sparse_min_seq_len"))
 
 
 def run_once(pipe, args, defaults: dict, mode: str, policy: AttentionPolicy,

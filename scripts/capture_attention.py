@@ -29,6 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from nvfp4_dit import cli  # noqa: E402
 from nvfp4_dit.processors import generation  # noqa: E402
 from nvfp4_dit.processors import apply, routing  # noqa: E402
 
@@ -98,7 +99,7 @@ def load_capture(path) -> tuple[list[dict], dict]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    generation.add_generation_args(ap)
+    cli.add_generation_args(ap)
     ap.add_argument("--attention", choices=("sdpa", "nvfp4"), default="sdpa",
                     help="sdpa: capture a dense run (default); nvfp4: the NVFP4 run under the policy arguments")
     ap.add_argument("--capture-layers", default=None,
@@ -107,7 +108,7 @@ def main(argv=None) -> int:
     ap.add_argument("--capture-steps", default=None, help="comma-separated step indices to save (default: all)")
     ap.add_argument("--max-calls", type=int, default=64, help="stop saving after this many calls (default 64)")
     ap.add_argument("--out", default="out/capture.safetensors")
-    args = ap.parse_args(generation.join_pair_values(sys.argv[1:] if argv is None else argv))
+    args = ap.parse_args(cli.join_pair_values(sys.argv[1:] if argv is None else argv))
 
     from safetensors.torch import save_file
 

@@ -36,12 +36,11 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from nvfp4_dit.processors import generation  # noqa: E402
-from nvfp4_dit.calibration import DEFAULT_BUDGET, format_table  # noqa: E402
+# torch-free: --help and a usage error answer before torch and diffusers are imported (in main)
+from nvfp4_dit import cli  # noqa: E402
+from nvfp4_dit.defaults import DEFAULT_BUDGET  # noqa: E402
 
 
 def write_video(frames, path: Path, fps: int) -> None:
@@ -53,7 +52,7 @@ def write_video(frames, path: Path, fps: int) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    generation.add_generation_args(ap)
+    cli.add_generation_args(ap)
     ap.add_argument("--attention", choices=("nvfp4", "sdpa", "compare"), default="nvfp4",
                     help="nvfp4 (default), sdpa (dense baseline), or compare (both from the same seed)")
     ap.add_argument("--out", default="out/video.mp4", help="MP4 path; compare also writes <stem>_sdpa.mp4")
@@ -69,7 +68,7 @@ def main(argv=None) -> int:
     ap.add_argument("--context-parallel", choices=("ulysses", "ring"), default=None,
                     help="shard the sequence over the ranks of a torchrun launch (Ulysses: heads must divide "
                          "by the rank count; ring: any head count, min_seq_len applies to each shard)")
-    args = ap.parse_args(generation.join_pair_values(sys.argv[1:] if argv is None else argv))
+    args = ap.parse_args(cli.join_pair_values(sys.argv[1:] if argv is None else argv))
     if args.budget is not None and not args.calibrate:
         ap.error("--budget needs --calibrate")
     if args.budget is not None and not args.budget > 0:
@@ -78,6 +77,9 @@ def main(argv=None) -> int:
         ap.error("--calibrate writes a policy; it cannot also read one (--policy)")
     if args.context_parallel and args.cpu_offload != "none":
         ap.error("--context-parallel and --cpu-offload cannot be combined (each rank holds its model on its GPU)")
+
+    import torch
+    from nvfp4_dit.processors import generation
 
     device = generation.resolve_device(args)
     rank, world = 0, 1
@@ -92,6 +94,9 @@ def main(argv=None) -> int:
 
 
 def _generate(ap, args, device, rank: int, world: int, ring_shards: int) -> int:
+    from nvfp4_dit.calibration import format_table
+    from nvfp4_dit.processors import generation
+
     def say(text: str) -> None:
         if rank == 0:
             print(text, flush=True)

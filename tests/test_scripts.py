@@ -31,6 +31,20 @@ def test_help(module, capsys):
     assert "usage" in capsys.readouterr().out
 
 
+def test_generate_video_help_and_usage_errors_import_neither_torch_nor_diffusers():
+    """--help and a bad option answer from the torch-free argument module (nvfp4_dit.cli)."""
+    import subprocess
+
+    probe = ("import runpy, sys; sys.argv = ['generate_video.py'] + sys.argv[1:]\n"
+             "try:\n    runpy.run_path(%r, run_name='__main__')\n"
+             "except SystemExit as e:\n    code = e.code\n"
+             "heavy = sorted(m for m in ('torch', 'diffusers') if m in sys.modules)\n"
+             "print('HEAVY', heavy, 'CODE', code)") % str(SCRIPTS / "generate_video.py")
+    for args, code in ((["--help"], 0), (["--keep-mass", "2"], 2)):
+        res = subprocess.run([sys.executable, "-c", probe, *args], capture_output=True, text=True)
+        assert f"HEAVY [] CODE {code}" in res.stdout, (args, res.stdout[-500:], res.stderr[-1500:])
+
+
 def test_generate_video_compare_writes_mp4_and_json(tmp_path):
     imageio = pytest.importorskip("imageio")
     pytest.importorskip("imageio_ffmpeg")
@@ -279,3 +293,32 @@ def test_generate_video_runs_block_sparse_with_keep_mass(tmp_path, monkeypatch):
     grids = {tuple(c["video_grid"]) if c["video_grid"] else None for c in sparse_calls}
     assert None not in grids and len(grids) == 1
     assert all(c["video_grid"] is None for c in run["attention_calls"] if c["keep_mass"] is None)
+    # The summary counts the sparse calls, their mean density, and the dense ones by their rule.
+    summary = run["block_sparse"]
+    assert summary["calls"] == len(sparse_calls)
+    assert summary["mean_density"] == pytest.approx(sum(c["density"] for c in sparse_calls) / len(sparse_calls), abs=1e-4)
+    assert summary["dense_calls"] == {"on sparse_off_steps 1,0": per_step}
+
+
+def test_generate_video_keep_mass_on_the_tiny_model_runs_sparse_by_default(tmp_path, capsys):
+    """--keep-mass alone runs the tiny model's self-attention block-sparse (its thresholds are the
+    tiny model's), and the summary line says how many calls, at which density, and why the others
+    ran dense."""
+    out = tmp_path / "r.json"
+    assert generate_video.main(["--steps", "4", "--keep-mass", "0.9", "--no-video", "--device", "cpu",
+                                "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    (run,) = json.loads(out.read_text())["runs"].values()
+    summary = run["block_sparse"]
+    # 4 steps: 0 and 3 exact (dense_steps 1,1), 1 dense NVFP4 (sparse_off_steps 2,0), 2 block-sparse;
+    # CFG x 2 blocks = 4 self-attention calls per step
+    assert summary["calls"] == 4 and summary["dense_calls"] == {"on sparse_off_steps 2,0": 4}
+    assert f"block-sparse: 4 of the NVFP4 calls, mean density {summary['mean_density']:.3f}" in text
+    assert "dense NVFP4: 4 on sparse_off_steps 2,0" in text
+    if summary["mean_density"] >= 1.0:
+        assert "the estimate kept every key tile" in text
+    # below the tiny model's threshold, every call stays dense and the summary names the threshold
+    assert generate_video.main(["--steps", "4", "--keep-mass", "0.9", "--sparse-min-seq-len", "1000", "--no-video",
+                                "--device", "cpu", "--json", str(out)]) == 0
+    assert "block-sparse: 0 of the NVFP4 calls; dense NVFP4: 8 shorter than sparse_min_seq_len 1000" in \
+        capsys.readouterr().out
