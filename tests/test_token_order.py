@@ -257,7 +257,7 @@ def test_a_video_call_on_the_gpu_is_the_permuted_call_put_back(cuda_device, case
     elif case == "lengths":
         q, k, v = (torch.cat([x, x]) for x in (q, k, v))
         kwargs.update(kv_lens=torch.tensor([n + 40, n + 10], device="cuda"))
-    elif case == "strided":   # rows the quantiser cannot read as 16-byte vectors: a permuted copy
+    elif case == "strided":   # a head dim the quantiser cannot read in place: a padded copy, read through the order
         q, k, v = (x.float()[..., :80] for x in (q, k, v))
     elif case == "nan":
         q[0, 37, 1, 3] = math.nan

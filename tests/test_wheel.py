@@ -9,6 +9,7 @@ NVFP4_DIT_REQUIRE_NVCC=1: there a wheel that cannot be built fails instead of sk
 
 import json
 import os
+import re
 import subprocess
 import sys
 import sysconfig
@@ -70,6 +71,11 @@ def test_wheel_holds_every_kernel_for_all_four_archs(wheel):
         assert names == abi.launcher_entries(kc.ARCHS[arch]), arch
     print(f"\nwheel {wheel.name}: {wheel.stat().st_size / 2**20:.1f} MiB ({cubin_bytes / 2**20:.1f} MiB of cubins "
           f"uncompressed), {manifest['compiler']}")
+    # README states both sizes (MB = 10^6 bytes); they stay true within 10 %.
+    stated = re.search(r"a (\d+(?:\.\d+)?) MB wheel,\s+(\d+(?:\.\d+)?) MB\s+of cubins unpacked", (REPO / "README.md").read_text())
+    assert stated, "README states the wheel's size as 'a X MB wheel, Y MB of cubins unpacked'"
+    for said, measured in ((float(stated[1]), wheel.stat().st_size / 1e6), (float(stated[2]), cubin_bytes / 1e6)):
+        assert abs(measured - said) <= 0.1 * said, f"README says {said} MB, the build gives {measured:.1f} MB"
 
 
 def _fresh_venv(root: Path) -> Path:
