@@ -3,9 +3,10 @@
 
 Prints a markdown table (cosine similarity, relative L2 error, least-squares scale alpha,
 mean |LSE error|) for several input families, for NVFP4 Q·Kᵀ without and with the channel
-balance and for MXFP8 Q·Kᵀ (``qk_format="mxfp8"``, balance on), and saves a PNG bar chart.  Runs on a CPU in well
-under two minutes with the defaults; pass ``--device cuda --backend cuda`` on a GPU to check the
-compiled kernel the same way.
+balance and for MXFP8 Q·Kᵀ (``qk_format="mxfp8"``, balance on), and saves a PNG bar chart.  The classes
+named "(64 blocks)" run at least 8,192 tokens (64 Q blocks of their own means, video ones also in
+3D tiles), the others ``--seq``. Runs on a CPU in a few minutes with the defaults; pass ``--device
+cuda --backend cuda`` on a GPU to check the compiled kernel the same way.
 
     python scripts/accuracy_report.py                  # reference numerics on the CPU
     python scripts/accuracy_report.py --seq 4096 --heads 8 --png out/accuracy.png
@@ -59,9 +60,35 @@ def _channels(d: int, gen: torch.Generator, n: int = 4) -> torch.Tensor:
     return torch.randperm(d, generator=gen)[:n]
 
 
+# Classes of many 128-token Q blocks (at least 64), whatever --seq: their block means span more
+# directions than a few blocks can, so they show the limit of any smoothing that covers the block
+# means with fewer degrees of freedom. The video ones on an 8 x 32 x 32 latent grid (8,192 tokens),
+# in raster order and in the op's 3D tiles (video_grid=).
+MANY_BLOCKS = 64
+MANY_BLOCKS_GRID = (8, 32, 32)
+
+
+def class_length(kind: str, seq: int) -> int:
+    """The sequence length of class ``kind`` at the report's ``seq``."""
+    return max(seq, MANY_BLOCKS * 128) if f"{MANY_BLOCKS} blocks" in kind else seq
+
+
+def class_video_grid(kind: str):
+    """The ``video_grid`` class ``kind`` runs in (its 3D tiles), or None (the caller's order)."""
+    return MANY_BLOCKS_GRID if kind.endswith("3D tiles") else None
+
+
 def make_inputs(kind: str, b: int, s: int, h: int, d: int, gen: torch.Generator):
     """Q, K, V [B, S, H, D] fp32 shaped like one family of DiT attention inputs, or built to show
-    one lever of the numerics (per-head magnitude, channel outliers, a V mean, sharp logits)."""
+    one lever of the numerics (per-head magnitude, channel outliers, a V mean, sharp logits, many
+    blocks' means: S from :func:`class_length`)."""
+    s = class_length(kind, s)
+    if kind.startswith("video + channel bias"):
+        # video_inputs' 3D-RoPE'd content with a per-head channel bias before RoPE (x2 its RMS)
+        if b != 1:
+            raise ValueError(f"{kind!r} is one video (batch 1), got batch {b}")
+        seed = int(torch.randint(0, 2**31 - 1, (1,), generator=gen))
+        return video_inputs.video_qkv(MANY_BLOCKS_GRID, h, d, channel_bias=2.0, seed=seed, dtype=torch.float32)
     q = torch.randn(b, s, h, d, generator=gen)
     k = torch.randn(b, s, h, d, generator=gen)
     v = torch.randn(b, s, h, d, generator=gen)
@@ -71,6 +98,10 @@ def make_inputs(kind: str, b: int, s: int, h: int, d: int, gen: torch.Generator)
         # Spatial regions of the latent share a large query offset (what per-block means absorb).
         nblk = (s + 127) // 128
         q = q + 3.0 * torch.randn(b, nblk, h, d, generator=gen).repeat_interleave(128, 1)[:, :s]
+    elif kind == f"random block means x2 ({MANY_BLOCKS} blocks)":
+        # Every Q block its own random offset, twice the rows' spread: full-rank block means.
+        nblk = (s + 127) // 128
+        q = q + 2.0 * torch.randn(b, nblk, h, d, generator=gen).repeat_interleave(128, 1)[:, :s]
     elif kind == "K channel outliers + bias":
         # A few channels of K carry a large common bias (what the K mean absorbs) and heavy tails.
         scale = torch.ones(d)
@@ -110,7 +141,8 @@ KINDS = ("iid", "block-structured Q", "K channel outliers + bias", "RoPE Q/K",
          "Q absmax 1e-4", "Q absmax 1e-2", "Q absmax 1e2", "Q absmax 1e4",
          "K outliers x8", "K outliers x30", "K up, Q down x30", "K up, Q down x100", "Q up, K down x30",
          "Q up, K down x100", "V large mean", "sharp logits x1", "sharp logits x2", "sharp logits x3",
-         "sharp logits x10")
+         "sharp logits x10", f"random block means x2 ({MANY_BLOCKS} blocks)",
+         f"video + channel bias ({MANY_BLOCKS} blocks)", f"video + channel bias ({MANY_BLOCKS} blocks) in 3D tiles")
 
 # (label, qk_format, balance_qk) of the columns.
 CONFIGS = (("", "nvfp4", False), ("balance_qk", "nvfp4", True), ("mxfp8", "mxfp8", True))
@@ -225,12 +257,13 @@ def main(argv=None) -> int:
         row = [kind]
         for _, qk_format, balance in CONFIGS:
             out, lse = nvfp4_dit.attention(q, k, v, backend=args.backend, return_lse=True, balance_qk=balance,
-                                           qk_format=qk_format)
+                                           qk_format=qk_format, video_grid=class_video_grid(kind))
             row.append(metrics(out.cpu(), exact.cpu(), lse.cpu(), lse_exact.cpu()))
         rows.append(row)
 
     print(f"NVFP4 attention ({args.backend}, {str(dtype).replace('torch.', '')} inputs) vs exact fp64 attention: "
-          f"B={args.batch} S={args.seq} H={args.heads} D={args.head_dim}, seed {args.seed}\n")
+          f"B={args.batch} S={args.seq} H={args.heads} D={args.head_dim}, seed {args.seed}; the classes of "
+          f"{MANY_BLOCKS} blocks: S={class_length(f'{MANY_BLOCKS} blocks', args.seq)}\n")
     print("| input | cos | rel-L2 | alpha | mean abs LSE error | cos, balance_qk | rel-L2, balance_qk "
           "| mean abs LSE error, balance_qk | cos, mxfp8 | rel-L2, mxfp8 | mean abs LSE error, mxfp8 |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")

@@ -55,17 +55,26 @@ def smooth_field(grid: tuple[int, int, int], heads: int, dim: int, *, modes: int
 
 
 def video_qkv(grid: tuple[int, int, int], heads: int = 4, dim: int = 128, *, gain: float = 1.2, noise: float = 0.5,
-              modes: int = 32, seed: int = 0, dtype=torch.bfloat16, device="cpu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q, k, v [1, S, heads, dim] (NHD) on a ``grid`` = (T, H, W) of latent tokens (module docstring)."""
+              modes: int = 32, seed: int = 0, channel_bias: float = 0.0, dtype=torch.bfloat16,
+              device="cpu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v [1, S, heads, dim] (NHD) on a ``grid`` = (T, H, W) of latent tokens (module docstring).
+
+    ``channel_bias``: Q and K each get a constant per-head channel bias before RoPE, of RMS
+    ``channel_bias`` times the tokens' (a projection's bias, or a channel the norm's gain lifts).
+    RoPE turns it into a position-dependent offset, so the 128-token blocks' means drift smoothly
+    along the sequence: what per-block Q smoothing absorbs."""
     g = torch.Generator(device=device).manual_seed(seed)
     content = smooth_field(grid, heads, dim, modes=modes, generator=g, device=device)
+    # drawn from a generator of their own, so inputs without a bias keep their values
+    bias_gen = torch.Generator(device=device).manual_seed(seed + 1)
+    q_bias, k_bias = (channel_bias * gain * torch.randn(heads, dim, generator=bias_gen, device=device) for _ in range(2))
 
     def token(x):   # RMS-normalised per token, as a QK-norm leaves it, then the gain
         x = x + noise * torch.randn(x.shape, generator=g, device=device)
         return x / x.pow(2).mean(-1, keepdim=True).sqrt() * gain
 
-    q = rope_3d(token(content)[None], grid)
-    k = rope_3d(token(content)[None], grid)
+    q = rope_3d((token(content) + q_bias)[None], grid)
+    k = rope_3d((token(content) + k_bias)[None], grid)
     v = smooth_field(grid, heads, dim, modes=modes, generator=g, device=device)[None] + noise * torch.randn(
         1, content.shape[0], heads, dim, generator=g, device=device)
     return q.to(dtype), k.to(dtype), v.to(dtype)

@@ -15,6 +15,7 @@ pytest.importorskip("safetensors")
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 
+import accuracy_report  # noqa: E402
 import capture_attention  # noqa: E402
 import generate_video  # noqa: E402
 import replay_attention  # noqa: E402
@@ -322,3 +323,19 @@ def test_generate_video_keep_mass_on_the_tiny_model_runs_sparse_by_default(tmp_p
                                 "--device", "cpu", "--json", str(out)]) == 0
     assert "block-sparse: 0 of the NVFP4 calls; dense NVFP4: 8 shorter than sparse_min_seq_len 1000" in \
         capsys.readouterr().out
+
+
+def test_accuracy_report_classes_of_many_q_blocks():
+    """The report's classes of at least 64 Q blocks: random block means span (almost) every
+    direction, the video's (a RoPE'd channel bias) a few; the 3D one runs in the op's tiles."""
+    gen = torch.Generator().manual_seed(0)
+    spread = {}
+    for kind in (k for k in accuracy_report.KINDS if f"{accuracy_report.MANY_BLOCKS} blocks" in k):
+        q, _, _ = accuracy_report.make_inputs(kind, 1, 2048, 2, 128, gen)
+        assert q.shape[1] >= accuracy_report.MANY_BLOCKS * 128
+        means = q[0, :accuracy_report.MANY_BLOCKS * 128].unflatten(0, (-1, 128)).mean(1)[:, 0].double()
+        energy = torch.linalg.svdvals(means - means.mean(0)).pow(2)
+        spread[kind] = float(energy[:16].sum() / energy.sum())   # the share 16 directions hold
+        assert accuracy_report.class_video_grid(kind) == (accuracy_report.MANY_BLOCKS_GRID if "3D" in kind else None)
+    assert spread["random block means x2 (64 blocks)"] < 0.6
+    assert spread["video + channel bias (64 blocks)"] > 0.99
