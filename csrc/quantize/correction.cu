@@ -352,9 +352,4 @@ __device__ __forceinline__ void correction_kernel(const CorrectionParams& p) {
       nvfp4_dit_correction_##NAME##_d##DP(const __grid_constant__ nvfp4_dit::CorrectionParams p) {           \
     nvfp4_dit::correction_kernel<nvfp4_dit::InputDtype::DT, DP>(p);                                          \
   }
-NVFP4_DIT_CORRECTION_ENTRIES(bf16, kBFloat16, 64)
-NVFP4_DIT_CORRECTION_ENTRIES(bf16, kBFloat16, 128)
-NVFP4_DIT_CORRECTION_ENTRIES(fp16, kFloat16, 64)
-NVFP4_DIT_CORRECTION_ENTRIES(fp16, kFloat16, 128)
-NVFP4_DIT_CORRECTION_ENTRIES(fp32, kFloat32, 64)
-NVFP4_DIT_CORRECTION_ENTRIES(fp32, kFloat32, 128)
+NVFP4_DIT_FOR_EACH_INPUT(NVFP4_DIT_CORRECTION_ENTRIES)

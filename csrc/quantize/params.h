@@ -19,6 +19,12 @@ namespace nvfp4_dit {
 // Element type of the Q/K/V inputs.
 enum class InputDtype : int32_t { kBFloat16 = 0, kFloat16 = 1, kFloat32 = 2 };
 
+// M(name, InputDtype, Dp) for every input dtype and padded head dim: the per-input entry points of
+// the quantiser and the correction (their names carry `name` and `Dp`: common/launch.h).
+#define NVFP4_DIT_FOR_EACH_INPUT(M) \
+  M(bf16, kBFloat16, 64) M(bf16, kBFloat16, 128) M(fp16, kFloat16, 64) M(fp16, kFloat16, 128) \
+  M(fp32, kFloat32, 64) M(fp32, kFloat32, 128)
+
 // One logical [B, H, S, D] input read through its strides (in elements, any layout: NHD and
 // HND are both just strides here, so no copy is ever made).
 struct StridedInput {
