@@ -225,6 +225,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--kinds", default=None, help="comma-separated input classes (default: all)")
+    ap.add_argument("--without-many-blocks", action="store_true",
+                    help=f"leave out the classes of {MANY_BLOCKS} Q blocks ({MANY_BLOCKS * 128:,} tokens each)")
     ap.add_argument("--json", default=None, help="also write the rows as JSON")
     ap.add_argument("--png", default="out/accuracy_report.png", help="where to save the plot ('' for none)")
     ap.add_argument("--sparse", action="store_true", help="report block-sparse attention (keep_mass) instead")
@@ -247,6 +249,8 @@ def main(argv=None) -> int:
 
     dtype = torch.bfloat16 if args.backend == "cuda" else torch.float32
     kinds = args.kinds.split(",") if args.kinds else KINDS
+    if args.without_many_blocks:
+        kinds = [k for k in kinds if f"{MANY_BLOCKS} blocks" not in k]
     rows = []
     t0 = time.time()
     for i, kind in enumerate(kinds):

@@ -58,8 +58,7 @@ def section_accuracy(out: Path, device: str, backend: str, quick: bool) -> list[
     png = out / "accuracy.png"
     argv = ["--png", str(png), "--device", device, "--backend", backend]
     if quick:   # short sequences, and without the classes of many Q blocks (8,192 tokens each)
-        argv += ["--seq", "1024", "--heads", "2", "--kinds",
-                 ",".join(k for k in accuracy_report.KINDS if f"{accuracy_report.MANY_BLOCKS} blocks" not in k)]
+        argv += ["--seq", "1024", "--heads", "2", "--without-many-blocks"]
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
         accuracy_report.main(argv)
