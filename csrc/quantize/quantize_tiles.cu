@@ -353,8 +353,9 @@ struct RowTile {
   }
 
   // Loads this thread's kPasses blocks of 16 columns of input t into x (zeros past valid_rows).
-  // "rows" loads first stage the tile's input rows in shared memory (one barrier): computed at each
-  // load site, next to the zeroed registers of every pass, they spilled at 128 registers.
+  // A video call's loads (an active p.order) first stage the tile's input rows in shared memory (one
+  // barrier): computed at each load site, next to the zeroed registers of every pass, they spilled
+  // at 128 registers.
   // kAnyDtype (x holds fp32): the input's dtype is p.dtype, read with load_block16_as_float.
   template <InputDtype DT, bool kAnyDtype = false>
   __device__ __forceinline__ void load(const QuantizeQkvParams& p, const StridedInput& t, int32_t* input_rows,
