@@ -176,6 +176,46 @@ def test_kernel_entries_read_the_cubin_sections(tmp_path):
         kc.kernel_entries(b"not a cubin")
 
 
+class _CopyingCompiler:
+    """A stand-in compiler for build_cubins: each 'compile' copies one real cubin to the output and
+    appends a line to a log, so a test can count what was compiled."""
+
+    name, version, tag = "copy", (13, 0), "copy13.0"
+
+    def __init__(self, cubin: Path, log: Path):
+        self.cubin, self.log = cubin, log
+
+    def command(self, source, arch, out, root):
+        script = "import shutil, sys; shutil.copy(sys.argv[1], sys.argv[2]); open(sys.argv[3], 'a').write('x\\n')"
+        return [sys.executable, "-c", script, str(self.cubin), str(out), str(self.log)]
+
+
+def test_a_rebuild_of_unchanged_sources_compiles_nothing(tmp_path):
+    """build_cubins reuses an output folder that holds the same sources' build (the wheel's build/
+    on a rerun), and compiles again once a header changes."""
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("nvcc not found")
+    src = tmp_path / "k.cu"
+    src.write_text('extern "C" __global__ void nvfp4_dit_k(int* x) { x[0] = 1; }\n')
+    cubin = tmp_path / "k.cubin"
+    subprocess.run([nvcc, "-cubin", "-arch=sm_90a", str(src), "-o", str(cubin)], check=True, capture_output=True)
+    root = tmp_path / "csrc"
+    shutil.copytree(kc.csrc_dir(), root)
+    log, out = tmp_path / "compiled.log", tmp_path / "cubins"
+    compiler = _CopyingCompiler(cubin, log)
+
+    def compiled() -> int:
+        return len(log.read_text().splitlines()) if log.exists() else 0
+
+    first = kc.build_cubins(["sm_90a"], out, compiler, root=root)
+    assert compiled() == len(kc.units("sm_90a")) and first["compiler"] == "copy13.0"
+    assert kc.build_cubins(["sm_90a"], out, compiler, root=root) == first and compiled() == len(kc.units("sm_90a"))
+    (root / "common" / "config.h").write_text((root / "common" / "config.h").read_text() + "\n// changed\n")
+    assert kc.build_cubins(["sm_90a"], out, compiler, root=root)["source_hash"] != first["source_hash"]
+    assert compiled() == 2 * len(kc.units("sm_90a"))
+
+
 def test_ninja_lines_escape_paths_and_commands():
     assert kc._ninja_path(Path("/a b/c:d$e")) == "/a$ b/c$:d$$e"
     assert kc._ninja_command(["x", "a b", "$y"]) == "x 'a b' '$$y'"

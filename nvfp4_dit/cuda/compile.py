@@ -381,9 +381,14 @@ def _ninja_command(args: Sequence[str]) -> str:
 def build_cubins(archs: Sequence[str], out_root: Path, compiler: Compiler, *, root: Optional[Path] = None,
                  jobs: Optional[int] = None, verbose: bool = False) -> dict:
     """Compile every unit of each arch into ``out_root/<arch>/`` (ninja, in parallel) and write
-    ``out_root/manifest.json``; returns the manifest."""
+    ``out_root/manifest.json``; returns the manifest. A folder that already holds the build of the
+    same sources, flags, compiler and archs (its manifest says so, its cubins are there) is reused
+    as it is: a rebuild of the wheel in the same tree (``build/``) compiles nothing."""
     root = (csrc_dir() if root is None else Path(root)).resolve()
     out_root = Path(out_root).resolve()   # ninja runs in it
+    previous = read_manifest(out_root)
+    if previous is not None and _is_build_of(previous, out_root, archs, compiler, root):
+        return previous
     out_root.mkdir(parents=True, exist_ok=True)
     lines = ["rule compile", "  command = $cmd", "  description = $desc", ""]
     for arch in archs:
@@ -408,6 +413,16 @@ def build_cubins(archs: Sequence[str], out_root: Path, compiler: Compiler, *, ro
     for name in (".ninja_log", ".ninja_deps", "build.ninja"):
         (out_root / name).unlink(missing_ok=True)
     return manifest
+
+
+def _is_build_of(manifest: dict, folder: Path, archs: Sequence[str], compiler: Compiler, root: Path) -> bool:
+    """Whether ``folder`` (with ``manifest``) holds every cubin of ``archs`` built by ``compiler`` from
+    the sources under ``root`` (their hash covers every header and the flags)."""
+    if (manifest.get("source_hash") != source_hash(root) or manifest.get("compiler") != compiler.tag
+            or sorted(manifest.get("archs", {})) != sorted(archs)):
+        return False
+    return all(sorted(manifest["archs"][arch]["cubins"]) == sorted(cubin_name(u) for u in units(arch))
+               and all((folder / arch / cubin_name(u)).is_file() for u in units(arch)) for arch in archs)
 
 
 def read_manifest(folder: Path) -> Optional[dict]:
