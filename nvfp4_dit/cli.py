@@ -10,10 +10,11 @@ from __future__ import annotations
 import argparse
 import re
 
-from .defaults import (BALANCE_QK_DEFAULT, DEFAULT_DENSE_STEPS, DEFAULT_MIN_SEQ_LEN, DEFAULT_SPARSE_MIN_SEQ_LEN,
-                       DEFAULT_SPARSE_OFF_STEPS, QK_FORMAT_DEFAULT, QK_FORMATS)
+from .defaults import (BACKENDS, BALANCE_QK_DEFAULT, DEFAULT_DENSE_STEPS, DEFAULT_MIN_SEQ_LEN,
+                       DEFAULT_SPARSE_MIN_SEQ_LEN, DEFAULT_SPARSE_OFF_STEPS, QK_FORMAT_DEFAULT, QK_FORMATS)
 
 DTYPE_NAMES = ("bf16", "fp16", "fp32")
+"""--dtype's choices besides auto (processors.generation maps them to torch dtypes)."""
 
 # The built-in tiny model's video sequence is 320 tokens: below the policy's default thresholds
 # (min_seq_len, sparse_min_seq_len), which are sized for real models. Its runs use this one for
@@ -102,7 +103,7 @@ def add_generation_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--cpu-offload", choices=("none", "model", "sequential"), default="none",
                    help="enable_model_cpu_offload / enable_sequential_cpu_offload (CUDA only)")
     a = ap.add_argument_group(POLICY_GROUP)
-    a.add_argument("--backend", choices=("auto", "cuda", "reference", "sdpa"), default=None,
+    a.add_argument("--backend", choices=BACKENDS, default=None,
                    help="nvfp4_dit.attention back-end for FP4 calls. Default: auto on CUDA (the kernel where the "
                         "native FP4 MMA exists), reference (FP4 numerics in PyTorch) on CPU")
     first, last = DEFAULT_DENSE_STEPS

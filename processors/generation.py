@@ -22,12 +22,11 @@ from typing import Optional
 
 import torch
 
-from nvfp4_dit.cli import (PAIR_OPTIONS, POLICY_GROUP, TINY_MIN_SEQ_LEN, add_generation_args,  # noqa: F401
-                           join_pair_values, keep_mass_arg, non_negative_int, parse_pair, positive_int)
-from nvfp4_dit.policy import DEFAULT_MIN_SEQ_LEN, AttentionPolicy  # noqa: F401
+from nvfp4_dit.cli import DTYPE_NAMES, POLICY_GROUP, TINY_MIN_SEQ_LEN
+from nvfp4_dit.policy import AttentionPolicy
 from nvfp4_dit.processors import apply, routing
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPES = dict(zip(DTYPE_NAMES, (torch.bfloat16, torch.float16, torch.float32)))
 
 
 def resolve_device(args) -> torch.device:

@@ -97,8 +97,9 @@ __device__ __forceinline__ int64_t row_offset(const StridedInput& t, int64_t b, 
   return b * t.stride_b + h * t.stride_h + s * t.stride_s;
 }
 
+// The NVFP4 K/Q tiles and the V^T tiles (the MXFP8 K/Q tiles: kMxfp8MinCtasPerSm).
 template <InputDtype DT>
-constexpr int kNvfp4TilesMinCtasPerSm = DT == InputDtype::kFloat32 ? kWideMinCtasPerSm : kMinCtasPerSm;
+constexpr int kTilesMinCtasPerSm = DT == InputDtype::kFloat32 ? kWideMinCtasPerSm : kMinCtasPerSm;
 
 // The input row of sequence position s: itself, or for a video call its row in the caller's
 // tensors (p.order, common/token_order.h), so the tiles come out in tile order without a permuted
@@ -841,13 +842,13 @@ __device__ __forceinline__ void key_stats_kernel(const QuantizeQkvParams& p) {
   key_stats_item<DP>(p, sm, blockIdx.x);
 }
 
-// Launch 4, the fix-up pass of tensor kTensor (0: K in format QkFmt, 1: V^T), grid-stride over its
-// tiles: each tile moves to its head's tensor scale, by shifting its scale bytes within their
-// headroom or by quantising it again (k_tile / v_tile, not inlined: their registers do not add to
-// those of this loop); the first tile of a head writes the head's scale.
-template <InputDtype DT, int DP, class QkFmt, int kTensor>
+// Launches 4 and 5, the fix-up pass of tensor kTensor (0: K in format QkFmt; 1: V^T, which has no
+// Q·Kᵀ format), grid-stride over its tiles: each tile moves to its head's tensor scale, by shifting
+// its scale bytes within their headroom or by quantising it again (k_tile / v_tile, not inlined:
+// their registers do not add to those of this loop); the first tile of a head writes the head's
+// scale.
+template <int kTensor, InputDtype DT, int DP, class QkFmt = void>
 __device__ __forceinline__ void fix_up_tiles(const QuantizeQkvParams& p, SharedStorage<DP>& sm) {
-  using Row = QkRowBytes<DP, QkFmt>;
   const int64_t n_kblocks = p.seq_k_padded / kTileRows;
   const int64_t kv_tiles = p.batch * p.heads_kv * n_kblocks;
   for (int64_t tile = blockIdx.x; tile < kv_tiles; tile += gridDim.x) {
@@ -859,6 +860,7 @@ __device__ __forceinline__ void fix_up_tiles(const QuantizeQkvParams& p, SharedS
     if (shift == 0 || headroom == kAnyShift) continue;  // uniform across the CTA
     if (shift > 0 && shift <= headroom) {
       if constexpr (kTensor == 0) {  // the tile's 128 rows of K scales, contiguous
+        using Row = QkRowBytes<DP, QkFmt>;
         const uint32_t step = Row::kMx ? uint32_t(shift) : uint32_t(shift) << 3;
         constexpr int kWords = kTileRows * Row::kScales / 4;
         static_assert(kWords <= kThreads, "a word per thread");
@@ -891,7 +893,7 @@ template <InputDtype DT, int DP, class QkFmt>
 __device__ __forceinline__ void qk_tiles_kernel(const QuantizeQkvParams& p, bool fix_up) {
   __shared__ __align__(16) SharedStorage<DP> sm;
   if (fix_up) {
-    fix_up_tiles<DT, DP, QkFmt, 0>(p, sm);
+    fix_up_tiles<0, DT, DP, QkFmt>(p, sm);
     return;
   }
   const int64_t kv_tiles = p.batch * p.heads_kv * (p.seq_k_padded / kTileRows);
@@ -910,7 +912,7 @@ template <InputDtype DT, int DP>
 __device__ __forceinline__ void v_tiles_kernel(const QuantizeQkvParams& p, bool fix_up) {
   __shared__ __align__(16) SharedStorage<DP> sm;
   if (fix_up) {
-    fix_up_tiles<DT, DP, QkFormatNvfp4, 1>(p, sm);
+    fix_up_tiles<1, DT, DP>(p, sm);
     return;
   }
   fill_scale_tables(sm.tables);  // v_tile synchronises before its first block
@@ -957,7 +959,7 @@ __device__ __forceinline__ void balance_statistics_kernel(const QuantizeQkvParam
     nvfp4_dit::key_stats_kernel<DP>(p);                                                                          \
   }
 #define NVFP4_DIT_TILES_ENTRIES(NAME, DT, DP)                                                                     \
-  extern "C" __global__ void __launch_bounds__(nvfp4_dit::kThreads, nvfp4_dit::kNvfp4TilesMinCtasPerSm<nvfp4_dit::InputDtype::DT>) \
+  extern "C" __global__ void __launch_bounds__(nvfp4_dit::kThreads, nvfp4_dit::kTilesMinCtasPerSm<nvfp4_dit::InputDtype::DT>) \
       nvfp4_dit_quantize_tiles_##NAME##_d##DP##_nvfp4(const __grid_constant__ nvfp4_dit::QuantizeQkvParams p,    \
                                                        int32_t fix_up) {                                         \
     nvfp4_dit::qk_tiles_kernel<nvfp4_dit::InputDtype::DT, DP, nvfp4_dit::QkFormatNvfp4>(p, fix_up != 0);         \
@@ -967,7 +969,7 @@ __device__ __forceinline__ void balance_statistics_kernel(const QuantizeQkvParam
                                                        int32_t fix_up) {                                         \
     nvfp4_dit::qk_tiles_kernel<nvfp4_dit::InputDtype::DT, DP, nvfp4_dit::QkFormatMxfp8>(p, fix_up != 0);         \
   }                                                                                                              \
-  extern "C" __global__ void __launch_bounds__(nvfp4_dit::kThreads, nvfp4_dit::kNvfp4TilesMinCtasPerSm<nvfp4_dit::InputDtype::DT>) \
+  extern "C" __global__ void __launch_bounds__(nvfp4_dit::kThreads, nvfp4_dit::kTilesMinCtasPerSm<nvfp4_dit::InputDtype::DT>) \
       nvfp4_dit_quantize_v_tiles_##NAME##_d##DP(const __grid_constant__ nvfp4_dit::QuantizeQkvParams p,          \
                                                  int32_t fix_up) {                                               \
     nvfp4_dit::v_tiles_kernel<nvfp4_dit::InputDtype::DT, DP>(p, fix_up != 0);                                     \

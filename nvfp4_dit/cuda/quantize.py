@@ -58,14 +58,15 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: s
     Parameters
     ----------
     q, k, v : [B, S, H, D] (``layout="NHD"``) or [B, H, S, D] (``"HND"``), bf16/fp16/fp32 CUDA
-        tensors with any strides (nothing is copied). K and V may have fewer heads (GQA).
+        tensors with any strides (an input the kernels cannot read as 16-byte vectors is copied,
+        zero-padded to Dp: :func:`nvfp4_dit.cuda.launch.vector_readable`). K and V may have fewer
+        heads (GQA).
     kv_lens : optional int [B]; keys at or past ``kv_lens[b]`` are excluded from the K and V
         statistics and quantised as zero padding, as in :func:`nvfp4_dit.preprocess.quantize_qkv`.
     balance_qk : balance Q and K per channel (one more read of Q, by a statistics kernel).
     qk_format : "nvfp4" or "mxfp8" (Q and K as e4m3 with ue8m0 scales per 32).
     order : a video call's :class:`~nvfp4_dit.token_order.TokenOrder`: the outputs are those of the
-        inputs in tile order (read through the order, or from a permuted copy where the inputs do
-        not allow 16-byte loads); ``kv_lens`` counts positions in tile order.
+        inputs in tile order (read through the order); ``kv_lens`` counts positions in tile order.
 
     Returns
     -------
@@ -86,9 +87,11 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: s
     ws = launch.Workspace(workspace_layout(qh, kh, balance_qk, qk_format, 0), q.device)
     stream = launch.current_stream(dk.index)
     ws.clear(stream)
-    launch.launch_quantize(dk, ws, qh, kh, vh, None if kv_lens is None else kv_lens.contiguous(), balance_qk,
+    # read as 16-byte vectors by the quantiser and later the correction: one copy where needed
+    qr, kr, vr = (launch.vector_readable(t, fmt.padded_head_dim(d)) for t in (qh, kh, vh))
+    launch.launch_quantize(dk, ws, qr, kr, vr, None if kv_lens is None else kv_lens.contiguous(), balance_qk,
                            qk_format, stream, order=order)
-    qq = quantized_from_workspace(ws, qh, kh, kv_lens, balance_qk, qk_format)
+    qq = quantized_from_workspace(ws, qh, kh, kr, kv_lens, balance_qk, qk_format)
     qq.order = order
     return qq
 
@@ -101,9 +104,10 @@ def workspace_layout(qh: torch.Tensor, kh: torch.Tensor, balance_qk: bool, qk_fo
                                    bool(balance_qk), correction_rows)
 
 
-def quantized_from_workspace(ws: launch.Workspace, qh: torch.Tensor, kh: torch.Tensor,
+def quantized_from_workspace(ws: launch.Workspace, qh: torch.Tensor, kh: torch.Tensor, k_input: torch.Tensor,
                              kv_lens: Optional[torch.Tensor], balance_qk: bool, qk_format: str) -> KernelQuantizedQKV:
-    """The quantiser's outputs in ``ws`` as a :class:`KernelQuantizedQKV` of views."""
+    """The quantiser's outputs in ``ws`` as a :class:`KernelQuantizedQKV` of views (shapes from the
+    inputs ``qh``, ``kh``; ``k_input``: K as the kernels read it)."""
     d = qh.shape[3]
     views = {name: ws.view(name) for name in ("q_data", "q_sf", "k_data", "k_sf", "vt_data", "vt_sf", "q_mean",
                                               "k_mean", "v_mean", "q_scale", "k_scale", "v_scale", "balance",
@@ -112,8 +116,7 @@ def quantized_from_workspace(ws: launch.Workspace, qh: torch.Tensor, kh: torch.T
         views["balance"] = None
     return KernelQuantizedQKV(
         **views, k_smoothed=None, seq_q=qh.shape[2], seq_k=kh.shape[2], head_dim=d,
-        head_dim_padded=fmt.padded_head_dim(d), k_input=launch.vector_readable(kh, fmt.padded_head_dim(d)),
-        kv_lens=kv_lens,
+        head_dim_padded=fmt.padded_head_dim(d), k_input=k_input, kv_lens=kv_lens,
         nonfinite=(ws.view("nonfinite_q") != 0, ws.view("nonfinite_kv") != 0), qk_format=qk_format, workspace=ws)
 
 
