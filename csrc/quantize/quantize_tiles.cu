@@ -628,10 +628,11 @@ __device__ __forceinline__ void record_tile_scale(const QuantizeQkvParams& p, Sh
 }
 
 // A K tile under its own tensor scale (own_scale: the tiles pass) or its head's 2^head_exponent (the
-// fix-up pass quantising it again). Not inlined, so both passes call one copy (own_scale is uniform:
-// its branches cost nothing measurable).
+// fix-up pass quantising it again). Both passes reach it from one call site (tiles_or_fix_up), so
+// each entry point holds one inlined copy; own_scale is uniform, its branches cost nothing
+// measurable.
 template <InputDtype DT, int DP, class QkFmt>
-__device__ __noinline__ void k_tile(const QuantizeQkvParams& p, SharedStorage<DP>& sm, int64_t tile, bool own_scale,
+__device__ __forceinline__ void k_tile(const QuantizeQkvParams& p, SharedStorage<DP>& sm, int64_t tile, bool own_scale,
                                     int head_exponent) {
   using Map = RowTileMap<DP>;
   const RowTile<DP> t = RowTile<DP>::keys(p, tile);  // tile = bh * n_blocks + blk
@@ -698,7 +699,7 @@ __device__ __noinline__ void k_tile(const QuantizeQkvParams& p, SharedStorage<DP
 
 // A V^T tile, under its own or its head's tensor scale as k_tile.
 template <InputDtype DT, int DP>
-__device__ __noinline__ void v_tile(const QuantizeQkvParams& p, SharedStorage<DP>& sm, int64_t tile, bool own_scale,
+__device__ __forceinline__ void v_tile(const QuantizeQkvParams& p, SharedStorage<DP>& sm, int64_t tile, bool own_scale,
                                     int head_exponent) {
   using Raw = typename InputTraits<DT>::Raw;
   // A sub-tile of kSubRows tokens x DP fits kVTileBytes; fp32 input needs two per 128 rows.
@@ -842,81 +843,83 @@ __device__ __forceinline__ void key_stats_kernel(const QuantizeQkvParams& p) {
   key_stats_item<DP>(p, sm, blockIdx.x);
 }
 
-// Launches 4 and 5, the fix-up pass of tensor kTensor (0: K in format QkFmt; 1: V^T, which has no
-// Q·Kᵀ format), grid-stride over its tiles: each tile moves to its head's tensor scale, by shifting
-// its scale bytes within their headroom or by quantising it again (k_tile / v_tile, not inlined:
-// their registers do not add to those of this loop); the first tile of a head writes the head's
-// scale.
-template <int kTensor, InputDtype DT, int DP, class QkFmt = void>
-__device__ __forceinline__ void fix_up_tiles(const QuantizeQkvParams& p, SharedStorage<DP>& sm) {
+// The fix-up of tile `tile` of tensor kTensor (0: K in format QkFmt; 1: V^T, which has no Q·Kᵀ
+// format): the tile moves to its head's tensor scale 2^exponent by shifting its scale bytes within
+// their headroom, or returns true when it must be quantised again under it (the rare tile of blocks
+// 2^-14 below the head's largest). The first tile of a head writes the head's scale. Uniform across
+// the CTA.
+template <int kTensor, int DP, class QkFmt = void>
+__device__ __forceinline__ bool fix_up_tile(const QuantizeQkvParams& p, int64_t tile, int& exponent) {
   const int64_t n_kblocks = p.seq_k_padded / kTileRows;
-  const int64_t kv_tiles = p.batch * p.heads_kv * n_kblocks;
-  for (int64_t tile = blockIdx.x; tile < kv_tiles; tile += gridDim.x) {
-    const int64_t bh = tile / n_kblocks, blk = tile % n_kblocks;
-    const int exponent = head_exponent(__ldcg(head_exponent_slot(p, bh, kTensor)));
-    if (blk == 0 && threadIdx.x == 0) (kTensor == 0 ? p.k_scale : p.v_scale)[bh] = power_of_two(exponent);
-    const int32_t* record = tile_record(p, kTensor, tile);
-    const int shift = exponent - __ldcg(record), headroom = __ldcg(record + 1);
-    if (shift == 0 || headroom == kAnyShift) continue;  // uniform across the CTA
-    if (shift > 0 && shift <= headroom) {
-      if constexpr (kTensor == 0) {  // the tile's 128 rows of K scales, contiguous
-        using Row = QkRowBytes<DP, QkFmt>;
-        const uint32_t step = Row::kMx ? uint32_t(shift) : uint32_t(shift) << 3;
-        constexpr int kWords = kTileRows * Row::kScales / 4;
-        static_assert(kWords <= kThreads, "a word per thread");
-        uint32_t* words = reinterpret_cast<uint32_t*>(p.k_sf + tile * kTileRows * Row::kScales);
-        if (threadIdx.x < kWords) words[threadIdx.x] = shift_scale_bytes(words[threadIdx.x], step);
-      } else {  // DP rows of V^T scales, 8 bytes of this tile each
-        static_assert(DP * 2 <= kThreads, "a word per thread");
-        if (threadIdx.x < DP * 2) {
-          const int64_t row = bh * DP + threadIdx.x / 2;
-          uint32_t* word = reinterpret_cast<uint32_t*>(p.vt_sf + row * (p.seq_k_padded / 16) + blk * (kTileRows / 16)) +
-                           threadIdx.x % 2;
-          *word = shift_scale_bytes(*word, uint32_t(shift) << 3);
-        }
-      }
-      continue;
+  const int64_t bh = tile / n_kblocks, blk = tile % n_kblocks;
+  exponent = head_exponent(__ldcg(head_exponent_slot(p, bh, kTensor)));
+  if (blk == 0 && threadIdx.x == 0) (kTensor == 0 ? p.k_scale : p.v_scale)[bh] = power_of_two(exponent);
+  const int32_t* record = tile_record(p, kTensor, tile);
+  const int shift = exponent - __ldcg(record), headroom = __ldcg(record + 1);
+  if (shift == 0 || headroom == kAnyShift) return false;
+  if (shift < 0 || shift > headroom) return true;
+  if constexpr (kTensor == 0) {  // the tile's 128 rows of K scales, contiguous
+    using Row = QkRowBytes<DP, QkFmt>;
+    const uint32_t step = Row::kMx ? uint32_t(shift) : uint32_t(shift) << 3;
+    constexpr int kWords = kTileRows * Row::kScales / 4;
+    static_assert(kWords <= kThreads, "a word per thread");
+    uint32_t* words = reinterpret_cast<uint32_t*>(p.k_sf + tile * kTileRows * Row::kScales);
+    if (threadIdx.x < kWords) words[threadIdx.x] = shift_scale_bytes(words[threadIdx.x], step);
+  } else {  // DP rows of V^T scales, 8 bytes of this tile each
+    static_assert(DP * 2 <= kThreads, "a word per thread");
+    if (threadIdx.x < DP * 2) {
+      const int64_t row = bh * DP + threadIdx.x / 2;
+      uint32_t* word = reinterpret_cast<uint32_t*>(p.vt_sf + row * (p.seq_k_padded / 16) + blk * (kTileRows / 16)) +
+                       threadIdx.x % 2;
+      *word = shift_scale_bytes(*word, uint32_t(shift) << 3);
     }
-    __syncthreads();  // the previous tile's shared memory is consumed
-    if constexpr (kTensor == 0) {
-      k_tile<DT, DP, QkFmt>(p, sm, tile, false, exponent);
-    } else {
-      fill_scale_tables(sm.tables);  // v_tile synchronises before its first block
-      v_tile<DT, DP>(p, sm, tile, false, exponent);
+  }
+  return false;
+}
+
+// The K or V tiles of a launch, in the tiles pass (fix_up false: tile blockIdx.x under its own scale)
+// or the fix-up pass (grid-stride over every tile: fix_up_tile, and quantise_tile again under the
+// head's scale where the bytes cannot move). One call site of quantise_tile(tile, own_scale,
+// head_exponent) serves both passes, so the tile's code is inlined once.
+template <int kTensor, int DP, class QkFmt, class QuantiseTile>
+__device__ __forceinline__ void tiles_or_fix_up(const QuantizeQkvParams& p, bool fix_up, int64_t kv_tiles,
+                                                QuantiseTile quantise_tile) {
+  for (int64_t tile = blockIdx.x; tile < kv_tiles; tile += fix_up ? gridDim.x : kv_tiles) {
+    int exponent = 0;
+    if (fix_up) {
+      if (!fix_up_tile<kTensor, DP, QkFmt>(p, tile, exponent)) continue;
+      __syncthreads();  // the previous tile's shared memory is consumed
     }
+    quantise_tile(tile, !fix_up, exponent);
   }
 }
 
-// Launch 2: blocks [0, kv_tiles) quantize K tiles, then the Q tiles, each reading its input once.
-// With `fix_up`, the K tiles' fix-up pass instead.
+// Launches 2 and 4: blocks [0, kv_tiles) quantize K tiles, then the Q tiles, each reading its input
+// once; with `fix_up`, the K tiles' fix-up pass instead.
 template <InputDtype DT, int DP, class QkFmt>
 __device__ __forceinline__ void qk_tiles_kernel(const QuantizeQkvParams& p, bool fix_up) {
   __shared__ __align__(16) SharedStorage<DP> sm;
-  if (fix_up) {
-    fix_up_tiles<0, DT, DP, QkFmt>(p, sm);
+  const int64_t kv_tiles = p.batch * p.heads_kv * (p.seq_k_padded / kTileRows);
+  if (!fix_up && blockIdx.x >= kv_tiles) {
+    q_tile<DT, DP, QkFmt>(p, sm, blockIdx.x - kv_tiles);
     return;
   }
-  const int64_t kv_tiles = p.batch * p.heads_kv * (p.seq_k_padded / kTileRows);
-  const int64_t item = blockIdx.x;
-  if (item < kv_tiles) {
-    k_tile<DT, DP, QkFmt>(p, sm, item, true, 0);
-  } else {
-    q_tile<DT, DP, QkFmt>(p, sm, item - kv_tiles);
-  }
+  tiles_or_fix_up<0, DP, QkFmt>(p, fix_up, kv_tiles, [&](int64_t tile, bool own_scale, int exponent) {
+    k_tile<DT, DP, QkFmt>(p, sm, tile, own_scale, exponent);
+  });
 }
 
-// Launch 3: one V^T tile per block, reading its input once; with `fix_up`, their fix-up pass. Its own
-// entry point (the V^T tiles do not depend on the Q·Kᵀ format), so each cubin holds their code once
-// per input dtype and head dim.
+// Launches 3 and 5: one V^T tile per block, reading its input once; with `fix_up`, their fix-up
+// pass. Its own entry point (the V^T tiles do not depend on the Q·Kᵀ format), so each cubin holds
+// their code once per input dtype and head dim.
 template <InputDtype DT, int DP>
 __device__ __forceinline__ void v_tiles_kernel(const QuantizeQkvParams& p, bool fix_up) {
   __shared__ __align__(16) SharedStorage<DP> sm;
-  if (fix_up) {
-    fix_up_tiles<1, DT, DP>(p, sm);
-    return;
-  }
-  fill_scale_tables(sm.tables);  // v_tile synchronises before its first block
-  v_tile<DT, DP>(p, sm, blockIdx.x, true, 0);
+  const int64_t kv_tiles = p.batch * p.heads_kv * (p.seq_k_padded / kTileRows);
+  tiles_or_fix_up<1, DP, void>(p, fix_up, kv_tiles, [&](int64_t tile, bool own_scale, int exponent) {
+    fill_scale_tables(sm.tables);  // v_tile synchronises before its first block
+    v_tile<DT, DP>(p, sm, tile, own_scale, exponent);
+  });
 }
 
 // The balance statistics: one CTA per Q statistics tile (kStatisticsTiles per query head, those
