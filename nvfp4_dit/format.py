@@ -418,6 +418,13 @@ class QuantizedQKV:
     block-sparse estimate, nvfp4_dit/sparse.py)."""
     q_similarity: Optional[torch.Tensor] = None
     """[B, H, Sqp/128] fp32: each 128-row Q block's mean pairwise cosine of its raw rows."""
+    q_center: Optional[torch.Tensor] = None
+    """[B, H, Dp] fp32, low-rank Q smoothing (:mod:`nvfp4_dit.smoothing`): the mean of the block means."""
+    q_basis: Optional[torch.Tensor] = None
+    """[B, H, R, Dp] fp32: the smoothing basis (orthonormal or zero rows)."""
+    q_coeff: Optional[torch.Tensor] = None
+    """[B, H, Sqp/128, R] fp32: each Q block's coefficients; the block is smoothed by
+    q_center + q_coeff @ q_basis."""
 
     @property
     def num_q_blocks(self) -> int:

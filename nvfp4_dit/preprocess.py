@@ -19,6 +19,7 @@ from typing import Optional
 
 import torch
 
+from . import smoothing
 from .format import (BALANCE_QK_DEFAULT, CORRECTION_VALUE_BITS, QK_FORMAT_DEFAULT, QK_FORMATS, SEQ_TILE,
                      SUPPORTED_HEAD_DIMS, _power_of_two, channel_balance, Correction, dequantize_blocks,
                      dequantize_qk_rows, pad_dim, padded_head_dim, permute_k_rows, quantize_blocks,
@@ -137,9 +138,18 @@ def quantize_qkv(
     v_mean_override: Optional[torch.Tensor] = None,
     balance_override: Optional[torch.Tensor] = None,
     qk_format: str = QK_FORMAT_DEFAULT,
+    q_smoothing: str = "block",
+    basis_override: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
 ) -> QuantizedQKV:
     """Balance, smooth, scale and quantise Q, K, V into the kernel's layouts (pure torch, the
     reference path; the module docstring has the steps and the layouts).
+
+    ``q_smoothing``: "block" smooths each Q block by its mean ``qm_b`` (the stored correction,
+    :func:`correction`); "low_rank" by ``m_b``, its part in the head's basis
+    (:mod:`nvfp4_dit.smoothing`; the result carries ``q_center``, ``q_basis`` and ``q_coeff``, and its
+    correction comes from key projections). ``basis_override`` ``(center [B, H, D], basis
+    [B, H, R, D])`` replaces the computed basis. The channel balance's statistics are those of
+    ``q - qm_b`` either way.
 
     ``q_mean`` [B, H, Sqp/128, D], ``k_mean_override`` and ``v_mean_override`` [B, Hkv, D] replace
     the computed means, ``balance_override`` [B, Hkv, D] the balance (implies ``balance_qk``); tests
@@ -171,6 +181,17 @@ def quantize_qkv(
         balance = balance_override.float()[..., :d]
     else:
         balance = channel_balance(*balance_statistics(q_s, k_s, kv_lens)) if balance_qk else None
+    low_rank = None
+    if q_smoothing == "low_rank":
+        if basis_override is not None:
+            center, basis = (t.float()[..., :d] for t in basis_override)
+        else:
+            center, basis = smoothing.smoothing_basis(qm)
+        coeff = smoothing.basis_coefficients(qm, center, basis)
+        q_s = qh.float() - smoothing.smoothed_means(center, basis, coeff).repeat_interleave(SEQ_TILE, dim=2)[:, :, :sq]
+        low_rank = (pad_dim(center, 2, dp), pad_dim(basis, 3, dp), coeff)
+    elif q_smoothing != "block":
+        raise ValueError(f"q_smoothing must be 'block' or 'low_rank', got {q_smoothing!r}")
     k_b, q_b = k_s, q_s
     if balance is not None:  # powers of two: exact
         k_b = k_s / balance[:, :, None, :]
@@ -201,6 +222,8 @@ def quantize_qkv(
         q_dot_km=q_dot_km, k_smoothed=pad_dim(pad_dim(k_s, 3, dp), 2, skp), seq_q=sq, seq_k=sk, head_dim=d,
         head_dim_padded=dp, qk_format=qk_format, k_tile_mean=pad_dim(k_tile_means(kh, kv_lens), 3, dp),
         q_similarity=q_block_similarity(qh),
+        q_center=None if low_rank is None else low_rank[0], q_basis=None if low_rank is None else low_rank[1],
+        q_coeff=None if low_rank is None else low_rank[2],
     )
 
 

@@ -29,6 +29,7 @@ import torch
 
 from . import format as fmt
 from . import preprocess
+from . import smoothing
 from . import sparse
 
 LOG2E = math.log2(math.e)
@@ -53,6 +54,7 @@ def attention_reference(
     quantized: Optional[fmt.QuantizedQKV] = None,
     qk_format: str = fmt.QK_FORMAT_DEFAULT,
     block_mask: Optional[torch.Tensor] = None,
+    q_smoothing: str = "block",
 ):
     """NVFP4 attention, reference numerics.
 
@@ -73,6 +75,8 @@ def attention_reference(
             the rest of the algorithm on; it must carry ``k_smoothed``.
         block_mask: optional bool ``[B or 1, H or 1, ceil(Sq/128), ceil(Sk/128)]`` block map
             (:mod:`nvfp4_dit.sparse`): each Q block attends only the keys of its True tiles.
+        q_smoothing: "block" (per-block Q means, a stored correction) or "low_rank" (the head's
+            basis, the correction from key projections: :mod:`nvfp4_dit.smoothing`).
 
     Returns:
         ``out`` in q's layout and dtype, and ``lse [B, H, Sq]`` fp32 when ``return_lse``.
@@ -83,7 +87,7 @@ def attention_reference(
     scale = fmt.default_scale(d) if scale is None else float(scale)
     qq = quantized if quantized is not None else preprocess.quantize_qkv(
         q, k, v, layout=layout, kv_lens=kv_lens, balance_qk=balance_qk, per_block_mean=per_block_mean,
-        qk_format=qk_format,
+        qk_format=qk_format, q_smoothing=q_smoothing,
     )
     q_hat, k_hat, v_hat = preprocess.dequantize_qkv(qq)
     dp, skp = qq.head_dim_padded, k_hat.shape[2]
@@ -101,6 +105,8 @@ def attention_reference(
     v_scale = qq.v_scale.to(dev).repeat_interleave(group, 1)[:, :, None, None]
     v_mean = qq.v_mean.to(dev).repeat_interleave(group, 1)[:, :, None, :]
 
+    projections = None if qq.q_basis is None else smoothing.key_projections(
+        qq.k_smoothed, qq.q_center, qq.q_basis, key_bias=key_bias, scale=scale)
     nblk = qq.num_q_blocks
     first, last = (0, nblk) if query_blocks is None else query_blocks
     if not (0 <= first < last <= nblk):
@@ -118,7 +124,11 @@ def attention_reference(
         rows = r1 - r0
         qc = q_hat[:, :, r0:r1].reshape(b, hkv, group * rows, dp)
         s = torch.matmul(qc, k_hat.transpose(-1, -2)).view(b, h, b1 - b0, fmt.SEQ_TILE, skp)
-        delta = preprocess.correction(qq, b0, b1, key_bias=key_bias, scale=scale).dequantize()
+        if qq.q_basis is None:
+            delta = preprocess.correction(qq, b0, b1, key_bias=key_bias, scale=scale).dequantize()
+        else:
+            delta = smoothing.correction_from_projections(
+                projections, qq.q_coeff[:, :, b0:b1].to(dev), f_all[:, :, b0:b1])
         s = s + delta[:, :, :, None, :] + mask
         if block_mask is not None:   # unlisted tiles hold no key (adding 0 leaves listed scores exact)
             listed = block_mask[:, :, b0:b1].to(dev).repeat_interleave(fmt.SEQ_TILE, dim=-1)
