@@ -25,6 +25,10 @@ k_sf          [B, Hkv, Skp, Dp/16]           its scales, rows permuted the same 
 vt_data       [B, Hkv, Dp, Skp/2]            ((V - vm) / v_scale) transposed, packed along tokens
 vt_sf         [B, Hkv, Dp, Skp/16]           its scales, one per 16 tokens
 q_mean        [B, H, Sqp/128, Dp] float32    per-128-row-block Q means (qm), before balancing
+q_center      [B, H, Dp] float32             low-rank Q smoothing (nvfp4_dit.smoothing): the center g
+q_basis       [B, H, 15, Dp] float32         its basis rows
+q_basis_scale [B, H] float32                 the basis scale s (a power of two)
+q_coeff       [B, H, Sqp/128, 15] float32    each block's coefficients a_b / s (smoothed by g + a_b basis)
 k_mean        [B, Hkv, Dp] float32           per-head K mean over the valid keys (km), before balancing
 v_mean        [B, Hkv, Dp] float32           per-head V mean over the valid keys (vm)
 q_scale       [B, H, Sqp/128] float32        tensor scale of each 128-row Q block (a power of two)
@@ -406,8 +410,8 @@ class QuantizedQKV:
     balance: Optional[torch.Tensor]
     q_dot_km: torch.Tensor
     k_smoothed: Optional[torch.Tensor]
-    """fp32 [B, Hkv, Skp, Dp] natural order, K - km (unbalanced, unscaled), for the correction
-    term (None from the CUDA quantiser)."""
+    """fp32 [B, Hkv, Skp, Dp] natural order, K - km (unbalanced, unscaled, 0 past kv_lens), for the
+    key projections (None from the CUDA quantiser, which writes them)."""
     seq_q: int
     seq_k: int
     head_dim: int
@@ -422,9 +426,16 @@ class QuantizedQKV:
     """[B, H, Dp] fp32, low-rank Q smoothing (:mod:`nvfp4_dit.smoothing`): the mean of the block means."""
     q_basis: Optional[torch.Tensor] = None
     """[B, H, R, Dp] fp32: the smoothing basis (orthonormal or zero rows)."""
+    q_basis_scale: Optional[torch.Tensor] = None
+    """[B, H] fp32: the basis scale (a power of two, :class:`nvfp4_dit.smoothing.Basis`)."""
     q_coeff: Optional[torch.Tensor] = None
-    """[B, H, Sqp/128, R] fp32: each Q block's coefficients; the block is smoothed by
-    q_center + q_coeff @ q_basis."""
+    """[B, H, Sqp/128, R] fp32: each Q block's coefficients over the basis scale; the block is
+    smoothed by q_center + (q_coeff * q_basis_scale) @ q_basis."""
+
+    def smoothing_basis(self):
+        """The :class:`nvfp4_dit.smoothing.Basis` of these operands."""
+        from .smoothing import Basis
+        return Basis(self.q_center, self.q_basis, self.q_basis_scale)
 
     @property
     def num_q_blocks(self) -> int:
@@ -437,57 +448,7 @@ class QuantizedQKV:
         return self.q_scale * self.k_scale.repeat_interleave(group, dim=1)[:, :, None]
 
 
-# ---------------------------------------------------------------------------------------------
-# The correction as the attention kernel reads it (nvfp4_dit.preprocess.correction computes it)
-# ---------------------------------------------------------------------------------------------
-
 FP16_MAX = 65504.0
-CORRECTION_VALUE_BITS = 15
-"""A correction tile's values lie below 2^15 in units of its factor (fp16 holds them, 65504 > 2^15)."""
-
-
-@dataclass
-class Correction:
-    """The correction ``delta = qm . (k - km)^T / (q_scale k_scale)`` of some Q blocks (the kernel's
-    score units), stored per 128-key tile as 128 fp16 ``values`` and one fp32 power-of-two
-    ``factor``: the tile's delta is ``values * factor``.
-
-    Dense rows: ``values`` [B, H, n, Skp], ``factors`` [B, H, n, Skp/128]. Compact (the listed tiles
-    of a block map, in list order): ``values`` [E, 128], ``factors`` [E, 1]. Either way the factor
-    of the tile whose first value is element ``i`` of a contiguous ``values`` is element ``i / 128``
-    of ``factors``, which is how the kernels address it.
-    """
-
-    values: torch.Tensor
-    factors: torch.Tensor
-
-    def dequantize(self) -> torch.Tensor:
-        """fp32, shaped like ``values``: what the attention kernel adds to its scores."""
-        tiles = self.values.float().unflatten(-1, (-1, SEQ_TILE))
-        return (tiles * self.factors[..., None]).flatten(-2)
-
-    def same_bits(self, other: "Correction") -> bool:
-        """Whether both store the same bits (values compared as bits: NaN, -0)."""
-        return (self.values.shape == other.values.shape
-                and torch.equal(self.values.view(torch.int16), other.values.view(torch.int16))
-                and torch.equal(self.factors, other.factors))
-
-    def rows(self, start: int, end: int) -> "Correction":
-        """Dense rows ``[start, end)`` (dim 2)."""
-        return Correction(self.values[:, :, start:end], self.factors[:, :, start:end])
-
-
-def store_correction(delta: torch.Tensor, exponents: torch.Tensor) -> Correction:
-    """fp32 ``delta`` [..., N * 128] and a power-of-two exponent per 128-key tile (int32 [..., N])
-    -> :class:`Correction`: ``values = fp16(delta * 2^-e)`` rounded to nearest even, finite values
-    saturated at +-65504 (a large finite key bias stays finite), +-inf and NaN kept. The multiply by
-    2^-e is exact wherever the value is not an fp16 subnormal; ``csrc/quantize/correction.cu``
-    repeats it operation for operation.
-    """
-    inverse = _power_of_two(-exponents).repeat_interleave(SEQ_TILE, -1)
-    scaled = delta * inverse
-    scaled = torch.where(torch.isfinite(delta), scaled.clamp(-FP16_MAX, FP16_MAX), scaled)
-    return Correction(scaled.half(), _power_of_two(exponents))
 
 
 def valid_key_mask(kv_lens: Optional[torch.Tensor], batch: int, seq_k: int, device) -> torch.Tensor:

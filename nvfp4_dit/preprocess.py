@@ -7,9 +7,7 @@ GPU, step for step (the layouts and codecs: :mod:`nvfp4_dit.format`; the contrac
   :func:`balance_statistics`, :func:`nonfinite_blocks`);
 * :func:`quantize_qkv`: balance, smooth, scale and quantise into the kernel's layouts (the CUDA
   quantiser, :func:`nvfp4_dit.cuda.quantize.quantize_qkv`, writes the same bytes);
-* :func:`correction`: the per-Q-block correction ``qm . (k - km)^T`` in the kernel's score units
-  and storage format (fp16 under a power of two per 128-key tile), bit for bit what
-  ``csrc/quantize/correction.cu`` writes;
+* the low-rank Q smoothing and its key projections: :mod:`nvfp4_dit.smoothing`;
 * :func:`dequantize_qkv`: the quantised operands back to fp32, for the reference attention.
 """
 
@@ -20,11 +18,10 @@ from typing import Optional
 import torch
 
 from . import smoothing
-from .format import (BALANCE_QK_DEFAULT, CORRECTION_VALUE_BITS, QK_FORMAT_DEFAULT, QK_FORMATS, SEQ_TILE,
-                     SUPPORTED_HEAD_DIMS, _power_of_two, channel_balance, Correction, dequantize_blocks,
-                     dequantize_qk_rows, pad_dim, padded_head_dim, permute_k_rows, quantize_blocks,
-                     quantize_qk_rows, QuantizedQKV, round_up, sampled_key_mask, statistics_row_mask,
-                     store_correction, tensor_scale, to_hnd, valid_key_mask)
+from .format import (BALANCE_QK_DEFAULT, QK_FORMAT_DEFAULT, QK_FORMATS, SEQ_TILE, SUPPORTED_HEAD_DIMS,
+                     channel_balance, dequantize_blocks, dequantize_qk_rows, pad_dim, padded_head_dim,
+                     permute_k_rows, quantize_blocks, quantize_qk_rows, QuantizedQKV, round_up, sampled_key_mask,
+                     statistics_row_mask, tensor_scale, to_hnd, valid_key_mask)
 
 
 def nonfinite_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_lens: Optional[torch.Tensor],
@@ -138,18 +135,18 @@ def quantize_qkv(
     v_mean_override: Optional[torch.Tensor] = None,
     balance_override: Optional[torch.Tensor] = None,
     qk_format: str = QK_FORMAT_DEFAULT,
-    q_smoothing: str = "block",
-    basis_override: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+    basis_override: Optional[smoothing.Basis] = None,
+    coeff_override: Optional[torch.Tensor] = None,
 ) -> QuantizedQKV:
     """Balance, smooth, scale and quantise Q, K, V into the kernel's layouts (pure torch, the
     reference path; the module docstring has the steps and the layouts).
 
-    ``q_smoothing``: "block" smooths each Q block by its mean ``qm_b`` (the stored correction,
-    :func:`correction`); "low_rank" by ``m_b``, its part in the head's basis
-    (:mod:`nvfp4_dit.smoothing`; the result carries ``q_center``, ``q_basis`` and ``q_coeff``, and its
-    correction comes from key projections). ``basis_override`` ``(center [B, H, D], basis
-    [B, H, R, D])`` replaces the computed basis. The channel balance's statistics are those of
-    ``q - qm_b`` either way.
+    Q block b is smoothed by ``m_b``, its mean's part in the head's basis (:mod:`nvfp4_dit.smoothing`;
+    the result carries ``q_center``, ``q_basis``, ``q_basis_scale`` and ``q_coeff``); ``basis_override``
+    (a :class:`~nvfp4_dit.smoothing.Basis`, e.g. a kernel's, its vectors with D or Dp columns)
+    replaces the computed one, ``coeff_override`` [B, H, Sqp/128, R] the coefficients (a kernel's
+    dot products run in another order): given both, the bytes are the kernel's. The channel balance's statistics are
+    those of ``q - qm_b`` (the block means, known before the basis).
 
     ``q_mean`` [B, H, Sqp/128, D], ``k_mean_override`` and ``v_mean_override`` [B, Hkv, D] replace
     the computed means, ``balance_override`` [B, Hkv, D] the balance (implies ``balance_qk``); tests
@@ -181,17 +178,13 @@ def quantize_qkv(
         balance = balance_override.float()[..., :d]
     else:
         balance = channel_balance(*balance_statistics(q_s, k_s, kv_lens)) if balance_qk else None
-    low_rank = None
-    if q_smoothing == "low_rank":
-        if basis_override is not None:
-            center, basis = (t.float()[..., :d] for t in basis_override)
-        else:
-            center, basis = smoothing.smoothing_basis(qm)
-        coeff = smoothing.basis_coefficients(qm, center, basis)
-        q_s = qh.float() - smoothing.smoothed_means(center, basis, coeff).repeat_interleave(SEQ_TILE, dim=2)[:, :, :sq]
-        low_rank = (pad_dim(center, 2, dp), pad_dim(basis, 3, dp), coeff)
-    elif q_smoothing != "block":
-        raise ValueError(f"q_smoothing must be 'block' or 'low_rank', got {q_smoothing!r}")
+    if basis_override is not None:
+        basis = smoothing.Basis(basis_override.center.float()[..., :d], basis_override.rows.float()[..., :d],
+                                basis_override.scale.float())
+    else:
+        basis = smoothing.smoothing_basis(qm)
+    coeff = smoothing.basis_coefficients(qm, basis) if coeff_override is None else coeff_override.float()
+    q_s = qh.float() - smoothing.smoothed_means(basis, coeff).repeat_interleave(SEQ_TILE, dim=2)[:, :, :sq]
     k_b, q_b = k_s, q_s
     if balance is not None:  # powers of two: exact
         k_b = k_s / balance[:, :, None, :]
@@ -222,123 +215,9 @@ def quantize_qkv(
         q_dot_km=q_dot_km, k_smoothed=pad_dim(pad_dim(k_s, 3, dp), 2, skp), seq_q=sq, seq_k=sk, head_dim=d,
         head_dim_padded=dp, qk_format=qk_format, k_tile_mean=pad_dim(k_tile_means(kh, kv_lens), 3, dp),
         q_similarity=q_block_similarity(qh),
-        q_center=None if low_rank is None else low_rank[0], q_basis=None if low_rank is None else low_rank[1],
-        q_coeff=None if low_rank is None else low_rank[2],
+        q_center=pad_dim(basis.center, 2, dp), q_basis=pad_dim(basis.rows, 3, dp), q_basis_scale=basis.scale,
+        q_coeff=coeff,
     )
-
-
-CORRECTION_FIXED_BITS = 22
-"""The correction's operands are integers of at most this many bits (plus sign) per row."""
-_CORRECTION_EXPONENT_LIMIT = 100  # fixed-point row exponents are clamped to [-100, 100]
-
-
-def correction_fixed_point(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows (last dim) of fp32 ``x`` in fixed point: ``(X int32 [..., D], e int32 [...])`` with
-    ``x ~ X 2^(e - 22)``, ``|X| <= 2^22``. ``e`` is the row's power-of-two exponent (its largest
-    |x| is below 2^e; clamped to [-100, 100]); non-finite values count as 0."""
-    x = torch.where(torch.isfinite(x), x, torch.zeros_like(x))
-    amax = x.abs().amax(-1) if x.shape[-1] else x.new_zeros(x.shape[:-1])
-    e = (((amax.view(torch.int32) >> 23) & 0xFF) - 126).clamp(-_CORRECTION_EXPONENT_LIMIT, _CORRECTION_EXPONENT_LIMIT)
-    top = float(1 << CORRECTION_FIXED_BITS)
-    fixed = torch.round(x * _power_of_two(CORRECTION_FIXED_BITS - e)[..., None]).clamp(-top, top)
-    return fixed.to(torch.int32), e.to(torch.int32)
-
-
-def correction_limbs(fixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """int32 fixed point -> its signed 8-bit limbs ``(l0, l1, l2)``: fixed = l0 2^16 + l1 2^8 + l2,
-    l1 and l2 in [-128, 127] and |l0| <= 64 (the int8 MMA operands of the CUDA correction)."""
-    l2 = ((fixed + 128) & 255) - 128
-    x1 = (fixed - l2) >> 8
-    l1 = ((x1 + 128) & 255) - 128
-    return (x1 - l1) >> 8, l1, l2
-
-
-def correction_exponents(q_row_exponents: torch.Tensor, k_row_exponents: torch.Tensor,
-                         score_exponents: torch.Tensor, head_dim_padded: int) -> torch.Tensor:
-    """The power-of-two exponent of each stored correction tile (:class:`~nvfp4_dit.format.Correction`)
-    from the fixed-point row exponents of the Q block means ``[B, H, n]`` and of the smoothed keys
-    ``[B, H, Skp]`` (:func:`correction_fixed_point`) and the exponents of ``q_scale * k_scale``
-    ``[B, H, n]``: int32 ``[B, H, n, Skp/128]``.
-
-    |delta| < Dp 2^(eq + ek - u) (the fixed-point operands lie below 2^22 in units of 2^(e - 22)),
-    so with e = eq + max_tile(ek) - u + log2(Dp) - 15 every value of the tile lies below 2^15 in
-    units of 2^e: fp16 holds it with 11 significant bits (down to 2^-14 of the unit: 29 binades).
-    Clamped to [-126, 111], so 2^e and 2^-e are normal fp32 numbers.
-    """
-    tile_max = k_row_exponents.unflatten(-1, (-1, SEQ_TILE)).amax(-1)   # [B, H, nk]
-    e = (q_row_exponents[..., None] + tile_max[:, :, None, :] - score_exponents[..., None]
-         + (head_dim_padded.bit_length() - 1) - CORRECTION_VALUE_BITS)
-    return e.clamp(-126, 111).to(torch.int32)
-
-
-def power_of_two_exponent(x: torch.Tensor) -> torch.Tensor:
-    """The exponent of fp32 powers of two ``x`` (normal numbers): int32."""
-    return ((x.float().view(torch.int32) >> 23) & 0xFF) - 127
-
-
-def correction(qq: QuantizedQKV, block_start: int = 0, block_end: Optional[int] = None, *,
-               key_chunk: Optional[int] = None, key_bias: Optional[torch.Tensor] = None,
-               scale: Optional[float] = None) -> Correction:
-    """The correction of Q blocks [block_start, block_end) as the kernel reads it (dense rows of a
-    :class:`~nvfp4_dit.format.Correction`): delta = qm . k_smoothed^T / (q_scale * k_scale), the
-    kernel's score units, per 128-key tile in fp16 under a power-of-two factor.
-
-    Keys are in natural order. Added to the FP4 scores, it restores q . (k - km) up to the FP4
-    error of (q - qm) and (k - km): q.(k-km) = (q-qm).(k-km) + qm.(k-km). The channel balance
-    cancels in it exactly (qm s . ks / s), so it is computed without it.
-
-    The arithmetic is that of the CUDA kernel (csrc/quantize/correction.cu), so the two agree bit
-    for bit: each row of qm and of ks in 22-bit fixed point (:func:`correction_fixed_point`), split
-    into three 8-bit limbs (:func:`correction_limbs`); every limb product but the lowest one,
-    T = Xq . Xk - lq2 . lk2, summed exactly (integers below 2^53, so fp64 products are exact in any
-    order); then one rounding to fp32 and exact power-of-two factors:
-    delta = (fp32(T) 2^(ek - 22)) (2^(eq - 22) / (q_scale k_scale)); then stored
-    (:func:`~nvfp4_dit.format.store_correction`, exponents :func:`correction_exponents`).
-
-    Error against the exact product, per entry: at most Dp 2^(eq + ek - 22) / (q_scale k_scale)
-    plus 2^-24 of the fp32 result (the 22-bit operands, the left-out limb pair, the fp32 rounding),
-    plus the fp16 rounding: 2^-11 of the value, or 2^-25 of the tile's factor below fp16's normal
-    range. The first part is below Dp 2^-20 amax|qm| amax|ks|; the fp16 rounding dominates, far
-    below the FP4 error of the scores (the accuracy report shows no input class moves).
-    ``key_chunk`` (keys per fp64 matmul; by default about 2 GB of temporaries) does not change the result.
-
-    ``key_bias`` ([B, H or 1, Sk], in units of the scaled scores: a per-key mask, :mod:`nvfp4_dit.masks`)
-    adds ``key_bias / (scale * q_scale * k_scale)`` to every row (-inf masks the key), rounded as the
-    CUDA correction rounds it.
-    """
-    if qq.k_smoothed is None:
-        raise ValueError("this QuantizedQKV carries no fp32 k_smoothed (it comes from the CUDA quantiser: "
-                         "use nvfp4_dit.cuda.quantize.correction)")
-    block_end = qq.num_q_blocks if block_end is None else block_end
-    qm = qq.q_mean[:, :, block_start:block_end]
-    b, h, n, dp = qm.shape
-    hkv, skp = qq.k_smoothed.shape[1], qq.k_smoothed.shape[2]
-    group = h // hkv
-    q_fixed, eq = correction_fixed_point(qm)
-    lhs = torch.cat([q_fixed, correction_limbs(q_fixed)[2]], -1).double().reshape(b, hkv, group * n, 2 * dp)
-    k_fixed, ek = correction_fixed_point(qq.k_smoothed)
-    ek = ek.repeat_interleave(group, dim=1)   # [B, H, Skp]
-    bits = CORRECTION_FIXED_BITS
-    key_factor = _power_of_two(ek - bits)[:, :, None, :]  # [B, H, 1, Skp]
-    score_scale = qq.score_scale()[:, :, block_start:block_end]
-    row_factor = _power_of_two(eq - bits) * (1.0 / score_scale)  # [B, H, n]
-    delta = torch.empty(b, h, n, skp, dtype=torch.float32, device=qm.device)
-    key_chunk = key_chunk or max(SEQ_TILE, (1 << 28) // max(1, b * h * n) // SEQ_TILE * SEQ_TILE)
-    for k0 in range(0, skp, key_chunk):
-        kf = k_fixed[:, :, k0:k0 + key_chunk]
-        rhs = torch.cat([kf, -correction_limbs(kf)[2]], -1).double()  # Xq . Xk - lq2 . lk2
-        t = torch.matmul(lhs, rhs.transpose(-1, -2)).view(b, h, n, -1)
-        delta[..., k0:k0 + key_chunk] = (t.float() * key_factor[..., k0:k0 + key_chunk]) * row_factor[..., None]
-    if key_bias is not None:
-        if scale is None:
-            raise ValueError("scale is needed with key_bias (the bias is in units of the scaled scores)")
-        bias = pad_dim(key_bias.to(delta.device, torch.float32), 2, skp)[:, :, None, :]
-        divisor = torch.tensor(scale, dtype=torch.float32) * score_scale
-        delta += bias / divisor[..., None]
-    group_q = qq.q_scale.shape[1] // qq.k_scale.shape[1]
-    score_exponents = (power_of_two_exponent(qq.q_scale[:, :, block_start:block_end])
-                       + power_of_two_exponent(qq.k_scale).repeat_interleave(group_q, dim=1)[:, :, None])
-    return store_correction(delta, correction_exponents(eq, ek, score_exponents, dp))
 
 
 def dequantize_qkv(qq: QuantizedQKV) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -2,11 +2,14 @@
 
 Step for step (the format: :mod:`nvfp4_dit.format`; the contract: CONTRIBUTING.md):
 
-1. Q and K are optionally balanced per channel; K is smoothed by its per-head mean, Q by
-   per-128-row-block means, V by its per-head mean; each is divided by its power-of-two tensor
-   scale and FP4-quantised (:func:`nvfp4_dit.preprocess.quantize_qkv`), V along tokens.
-2. Scores in the kernel's units ``s = FP4(q') . FP4(k')^T + delta`` with ``delta = qm . (k - km)^T
-   / f`` (fp32) and ``f = q_scale * k_scale`` per (batch, head, Q block); q . k = s * f.
+1. Q and K are optionally balanced per channel; K is smoothed by its per-head mean, Q block b by
+   ``m_b``, its mean's part in the head's low-rank basis (:mod:`nvfp4_dit.smoothing`), V by its
+   per-head mean; each is divided by its power-of-two tensor scale and FP4-quantised
+   (:func:`nvfp4_dit.preprocess.quantize_qkv`), V along tokens.
+2. Scores in the kernel's units ``s = FP4(q') . FP4(k')^T + delta`` with ``delta = m_b . (k - km)^T
+   / f`` formed from the key projections and the block's coefficients
+   (:func:`nvfp4_dit.smoothing.correction_from_projections`) and ``f = q_scale * k_scale`` per
+   (batch, head, Q block); q . k = s * f.
 3. Online softmax over 128-key tiles in ascending key order: the running max ``m_t`` after tile
    t sets the unnormalised ``P' = 2688 * exp(scale * f * (s - m_t))``, which is quantised per 16
    keys (:func:`nvfp4_dit.format.quantize_p_blocks`) and multiplied with FP4(V') in fp32; earlier
@@ -54,7 +57,6 @@ def attention_reference(
     quantized: Optional[fmt.QuantizedQKV] = None,
     qk_format: str = fmt.QK_FORMAT_DEFAULT,
     block_mask: Optional[torch.Tensor] = None,
-    q_smoothing: str = "block",
 ):
     """NVFP4 attention, reference numerics.
 
@@ -75,8 +77,6 @@ def attention_reference(
             the rest of the algorithm on; it must carry ``k_smoothed``.
         block_mask: optional bool ``[B or 1, H or 1, ceil(Sq/128), ceil(Sk/128)]`` block map
             (:mod:`nvfp4_dit.sparse`): each Q block attends only the keys of its True tiles.
-        q_smoothing: "block" (per-block Q means, a stored correction) or "low_rank" (the head's
-            basis, the correction from key projections: :mod:`nvfp4_dit.smoothing`).
 
     Returns:
         ``out`` in q's layout and dtype, and ``lse [B, H, Sq]`` fp32 when ``return_lse``.
@@ -87,7 +87,7 @@ def attention_reference(
     scale = fmt.default_scale(d) if scale is None else float(scale)
     qq = quantized if quantized is not None else preprocess.quantize_qkv(
         q, k, v, layout=layout, kv_lens=kv_lens, balance_qk=balance_qk, per_block_mean=per_block_mean,
-        qk_format=qk_format, q_smoothing=q_smoothing,
+        qk_format=qk_format,
     )
     q_hat, k_hat, v_hat = preprocess.dequantize_qkv(qq)
     dp, skp = qq.head_dim_padded, k_hat.shape[2]
@@ -95,7 +95,7 @@ def attention_reference(
     dev = q_hat.device
 
     # Key masks: -inf for keys past kv_lens and the padding; a key bias (in units of the scaled
-    # score) enters the correction, in kernel score units (preprocess.correction).
+    # score) enters the key projections' first column (smoothing.key_projections).
     valid = fmt.valid_key_mask(kv_lens, b, sk, dev)
     mask = fmt.pad_dim(torch.where(valid, 0.0, -math.inf), 1, skp, -math.inf)[:, None, None, None, :]
     if key_bias is not None:
@@ -105,8 +105,7 @@ def attention_reference(
     v_scale = qq.v_scale.to(dev).repeat_interleave(group, 1)[:, :, None, None]
     v_mean = qq.v_mean.to(dev).repeat_interleave(group, 1)[:, :, None, :]
 
-    projections = None if qq.q_basis is None else smoothing.key_projections(
-        qq.k_smoothed, qq.q_center, qq.q_basis, key_bias=key_bias, scale=scale)
+    projections = smoothing.key_projections(qq.k_smoothed, qq.smoothing_basis(), key_bias=key_bias, scale=scale)
     nblk = qq.num_q_blocks
     first, last = (0, nblk) if query_blocks is None else query_blocks
     if not (0 <= first < last <= nblk):
@@ -124,11 +123,8 @@ def attention_reference(
         rows = r1 - r0
         qc = q_hat[:, :, r0:r1].reshape(b, hkv, group * rows, dp)
         s = torch.matmul(qc, k_hat.transpose(-1, -2)).view(b, h, b1 - b0, fmt.SEQ_TILE, skp)
-        if qq.q_basis is None:
-            delta = preprocess.correction(qq, b0, b1, key_bias=key_bias, scale=scale).dequantize()
-        else:
-            delta = smoothing.correction_from_projections(
-                projections, qq.q_coeff[:, :, b0:b1].to(dev), f_all[:, :, b0:b1])
+        delta = smoothing.correction_from_projections(projections, qq.q_coeff[:, :, b0:b1].to(dev),
+                                                      f_all[:, :, b0:b1])
         s = s + delta[:, :, :, None, :] + mask
         if block_mask is not None:   # unlisted tiles hold no key (adding 0 leaves listed scores exact)
             listed = block_mask[:, :, b0:b1].to(dev).repeat_interleave(fmt.SEQ_TILE, dim=-1)

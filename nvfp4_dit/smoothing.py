@@ -5,21 +5,20 @@ correction that gives the scores back, formed from per-key projections instead o
 Per query head (plain PyTorch; the CUDA quantiser repeats the steps, in a fixed order):
 
 1. ``g`` (``q_center``): the mean of the head's finite 128-row block means ``qm_b``.
-   (``nvfp4_dit.preprocess.quantize_qkv(q_smoothing="low_rank")`` and the reference attention use
-   these steps; the CUDA kernels smooth Q per block and store the correction.)
 2. ``basis`` [R, Dp]: R = :data:`Q_BASIS_RANK` orthonormal directions (rows; zero rows where the
    deviations ``qm_b - g`` span fewer) that hold most of the deviations: :data:`BASIS_ITERATIONS`
    steps of subspace iteration on their Gram matrix, from a fixed start (:func:`basis_start`), each
-   step orthonormalised by modified Gram-Schmidt. Deterministic, finite whatever the means (NaN
-   blocks are left out, all-zero means give zero rows), and per head: independent of how many
-   heads share a launch.
-3. ``a_b = basis (qm_b - g)`` (``q_coeff`` [R] per block), and Q block b is smoothed by
+   step orthonormalised by modified Gram-Schmidt (two sweeps; the last step zeroes the directions
+   under :data:`_ORTHOGONAL_FLOOR`). Deterministic, finite whatever the means (NaN blocks are left
+   out, all-zero means give zero rows), and per head: independent of how many heads share a launch.
+3. ``a_b = basis (qm_b - g)``, stored over the basis scale (``q_coeff`` [R] per block: a_b / scale,
+   the scale the power of two just above the deviations), and Q block b is smoothed by
    ``m_b = g + basis^T a_b`` instead of ``qm_b``; what the basis misses stays in ``q - m_b`` and is
    quantised with it.
-4. The correction ``m_b . (k_j - km)`` = ``u_j0 + sum_i a_bi u_ji`` with the key projections
-   ``u_j = [g . k'_j, basis_1 . k'_j, ..., basis_R . k'_j]`` (k' = k - km, unbalanced: the channel
-   balance cancels in the product), R + 1 = :data:`KEY_PROJECTION_COLUMNS` numbers per key and query
-   head, computed once per call. A per-key mask bias joins ``u_j0``, whose coefficient is 1.
+4. The correction ``m_b . (k_j - km)`` = ``u_j0 + sum_i (a_bi / scale) u_ji`` with the key projections
+   ``u_j = [g . k'_j, (basis_1 . k'_j) scale, ..., (basis_R . k'_j) scale]`` (k' = k - km, unbalanced:
+   the channel balance cancels in the product), R + 1 = :data:`KEY_PROJECTION_COLUMNS` numbers per key
+   and query head in q . k units, computed once per call. A per-key mask bias joins ``u_j0``, whose coefficient is 1.
    They are stored in fp16 under one power-of-two factor per 128-key tile
    (:class:`KeyProjections`); the attention kernel forms a tile's corrections from them and the Q
    block's ``a_b``, and multiplies by ``factor / (q_scale_b k_scale)`` into its score units.
@@ -52,9 +51,14 @@ subspace against the SVD's on a decaying spectrum)."""
 PROJECTION_VALUE_BITS = 15
 """A projection tile's finite values lie below 2^15 in units of its factor (fp16 holds them)."""
 
-_ORTHOGONAL_FLOOR = 2.0 ** -20
-"""Gram-Schmidt zeroes a direction whose norm fell below this fraction of its norm before the
-projections out (numerically in the span of the earlier ones)."""
+_ORTHOGONAL_FLOOR = 2.0 ** -14
+"""The last step's Gram-Schmidt zeroes a row left with at most this fraction of the first row's
+norm before it. There the rows have converged to the Gram matrix's leading eigenvectors and their
+norms before it are its eigenvalues, the squared singular values of the deviations: a direction
+zeroed holds under 2^-7 of the leading one's singular value (nothing to smooth), or none at all but
+fp32 rounding of the Gram matrix (about 2^-20 of the leading eigenvalue: the deviations span fewer
+directions than the rank). Earlier steps keep every nonzero row, so that a direction the start
+barely touches can still grow."""
 
 
 def basis_start(rank: int, dp: int, device=None) -> torch.Tensor:
@@ -77,26 +81,40 @@ def hash32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def _orthonormalise(rows: torch.Tensor) -> torch.Tensor:
-    """Modified Gram-Schmidt over the rows of [..., R, Dp] (fp32), in row order; a row left with
-    less than _ORTHOGONAL_FLOOR of its norm becomes zero."""
+def _orthonormalise(rows: torch.Tensor, floor: float) -> torch.Tensor:
+    """Modified Gram-Schmidt over the rows of [..., R, Dp] (fp32), in row order, two sweeps over
+    the earlier rows (one leaves a row that was mostly along them with rounding error along them of
+    the size of what remains); a row left with ``floor`` of the first row's norm or less becomes
+    zero."""
     out = rows.clone()
+    first = out[..., 0, :].norm(dim=-1, keepdim=True)
     for i in range(out.shape[-2]):
         x = out[..., i, :]
-        before = x.norm(dim=-1, keepdim=True)
-        for j in range(i):
+        for j in [*range(i), *range(i)]:
             y = out[..., j, :]
             x = x - (x * y).sum(-1, keepdim=True) * y
         after = x.norm(dim=-1, keepdim=True)
-        keep = (after > _ORTHOGONAL_FLOOR * before) & (after > 0)
+        keep = (after > floor * first) & (after > 0)
         out[..., i, :] = torch.where(keep, x / torch.where(keep, after, 1.0), 0.0)
     return out
 
 
-def smoothing_basis(q_mean: torch.Tensor, rank: int = Q_BASIS_RANK,
-                    iterations: int = BASIS_ITERATIONS) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(center [B, H, Dp], basis [B, H, rank, Dp])`` fp32 of the block means ``q_mean``
-    [B, H, n, Dp] (steps 1-2 of the module docstring)."""
+@dataclass
+class Basis:
+    """One call's smoothing basis per query head: ``center`` g [B, H, Dp], ``rows`` [B, H, R, Dp]
+    (orthonormal or zero) and ``scale`` [B, H], the power of two just above the deviations' largest
+    magnitude. The coefficients and the projections carry it (a_b / scale, (row . k') * scale), so
+    every projection column is in q . k units and scaling Q by a power of two c and K by 1/c leaves
+    every stored byte of the correction as it was."""
+
+    center: torch.Tensor
+    rows: torch.Tensor
+    scale: torch.Tensor
+
+
+def smoothing_basis(q_mean: torch.Tensor, rank: int = Q_BASIS_RANK, iterations: int = BASIS_ITERATIONS) -> Basis:
+    """The :class:`Basis` of the block means ``q_mean`` [B, H, n, Dp] (steps 1-2 of the module
+    docstring)."""
     qm = q_mean.float()
     finite = torch.isfinite(qm).all(-1, keepdim=True)           # [B, H, n, 1]
     count = finite.sum(-2).clamp_min(1).float()                    # [B, H, 1]
@@ -105,22 +123,33 @@ def smoothing_basis(q_mean: torch.Tensor, rank: int = Q_BASIS_RANK,
     # A power of two puts the deviations at most 1 (exact): the Gram matrix stays finite.
     amax = dev.abs().amax((-2, -1)) if dev.shape[-2] else dev.new_zeros(dev.shape[:2])
     _, e = torch.frexp(torch.where(amax > 0, amax, 1.0))
-    dev = dev * _power_of_two(-e.to(torch.int32))[..., None, None]
+    e = e.to(torch.int32).clamp(-126, 127)
+    dev = dev * _power_of_two(-e)[..., None, None]
     gram = dev.transpose(-1, -2) @ dev                              # [B, H, Dp, Dp]
-    basis = basis_start(rank, qm.shape[-1], qm.device).expand(*qm.shape[:2], rank, qm.shape[-1])
-    for _ in range(iterations):
-        basis = _orthonormalise(basis @ gram)
-    return center, basis.contiguous()
+    rows = basis_start(rank, qm.shape[-1], qm.device).expand(*qm.shape[:2], rank, qm.shape[-1])
+    for it in range(iterations):
+        rows = _orthonormalise(rows @ gram, _ORTHOGONAL_FLOOR if it == iterations - 1 else 0.0)
+    return Basis(center, rows.contiguous(), _power_of_two(e))
 
 
-def basis_coefficients(q_mean: torch.Tensor, center: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
-    """``a`` [B, H, n, R] fp32: each block mean's coordinates in the basis, ``basis (qm_b - g)``."""
-    return ((q_mean.float() - center[:, :, None, :]) @ basis.transpose(-1, -2)).contiguous()
+def basis_coefficients(q_mean: torch.Tensor, basis: Basis) -> torch.Tensor:
+    """The stored coefficients [B, H, n, R] fp32: each block mean's coordinates in the basis rows
+    over the basis scale, ``rows (qm_b - g) / scale``, computed in fp64 and rounded once."""
+    dev = q_mean.double() - basis.center.double()[:, :, None, :]
+    a = dev @ basis.rows.double().transpose(-1, -2) / basis.scale.double()[..., None, None]
+    return a.float().contiguous()
 
 
-def smoothed_means(center: torch.Tensor, basis: torch.Tensor, coeff: torch.Tensor) -> torch.Tensor:
-    """``m_b = g + basis^T a_b`` [B, H, n, Dp] fp32: what Q block b is smoothed by."""
-    return center[:, :, None, :] + coeff @ basis
+def smoothed_means(basis: Basis, coeff: torch.Tensor) -> torch.Tensor:
+    """``m_b = g + rows^T (coeff_b * scale)`` [B, H, n, Dp] fp32: what Q block b is smoothed by, as
+    the kernel forms it: from g, one fp32 fused multiply-add per row in row order (each computed
+    exactly in fp64, then rounded to fp32)."""
+    a = (coeff * basis.scale[..., None, None]).double()                       # exact: a power of two
+    rows = basis.rows.double()
+    m = basis.center[:, :, None, :].expand(*coeff.shape[:3], basis.center.shape[-1]).float()
+    for i in range(rows.shape[2]):
+        m = (m.double() + a[..., i:i + 1] * rows[:, :, None, i, :]).float()
+    return m
 
 
 @dataclass
@@ -149,10 +178,10 @@ def projection_exponents(u: torch.Tensor) -> torch.Tensor:
     return e.clamp(-126, 111).to(torch.int32)
 
 
-def key_projections(k_smoothed: torch.Tensor, center: torch.Tensor, basis: torch.Tensor, *,
-                    key_bias: Optional[torch.Tensor] = None, scale: Optional[float] = None) -> KeyProjections:
+def key_projections(k_smoothed: torch.Tensor, basis: Basis, *, key_bias: Optional[torch.Tensor] = None,
+                    scale: Optional[float] = None) -> KeyProjections:
     """The stored key projections of ``k_smoothed`` [B, Hkv, Skp, Dp] (k - km, zero past kv_lens and
-    in the padding) for the query heads' ``center`` [B, H, Dp] and ``basis`` [B, H, R, Dp].
+    in the padding) for the query heads' ``basis``: ``[g . k', (row_i . k') * basis.scale]``.
 
     Each projection is an fp32 dot product over Dp, then ``values = fp16(u 2^-e)`` (nearest even,
     finite values saturated at +-65504, +-inf and NaN kept) with the tile's exponent
@@ -166,11 +195,12 @@ def key_projections(k_smoothed: torch.Tensor, center: torch.Tensor, basis: torch
     checks it against fp64.
     """
     b, hkv, skp, dp = k_smoothed.shape
-    h = center.shape[1]
+    h = basis.center.shape[1]
     group = h // hkv
-    weights = torch.cat([center[:, :, None, :], basis], 2).float()              # [B, H, C, Dp]
+    weights = torch.cat([basis.center[:, :, None, :], basis.rows], 2).float()   # [B, H, C, Dp]
     keys = k_smoothed.float().repeat_interleave(group, dim=1)                 # [B, H, Skp, Dp]
     u = (keys.double() @ weights.double().transpose(-1, -2)).float()         # [B, H, Skp, C]
+    u[..., 1:] = u[..., 1:] * basis.scale[:, :, None, None]                  # a power of two: exact
     if key_bias is not None:
         if scale is None:
             raise ValueError("scale is needed with key_bias (the bias is in units of the scaled scores)")
@@ -196,12 +226,11 @@ def correction_from_projections(proj: KeyProjections, coeff: torch.Tensor, score
     return total * unit
 
 
-def residual_norm(q_mean: torch.Tensor, center: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
+def residual_norm(q_mean: torch.Tensor, basis: Basis) -> torch.Tensor:
     """|qm_b - m_b| per block [B, H, n]: how much of each block mean the basis leaves in the rows."""
-    coeff = basis_coefficients(q_mean, center, basis)
-    return (q_mean.float() - smoothed_means(center, basis, coeff)).norm(dim=-1)
+    return (q_mean.float() - smoothed_means(basis, basis_coefficients(q_mean, basis))).norm(dim=-1)
 
 
-__all__ = ["Q_BASIS_RANK", "KEY_PROJECTION_COLUMNS", "BASIS_ITERATIONS", "KeyProjections", "basis_start",
+__all__ = ["Q_BASIS_RANK", "KEY_PROJECTION_COLUMNS", "BASIS_ITERATIONS", "Basis", "KeyProjections", "basis_start",
            "smoothing_basis", "basis_coefficients", "smoothed_means", "key_projections",
            "projection_exponents", "correction_from_projections", "residual_norm"]

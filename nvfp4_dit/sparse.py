@@ -29,11 +29,10 @@ those keys). On the GPU the statistics come from the quantiser (``q_mean``, ``k_
 ``q_similarity``: :mod:`nvfp4_dit.format`), so the estimate reads no input again; the reference and
 exact paths compute the same statistics in PyTorch.
 
-**The lists.** The kernels read the map as CSR rows (per Q block an offset into a list of ascending
-tile indices, and a visiting order: each head's rows longest first) and as CSC columns (per key tile
-the Q blocks that read its correction); :func:`build_lists` makes both on the device for a group of
-correction chunks, sized for the worst case (every tile), so a sparse call never waits for the GPU
-and stays capturable in a CUDA graph. On the GPU the block-list kernels
+**The lists.** The kernel reads the map as CSR rows (per Q block an offset into a list of ascending
+tile indices) and a visiting order (each head's rows longest first); :func:`build_lists` makes them
+on the device for a group of Q blocks (:func:`row_groups` bounds a group's map), sized for the worst
+case (every tile), so a sparse call never waits for the GPU and stays capturable in a CUDA graph. On the GPU the block-list kernels
 (:mod:`nvfp4_dit.cuda.block_lists`) make the same map and lists in a few launches; the functions
 here are their PyTorch twin, which the reference, the ``torch`` quantiser path and the tests use.
 """
@@ -308,11 +307,10 @@ def map_rows(stats: Optional[BlockStatistics], sparsity: Sparsity, grid: TileGri
     return keep & allowed
 
 
-def row_groups(num_q_blocks: int, rows_per_group: int, elements_per_row: int,
-               budget: int = WORK_ELEMENTS) -> list[tuple[int, int]]:
-    """Split Q blocks into ``(begin, end)`` groups of whole multiples of ``rows_per_group`` (the
-    correction chunk) whose map has at most ``budget`` elements (one multiple at least)."""
-    per = max(1, budget // max(elements_per_row * rows_per_group, 1)) * max(rows_per_group, 1)
+def row_groups(num_q_blocks: int, elements_per_row: int, budget: Optional[int] = None) -> list[tuple[int, int]]:
+    """Split Q blocks into ``(begin, end)`` groups whose map has at most ``budget`` elements
+    (default :data:`WORK_ELEMENTS`; one block at least)."""
+    per = max(1, (WORK_ELEMENTS if budget is None else budget) // max(elements_per_row, 1))
     return [(i, min(i + per, num_q_blocks)) for i in range(0, num_q_blocks, per)]
 
 
@@ -322,7 +320,7 @@ def block_map(stats: Optional[BlockStatistics], sparsity: Sparsity, grid: TileGr
     device = map_device(stats, sparsity, device)
     weights = grid.tile_log_weights(device) if sparsity.estimated else None
     parts = [map_rows(stats, sparsity, grid, i0, i1, weights, device)
-             for i0, i1 in row_groups(grid.nq, 1, grid.batch * grid.heads * grid.nk)]
+             for i0, i1 in row_groups(grid.nq, grid.batch * grid.heads * grid.nk)]
     return torch.cat(parts, dim=2)
 
 
@@ -331,155 +329,62 @@ def block_map(stats: Optional[BlockStatistics], sparsity: Sparsity, grid: TileGr
 # ---------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
-class ChunkLists:
-    """One correction chunk's view of :class:`BlockLists`: device addresses (int) for the attention
-    kernel's block map (``offsets``, ``tiles``, ``order``, ``row_stride``) and the correction's
-    columns (``col_offsets``, ``col_rows``, ``col_entries``)."""
-
-    offsets: int
-    tiles: int
-    order: int
-    row_stride: int
-    col_offsets: int
-    col_rows: int
-    col_entries: int
-
-
-@dataclass(frozen=True)
 class BlockLists:
-    """The block map of consecutive correction chunks of ``step`` Q blocks each (the last may be
-    shorter), as int32 device lists, each chunk's in its own worst-case-sized region so that its
-    addresses are known on the host. In chunk c, row ``bh * step + m`` is Q block m of the chunk for
-    (batch, head) bh (rows past the chunk's length are empty), and entries (listed tiles, in row
-    order) count from the chunk's first: the compact correction of the chunk starts at entry 0."""
+    """The block map of a group of ``rows`` consecutive Q blocks as int32 device lists: row ``bh *
+    rows + g`` is Q block g of the group for (batch, head) bh."""
 
-    offsets: torch.Tensor      # [C, BH * step + 1] CSR row offsets
-    tiles: torch.Tensor        # [C, BH * step * nk] the entries' tile indices, ascending within a row
-    order: torch.Tensor        # [C, BH * step]: the chunk's rows, each head's longest first
-    col_offsets: torch.Tensor  # [C, BH * nk + 1] CSC column offsets
-    col_rows: torch.Tensor     # [C, BH * step * nk] per column entry: the Q block m within the chunk
-    col_entries: torch.Tensor  # [C, BH * step * nk] per column entry: its entry index
-    step: int
-
-    def chunk(self, c: int) -> ChunkLists:
-        def at(t: torch.Tensor) -> int:
-            return t[c].data_ptr()
-
-        return ChunkLists(offsets=at(self.offsets), tiles=at(self.tiles), order=at(self.order), row_stride=self.step,
-                          col_offsets=at(self.col_offsets), col_rows=at(self.col_rows),
-                          col_entries=at(self.col_entries))
+    offsets: torch.Tensor  # [BH * rows + 1] CSR row offsets
+    tiles: torch.Tensor    # [BH * rows * nk] the entries' tile indices, ascending within a row
+    order: torch.Tensor    # [BH * rows]: the rows in visiting order, each head's longest first
 
 
 def offsets_of(counts: torch.Tensor) -> torch.Tensor:
-    """int32 [C, n + 1]: per chunk (first dim) the exclusive cumulative sums of ``counts`` [C, ...]
-    and their total."""
-    out = torch.zeros(counts.shape[0], counts[0].numel() + 1, dtype=torch.int32, device=counts.device)
-    torch.cumsum(counts.flatten(1), 1, dtype=torch.int32, out=out[:, 1:])
+    """int32 [n + 1]: the exclusive cumulative sums of ``counts`` and their total."""
+    out = torch.zeros(counts.numel() + 1, dtype=torch.int32, device=counts.device)
+    torch.cumsum(counts.flatten(), 0, dtype=torch.int32, out=out[1:])
     return out
 
 
-def _pack(flat: torch.Tensor, slot: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """int32 like ``flat`` [C, n]: per chunk, ``values`` where ``flat`` is set, at ``slot`` (packed
-    from 0); the rest of each chunk's region is 0."""
-    chunks, n = flat.shape
-    out = torch.zeros(chunks, n + 1, dtype=torch.int32, device=flat.device)
-    out.scatter_(1, torch.where(flat, slot.long(), n), values.reshape(chunks, n))
-    return out[:, :n]
+def visiting_order(counts: torch.Tensor, nk: int) -> torch.Tensor:
+    """int32 [BH * rows]: the kernel's visiting order of the rows from their tile ``counts`` [BH,
+    rows]: each head's rows, longest first (ties by Q block)."""
+    bh, rows = counts.shape
+    key = torch.arange(bh, device=counts.device)[:, None] * (nk + 1) + (nk - counts)
+    return torch.argsort(key.flatten(), stable=True).to(torch.int32)
 
 
-def visiting_order(counts: torch.Tensor, chunk_lengths: Sequence[int], nk: int) -> torch.Tensor:
-    """int32 [C, BH * step]: the kernel's visiting order of each chunk's rows from their tile
-    ``counts`` [C, BH, step]: the chunk's real rows, each head's longest first; the padding rows last.
-    (All chunks but the last have ``step`` blocks: the lengths need no copy to the device.)"""
-    chunks, bh, step = counts.shape
-    device = counts.device
-    lengths = torch.where(torch.arange(chunks, device=device) == chunks - 1, chunk_lengths[-1], step)
-    real = torch.arange(step, device=device)[None, None, :] < lengths[:, None, None]          # [C, 1, step]
-    heads = torch.arange(bh, device=device)[None, :, None]
-    key = torch.where(real, heads * (nk + 1) + (nk - counts), bh * (nk + 1))
-    return torch.argsort(key.view(chunks, bh * step), dim=1, stable=True).to(torch.int32)
+def check_list_size(bh: int, rows: int, nk: int) -> None:
+    """The lists of a group of ``rows`` Q blocks are int32: ValueError past their range."""
+    if bh * rows * nk >= 2**31:
+        raise ValueError(f"a block map of {bh * rows * nk} elements exceeds int32 lists")
 
 
-def check_list_size(bh: int, step: int, nk: int) -> None:
-    """The lists of a chunk of ``step`` Q blocks are int32: ValueError past their range."""
-    if bh * step * nk >= 2**31:
-        raise ValueError(f"a correction chunk's block map of {bh * step * nk} elements exceeds int32 lists")
-
-
-def build_lists(rows_map: torch.Tensor, chunk_lengths: Sequence[int]) -> BlockLists:
-    """The lists of a block map ``rows_map`` bool [B, H, n, nk] whose rows are the Q blocks of
-    consecutive correction chunks of ``chunk_lengths`` blocks (all but the last equal). Device ops
-    only, sized for the worst case: no host sync."""
-    b, h, n, nk = rows_map.shape
-    step, chunks, bh = max(chunk_lengths), len(chunk_lengths), b * h
-    device = rows_map.device
-    check_list_size(bh, step, nk)
-    padded = torch.zeros(bh, chunks * step, nk, dtype=torch.bool, device=device)
-    padded[:, :n] = rows_map.reshape(bh, n, nk)
-    by_chunk = padded.view(bh, chunks, step, nk).transpose(0, 1).contiguous()   # [C, BH, step, nk]
-    flat = by_chunk.view(chunks, -1)
-
-    counts = by_chunk.sum(-1, dtype=torch.int32)                     # [C, BH, step]
+def build_lists(rows_map: torch.Tensor) -> BlockLists:
+    """The lists of a block map ``rows_map`` bool [B, H, rows, nk]. Device ops only, sized for the
+    worst case (every tile): no host sync."""
+    b, h, rows, nk = rows_map.shape
+    bh = b * h
+    check_list_size(bh, rows, nk)
+    flat = rows_map.reshape(bh * rows, nk)
+    counts = flat.sum(-1, dtype=torch.int32)
     offsets = offsets_of(counts)
     # Each listed tile's entry: its row's offset plus its rank in the row. Scans run along short
     # rows: torch scans each long row in one thread block.
-    entry = offsets[:, :-1].view(chunks, bh, step, 1) + torch.cumsum(by_chunk, -1, dtype=torch.int32) - 1
-    tile_ids = torch.arange(nk, dtype=torch.int32, device=device).repeat(chunks * bh * step)
-    tiles = _pack(flat, entry.view(chunks, -1), tile_ids)
-
-    order = visiting_order(counts, chunk_lengths, nk)
-
-    # Columns: per (chunk, bh, key tile) the Q blocks that list it, and their entries.
-    by_column = by_chunk.transpose(-1, -2).contiguous()              # [C, BH, nk, step]
-    col_flat = by_column.view(chunks, -1)
-    col_offsets = offsets_of(by_column.sum(-1, dtype=torch.int32))
-    col_slot = col_offsets[:, :-1].view(chunks, bh, nk, 1) + torch.cumsum(by_column, -1, dtype=torch.int32) - 1
-    block_ids = torch.arange(step, dtype=torch.int32, device=device).repeat(chunks * bh * nk)
-    col_slot = col_slot.view(chunks, -1)
-    col_rows = _pack(col_flat, col_slot, block_ids)
-    col_entries = _pack(col_flat, col_slot, entry.transpose(-1, -2))
-    return BlockLists(offsets=offsets, tiles=tiles, order=order, col_offsets=col_offsets, col_rows=col_rows,
-                      col_entries=col_entries, step=step)
+    entry = offsets[:-1, None] + torch.cumsum(flat, -1, dtype=torch.int32) - 1
+    tiles = torch.zeros(flat.numel() + 1, dtype=torch.int32, device=flat.device)
+    tile_ids = torch.arange(nk, dtype=torch.int32, device=flat.device).expand(bh * rows, nk)
+    tiles.scatter_(0, torch.where(flat, entry, flat.numel()).flatten().long(), tile_ids.flatten())
+    return BlockLists(offsets=offsets, tiles=tiles[:-1], order=visiting_order(counts.view(bh, rows), nk))
 
 
-def compact_correction(delta: fmt.Correction, rows_map: torch.Tensor) -> fmt.Correction:
-    """The compact correction of one chunk from its dense rows ``delta`` ([B, H, n, Skp] values) and
-    its block map ``rows_map`` [B, H, n, nk]: values [entries, 128] and factors [entries, 1], the
-    listed tiles in list order (what the CUDA correction writes with a block map; the PyTorch
-    quantiser's path)."""
-    b, h, n, nk = rows_map.shape
-    listed = rows_map.reshape(b * h, n, nk)
-    values = delta.values.reshape(b * h, n, nk, fmt.SEQ_TILE)[listed]
-    factors = delta.factors.reshape(b * h, n, nk)[listed]
-    return fmt.Correction(values.contiguous(), factors.reshape(-1, 1).contiguous())
-
-
-def chunk_groups(chunks: Sequence[tuple[int, int]], bh: int, nk: int,
-                 budget: int = WORK_ELEMENTS) -> list[list[tuple[int, int]]]:
-    """Consecutive correction chunks grouped so that a group's map has at most ``budget`` elements
-    (one chunk at least): each group gets one estimate and one :func:`build_lists`."""
-    groups, current, size = [], [], 0
-    for b0, b1 in chunks:
-        elements = bh * (b1 - b0) * nk
-        if current and size + elements > budget:
-            groups.append(current)
-            current, size = [], 0
-        current.append((b0, b1))
-        size += elements
-    if current:
-        groups.append(current)
-    return groups
-
-
-def lists_by_group(stats: Optional[BlockStatistics], sparsity: Sparsity, grid: TileGrid,
-                   chunks: Sequence[tuple[int, int]]):
-    """Per group of consecutive correction ``chunks`` (:func:`chunk_groups`): ``(group, rows_map,
-    lists)``, the group's block map (:func:`map_rows`) and its lists (:func:`build_lists`), made
-    on the device when the group is reached."""
+def lists_by_group(stats: Optional[BlockStatistics], sparsity: Sparsity, grid: TileGrid):
+    """Per group of Q blocks (:func:`row_groups`): ``((begin, end), rows_map, lists)``, the group's
+    block map (:func:`map_rows`) and its lists (:func:`build_lists`), made on the device when the
+    group is reached."""
     weights = grid.tile_log_weights(map_device(stats, sparsity)) if sparsity.estimated else None
-    for group in chunk_groups(chunks, grid.batch * grid.heads, grid.nk):
-        rows_map = map_rows(stats, sparsity, grid, group[0][0], group[-1][1], weights)
-        yield group, rows_map, build_lists(rows_map, [c1 - c0 for c0, c1 in group])
+    for i0, i1 in row_groups(grid.nq, grid.batch * grid.heads * grid.nk):
+        rows_map = map_rows(stats, sparsity, grid, i0, i1, weights)
+        yield (i0, i1), rows_map, build_lists(rows_map)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -561,8 +466,7 @@ def estimate_block_mask(q: torch.Tensor, k: torch.Tensor, keep_mass: float, *, l
         stats = BlockStatistics.of(qq)
         if block_lists.supported(grid):   # the kernels' own map
             dk = launch.device_kernels(q.device)
-            chunks = cuda_quantize.correction_chunks(grid.nq, b, h, grid.nk * fmt.SEQ_TILE)
-            return block_lists.block_map(dk, stats, sparsity, grid, chunks, launch.current_stream(dk.index))
+            return block_lists.block_map(dk, stats, sparsity, grid, launch.current_stream(dk.index))
     else:
         if order is not None:
             rows = order.source_rows(sq, q.device)

@@ -2,12 +2,12 @@
 """Benchmark the NVFP4 attention kernel against SDPA (flash, cuDNN) and SageAttention if installed.
 
 One run times, at B1 H40 D128 and S = 8k, 32k, 77k, causal and not:
-  * ``nvfp4 kernel``: the attention kernel alone on pre-quantised inputs with the whole
-    correction precomputed (native FP4 MMA on sm_120/121, the fp16 emulation on sm_80/90);
-  * ``nvfp4 e2e``: ``nvfp4_dit.cuda.attention.attention`` (quantise + correction chunks + kernel);
+  * ``nvfp4 kernel``: the attention kernel alone on inputs the CUDA quantiser prepared (native FP4
+    MMA on sm_120/121, the fp16 emulation on sm_80/90);
+  * ``nvfp4 e2e``: ``nvfp4_dit.cuda.attention.attention`` (quantise + kernel);
   * ``mxfp8 Q·Kᵀ e2e``: the same with ``qk_format="mxfp8"`` (8-bit Q·Kᵀ, NVFP4 P·V);
-  * ``nvfp4 quantize+correction``: the preprocessing of the e2e path alone (the CUDA quantiser and
-    every correction chunk);
+  * ``nvfp4 quantize``: the preparation of the e2e path alone (the CUDA quantiser, with the smoothing
+    basis and the key projections);
   * ``sdpa flash`` / ``sdpa cudnn``: torch SDPA in bf16 with that back-end forced;
   * ``sageattn3`` / ``sageattention``: when importable.
 Prints a markdown table (ms and TFLOP/s, 4*B*H*Sq*Sk*D flops, halved when causal) and writes a
@@ -28,10 +28,9 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from nvfp4_dit.cuda import attention as attention_cuda, build, quantize  # noqa: E402
 from nvfp4_dit import format as fmt  # noqa: E402
-from nvfp4_dit import preprocess  # noqa: E402
 
 
-PREPROCESSING = ("nvfp4 quantize+correction",)
+PREPROCESSING = ("nvfp4 quantize",)
 
 
 def time_ms(fn, reps: int, warmup: int = 1) -> float:
@@ -147,8 +146,7 @@ def main() -> int:
     for s in (int(x) for x in args.seqs.split(",")):
         g = torch.Generator(device="cuda").manual_seed(s)
         q, k, v = (torch.randn(b, h, s, d, generator=g, device=dev).to(torch.bfloat16) for _ in range(3))
-        qq = preprocess.quantize_qkv(q, k, v, layout="HND")
-        delta = preprocess.correction(qq)
+        qq = quantize.quantize_qkv(q, k, v, layout="HND")
         for causal in (False, True):
             f = flops(b, h, s, d, causal)
             big = f > 2e13
@@ -157,15 +155,13 @@ def main() -> int:
             scale = 1.0 / math.sqrt(d)
 
             def kernel_only():
-                attention_cuda.run_kernel(qq, [(0, qq.num_q_blocks, delta)], out, None, scale=scale, causal=causal,
+                attention_cuda.run_kernel(qq, qq.key_projections, out, None, scale=scale, causal=causal,
                                           kv_lens=None)
 
             def preparation():
-                for _ in quantize.iter_corrections(quantize.quantize_qkv(q, k, v, layout="HND")):
-                    pass
+                quantize.quantize_qkv(q, k, v, layout="HND")
 
-            results = {"nvfp4 kernel": time_ms(kernel_only, reps),
-                       "nvfp4 quantize+correction": time_ms(preparation, reps)}
+            results = {"nvfp4 kernel": time_ms(kernel_only, reps), "nvfp4 quantize": time_ms(preparation, reps)}
             results["nvfp4 e2e"] = time_ms(lambda: attention_cuda.attention(
                 q, k, v, layout="HND", causal=causal, scale=None, kv_lens=None, return_lse=False), reps)
             results["mxfp8 Q·Kᵀ e2e"] = time_ms(lambda: attention_cuda.attention(

@@ -5,7 +5,7 @@ At a tiny shape (B1, H1, 128 tokens, D 64) the GPU work is a few microseconds, s
 of many back-to-back calls (one synchronise at the end) is the host's cost per call. Rows:
 
 * ``nvfp4_dit.attention`` (backend ``cuda``): validation, back-end choice, one workspace
-  allocation, the quantiser, correction and attention launches;
+  allocation, the quantiser and attention launches;
 * the diffusers route: the registered ``"nvfp4"`` backend as a processor calls it (the router and
   the call planner, then the op), with a bool key-padding mask ``[B, 1, 1, S]``;
 * the ComfyUI override as a model calls it, with an additive key-padding mask ``[B, 1, S]``;

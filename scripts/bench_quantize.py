@@ -2,16 +2,17 @@
 
 For B=1, H=40, D=128, bf16 NHD inputs at S = 8k, 32k, 77k and 118.8k tokens:
 
-* default: ``nvfp4_dit.cuda.quantize.quantize_qkv`` with the default per-channel Q/K balance;
+* default: ``nvfp4_dit.cuda.quantize.quantize_qkv`` with the default per-channel Q/K balance: the
+  whole preparation of a call (statistics, the smoothing basis, the K tiles with their key
+  projections, the Q and V^T tiles; the attention kernel forms the smoothing correction itself);
 * no balance: the default kernel with ``balance_qk=False`` (no statistics pass over Q);
 * 3D tiles: the default kernel reading a video call's tile order (``order=``; the grid of each
   length in :data:`VIDEO_GRIDS`) instead of the caller's rows;
 * copy: a device-to-device copy moving the same number of bytes (the bandwidth ceiling);
 * torch-ops: ``nvfp4_dit.preprocess.quantize_qkv`` on the GPU (the plain-PyTorch preprocessing);
-* correction: every chunk of ``qm . (k - km)^T`` under the default 1 GiB budget;
-* preparation = default quantisation + correction, as a fraction of the time of exact attention
-  (cuDNN SDPA where torch has it, else the default SDPA back-end; the column says which) and as a
-  ratio to a device-to-device copy of Q, K and V.
+* preparation = the default quantisation, as a fraction of the time of exact attention (cuDNN SDPA
+  where torch has it, else the default SDPA back-end; the column says which) and as a ratio to a
+  device-to-device copy of Q, K and V.
 
 Default, no balance, 3D tiles and copy are timed in interleaved rounds (``--rounds``), each peer's
 best round kept. "Bytes" = the inputs read once plus every output written (the minimum traffic);
@@ -85,8 +86,10 @@ def peak_bytes(fn) -> int:
 
 def output_bytes(qq) -> int:
     fields = ("q_data", "q_sf", "k_data", "k_sf", "vt_data", "vt_sf", "q_mean", "k_mean", "v_mean", "q_scale",
-              "k_scale", "v_scale", "balance", "q_dot_km")
-    return sum(getattr(qq, f).nbytes for f in fields if getattr(qq, f) is not None)
+              "k_scale", "v_scale", "balance", "q_dot_km", "q_center", "q_basis", "q_basis_scale", "q_coeff")
+    projections = qq.key_projections
+    return (sum(getattr(qq, f).nbytes for f in fields if getattr(qq, f) is not None)
+            + projections.values.nbytes + projections.factors.nbytes)
 
 
 def best_of_rounds(timers: dict, rounds: int) -> dict:
@@ -99,11 +102,6 @@ def best_of_rounds(timers: dict, rounds: int) -> dict:
         for name, timer in timers.items():
             best[name] = min(best[name], timer())
     return best
-
-
-def run_corrections(qq) -> None:
-    for _ in cq.iter_corrections(qq):
-        pass
 
 
 def bench_one(seq: int, heads: int, dim: int, iters: int, rounds: int) -> dict:
@@ -138,10 +136,6 @@ def bench_one(seq: int, heads: int, dim: int, iters: int, rounds: int) -> dict:
     mem_torch = peak_bytes(torch_ops)
     torch.cuda.empty_cache()
 
-    t_corr = cuda_time(lambda: run_corrections(qq), max(2, iters // 5), warmup=1)
-    mem_corr = peak_bytes(lambda: run_corrections(qq))
-    n_chunks = len(cq.correction_chunks(qq.num_q_blocks, 1, heads, qq.k_data.shape[2]))
-
     t_qkv_copy = cuda_time(lambda: [t.clone() for t in (q, k, v)], iters, warmup=2)
     qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
     t_sdpa, sdpa_backend = time_sdpa(qh, kh, vh)
@@ -149,9 +143,8 @@ def bench_one(seq: int, heads: int, dim: int, iters: int, rounds: int) -> dict:
     torch.cuda.empty_cache()
     return dict(seq=seq, heads=heads, dim=dim, traffic_bytes=traffic, t_default=t_default, t_no_balance=t_no_balance,
                 t_tiles3d=t_tiles3d, video_grid=list(video_order(seq).grid),
-                t_copy=t_copy, t_torch=t_torch, t_corr=t_corr, t_sdpa=t_sdpa,
-                sdpa_backend=sdpa_backend, t_qkv_copy=t_qkv_copy, mem_default=mem_default, mem_torch=mem_torch,
-                mem_corr=mem_corr, corr_chunks=n_chunks)
+                t_copy=t_copy, t_torch=t_torch, t_sdpa=t_sdpa,
+                sdpa_backend=sdpa_backend, t_qkv_copy=t_qkv_copy, mem_default=mem_default, mem_torch=mem_torch)
 
 
 def time_sdpa(qh, kh, vh) -> tuple[float, str]:
@@ -166,8 +159,8 @@ def time_sdpa(qh, kh, vh) -> tuple[float, str]:
 
 
 def smoke() -> int:
-    """Every dtype x layout x head-dim path once, small, plus a chunked correction: a driver for
-    ``compute-sanitizer --tool memcheck|racecheck``."""
+    """Every dtype x layout x head-dim path once, small: a driver for ``compute-sanitizer --tool
+    memcheck|racecheck``."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         for layout in ("NHD", "HND"):
@@ -176,10 +169,8 @@ def smoke() -> int:
                 q, k, v = (torch.randn(*shape, device="cuda", dtype=dtype, generator=gen) for _ in range(3))
                 lens = torch.tensor([300, 170], device="cuda", dtype=torch.int32)
                 for balance_qk in (True, False):
-                    qq = cq.quantize_qkv(q, k, v, layout=layout, kv_lens=lens, balance_qk=balance_qk)
+                    cq.quantize_qkv(q, k, v, layout=layout, kv_lens=lens, balance_qk=balance_qk)
                 cq.quantize_qkv(q, k, v, layout=layout, kv_lens=lens, order=TokenOrder((3, 10, 10), (0, 300)))
-                for _ in cq.iter_corrections(qq, budget=2 * 2 * 384 * 4):
-                    pass
     torch.cuda.synchronize()
     print("smoke ok")
     return 0
@@ -189,20 +180,20 @@ def table(rows: list[dict]) -> str:
     head = ("| S | bytes (GB) | default GB/s | copy GB/s | default / copy | no balance / copy | 3D tiles / default "
             "| torch-ops GB/s "
             "| default speed-up vs torch-ops "
-            "| peak mem default (GiB) | peak mem torch-ops (GiB) | correction ms (chunks) | SDPA ms | correction / SDPA "
-            "| peak mem correction (GiB) | preparation / SDPA | preparation / copy of Q, K, V |")
+            "| peak mem default (GiB) | peak mem torch-ops (GiB) | SDPA ms | preparation / SDPA "
+            "| preparation / copy of Q, K, V |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         gb = r["traffic_bytes"] / 1e9
         no_balance = f"{r['t_copy'] / r['t_no_balance']:.0%}" if r.get("t_no_balance") else "-"
         tiles3d = f"{r['t_tiles3d'] / r['t_default']:.2f}" if r.get("t_tiles3d") else "-"
-        qkv_copy = f"{(r['t_default'] + r['t_corr']) / r['t_qkv_copy']:.1f}x" if r.get("t_qkv_copy") else "-"
+        qkv_copy = f"{r['t_default'] / r['t_qkv_copy']:.1f}x" if r.get("t_qkv_copy") else "-"
         lines.append(
             f"| {r['seq']:,} | {gb:.2f} | {gb / r['t_default']:.0f} | {gb / r['t_copy']:.0f} | "
             f"{r['t_copy'] / r['t_default']:.0%} | {no_balance} | {tiles3d} | {gb / r['t_torch']:.0f} | "
-            f"{r['t_torch'] / r['t_default']:.1f}x | {r['mem_default'] / GiB:.2f} | {r['mem_torch'] / GiB:.2f} | {r['t_corr'] * 1e3:.1f} ({r['corr_chunks']}) | "
-            f"{r['t_sdpa'] * 1e3:.0f} ({r.get('sdpa_backend', '-')}) | {r['t_corr'] / r['t_sdpa']:.1%} | "
-            f"{r['mem_corr'] / GiB:.2f} | {(r['t_default'] + r['t_corr']) / r['t_sdpa']:.1%} | {qkv_copy} |")
+            f"{r['t_torch'] / r['t_default']:.1f}x | {r['mem_default'] / GiB:.2f} | {r['mem_torch'] / GiB:.2f} | "
+            f"{r['t_sdpa'] * 1e3:.0f} ({r.get('sdpa_backend', '-')}) | {r['t_default'] / r['t_sdpa']:.1%} | "
+            f"{qkv_copy} |")
     return "\n".join(lines)
 
 
@@ -228,8 +219,8 @@ def plot(rows: list[dict], path: Path) -> bool:
     ax1.legend()
     ax1.grid(alpha=0.3)
     ax2.plot(seqs, [r["t_copy"] / r["t_default"] * 100 for r in rows], marker="o", label="default / copy bandwidth (%)")
-    ax2.plot(seqs, [(r["t_default"] + r["t_corr"]) / r["t_sdpa"] * 100 for r in rows], marker="s",
-             label="quantise + correction / SDPA time (%)")
+    ax2.plot(seqs, [r["t_default"] / r["t_sdpa"] * 100 for r in rows], marker="s",
+             label="preparation / SDPA time (%)")
     ax2.axhline(80, ls="--", c="gray", lw=0.8)
     ax2.set_xlabel("tokens (thousands)")
     ax2.set_ylabel("%")

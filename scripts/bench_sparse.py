@@ -4,9 +4,9 @@
 One run, at B1 H40 D128 bf16 (HND) and each ``--seq`` (default 32k, 77k, 118.8k):
 
 * per density (default 1, 0.5, 0.25, 0.1; random block maps that keep the diagonal tile): the
-  attention kernel's device time, the correction's and the whole call's (``nvfp4_dit.attention``
-  with ``block_mask``; the kernels' times come from the CUDA profiler), each relative to the dense
-  call of the same run, and the call's peak memory beyond its inputs and output;
+  attention kernel's device time and the whole call's (``nvfp4_dit.attention`` with
+  ``block_mask``; the kernels' times come from the CUDA profiler), each relative to the dense call
+  of the same run, the quantiser's time, and the call's peak memory beyond its inputs and output;
 * the estimate (``keep_mass=0.9``: the block map from the quantiser's statistics, listed for the
   kernels) against cuDNN SDPA on the same shape, on the iid inputs (every block keeps every tile:
   the lists' worst case) and on video-structured ones (``video_inputs.py``, a 21-frame grid: the
@@ -35,7 +35,7 @@ from nvfp4_dit.cuda import block_lists, launch, quantize  # noqa: E402
 from bench_attention import time_ms  # noqa: E402  (scripts/ is the script's own folder)
 from video_inputs import grid_for, video_qkv  # noqa: E402
 
-KERNEL_GROUPS = {"attention": "nvfp4_dit_attention_fwd", "correction": "nvfp4_dit_correction",
+KERNEL_GROUPS = {"attention": "nvfp4_dit_attention_fwd", "lists": "nvfp4_dit_block_",
                  "quantise": "nvfp4_dit_"}   # the rest of our kernels: the quantiser's
 
 
@@ -74,19 +74,16 @@ def random_map(heads: int, nq: int, density: float, seed: int) -> torch.Tensor:
 
 
 def estimate_fn(q, k, keep_mass: float):
-    """The estimate as a call runs it: per group of correction chunks, the map of its rows from the
+    """The estimate as a call runs it: per group of Q blocks, the map of its rows from the
     quantiser's statistics, listed for the kernels."""
     b, h, sq, d = q.shape
     stats = sparse.BlockStatistics.of(quantize.quantize_qkv(q, k, k, layout="HND"))
     grid = sparse.TileGrid(b, h, sq, sq, fmt.default_scale(d))
     spec = sparse.Sparsity(keep_mass=keep_mass)
-    nk = sparse.num_blocks(sq)
-    chunks = quantize.correction_chunks(nk, b, h, nk * fmt.SEQ_TILE)
-
     dk = launch.device_kernels(q.device)
 
     def run():
-        for _ in block_lists.lists_by_group(dk, stats, spec, grid, chunks, launch.current_stream(dk.index)):
+        for _ in block_lists.lists_by_group(dk, stats, spec, grid, launch.current_stream(dk.index)):
             pass
     return run
 
@@ -143,7 +140,7 @@ def bench(seq: int, heads: int, dim: int, densities, reps: int) -> tuple[list[di
                "call_ms": time_ms(call, reps), **{f"{g}_ms": t for g, t in kernel_ms(call).items()},
                "peak_extra_mib": peak_extra_mib(call)}
         dense = dense or row
-        for key in ("call_ms", "attention_ms", "correction_ms"):
+        for key in ("call_ms", "attention_ms"):
             row[key.replace("_ms", "_vs_dense")] = row[key] / dense[key] if dense[key] else float("nan")
         rows.append(row)
         print(f"S={seq} density {density}: call {row['call_ms']:.1f} ms, kernel {row['attention_ms']:.1f} ms",
@@ -181,14 +178,13 @@ def main(argv=None) -> int:
     if all_rows:
         print(f"Block-sparse NVFP4 attention, {name}, B1 H{args.heads} D{args.dim} bf16, random maps keeping the "
               f"diagonal; times relative to the dense call of the same run:\n")
-        print("| S | density (map) | call ms | call / dense | attention kernel ms | kernel / dense | correction ms "
-              "| correction / dense | quantiser ms | other ms | peak extra MiB |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|")
+        print("| S | density (map) | call ms | call / dense | attention kernel ms | kernel / dense "
+              "| quantiser ms | block lists ms | other ms | peak extra MiB |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
         for r in all_rows:
             print(f"| {r['seq']:,} | {r['density']} ({r['map_density']:.3f}) | {r['call_ms']:.1f} | {r['call_vs_dense']:.3f} "
-                  f"| {r['attention_ms']:.1f} | {r['attention_vs_dense']:.3f} | {r['correction_ms']:.1f} "
-                  f"| {r['correction_vs_dense']:.3f} | {r['quantise_ms']:.1f} | {r['other_ms']:.1f} "
-                  f"| {r['peak_extra_mib']:.0f} |")
+                  f"| {r['attention_ms']:.1f} | {r['attention_vs_dense']:.3f} | {r['quantise_ms']:.1f} "
+                  f"| {r['lists_ms']:.1f} | {r['other_ms']:.1f} | {r['peak_extra_mib']:.0f} |")
     print("\nThe estimate (keep_mass=0.9: block statistics to the kernels' lists) against cuDNN SDPA, on iid and on "
           "video-structured inputs:\n")
     print("| S | SDPA cuDNN ms | iid: estimate ms | / SDPA | video grid | video: estimate ms | / SDPA |")

@@ -19,8 +19,8 @@ Checks, per kernel instantiation:
     thread-id-a 0, thread-id-b 0..3 and each byte-id 0..min(4, D/32)-1 on equal shares (encoding
     read off the 32 8-bit probe kernels), and the FP4 P·V as above (2 x 32 or 2 x 16 OMMA);
   * ptxas: 0 bytes of spill stores/loads and no stack frame; SASS: no local loads/stores;
-  * the preparation kernels (quantisers and correction): 0 bytes of spills, and each correction
-    kernel holds its s8 m16n8k32 ``IMMA.16832.S8.S8`` as often as its loop implies.
+  * the preparation kernels (the quantiser's, the smoothing basis, the block lists): 0 bytes of
+    spills.
 Prints markdown tables; exit status 1 if a check fails.
 
 Needs nvcc, and cuobjdump + nvdisasm (PATH, PyPI ``nvidia-cuda-cuobjdump`` /
@@ -45,9 +45,7 @@ from nvfp4_dit import format as fmt
 CSRC = build.csrc_dir()
 OMMA = "OMMA.SF.16864.F32.E2M1.E2M1.UE4M3.4X"
 QMMA = "QMMA.SF.16832.F32.E4M3.E4M3.E8"   # m16n8k32 kind::mxf8f6f4 e4m3, ue8m0 scale_vec::1X
-IMMA = "IMMA.16832.S8.S8"                 # m16n8k32 s8 x s8 -> s32 (the correction GEMM)
-PREPARATION_UNITS = ("quantize/quantize_tiles.cu", "quantize/correction.cu", "quantize/block_lists.cu")
-CORRECTION_PREFIX = "nvfp4_dit_correction_"
+PREPARATION_UNITS = ("quantize/quantize_tiles.cu", "quantize/smoothing_basis.cu", "quantize/block_lists.cu")
 UNITS = {d: f"attention/attention_fwd_native_d{d}.cu" for d in fmt.SUPPORTED_HEAD_DIMS}
 MX_UNITS = {d: f"attention/attention_fwd_native_mxfp8_d{d}.cu" for d in fmt.SUPPORTED_HEAD_DIMS}
 ARCHS = tuple(a[3:] for a in build.NATIVE_ARCHS)  # "120a", "121a"
@@ -78,15 +76,9 @@ def expected_mx_mma_in_sass(head_dim: int, block_n: int = 128) -> tuple[int, int
     return (block_n // 8) * (head_dim // 32), 2 * pv
 
 
-def expected_correction_imma(head_dim_padded: int) -> int:
-    """s8 MMAs in the SASS of a correction kernel: 8 limb pairs x Dp/32 k-steps x 4 n8 tiles of one
-    32-key pass (the warp's second pass runs the same loop body)."""
-    return 8 * (head_dim_padded // 32) * 4
-
-
 def expected_mma_of(kernel: str) -> dict[str, int] | None:
     """The MMA counts the SASS of native entry point ``kernel`` must hold: {omma, qmma} of an
-    attention kernel, {imma} of a correction kernel; None for the other entry points."""
+    attention kernel; None for the other entry points."""
     m = re.fullmatch(r"nvfp4_dit_attention_fwd_native_(nvfp4|mxfp8)_d(\d+)(_sparse)?", kernel)
     if m:
         d = int(m.group(2))
@@ -94,9 +86,6 @@ def expected_mma_of(kernel: str) -> dict[str, int] | None:
             return dict(omma=expected_mma_in_sass(d), qmma=0)
         qmma, omma = expected_mx_mma_in_sass(d)
         return dict(omma=omma, qmma=qmma)
-    m = re.fullmatch(CORRECTION_PREFIX + r"\w+_d(\d+)", kernel)
-    if m:
-        return dict(imma=expected_correction_imma(int(m.group(1))))
     return None
 
 
@@ -175,14 +164,12 @@ def sass_counts(sass: str) -> dict[str, dict]:
         m = re.search(r"Function : (\S+)", line)
         if m:
             current, uniform = m.group(1), {}
-            counts[current] = {"omma": 0, "qmma": 0, "imma": 0, "local": 0, "selectors": [], "qmma_selectors": []}
+            counts[current] = {"omma": 0, "qmma": 0, "local": 0, "selectors": [], "qmma_selectors": []}
             continue
         m = _INSTRUCTION.search(line)
         if current is None or m is None:
             continue
         opcode, operands = m.group(1), [o.strip() for o in m.group(2).split(",")]
-        if opcode == IMMA:
-            counts[current]["imma"] += 1
         if opcode in (OMMA, QMMA):
             key = "omma" if opcode == OMMA else "qmma"
             counts[current][key] += 1
@@ -317,23 +304,18 @@ def check(archs=ARCHS, head_dims=fmt.SUPPORTED_HEAD_DIMS, qk_formats=fmt.QK_FORM
 
 
 def check_preparation(archs=ARCHS) -> tuple[list[dict], list[str]]:
-    """Spills of every quantiser and correction kernel, and the correction's IMMA count."""
+    """Spills of every preparation kernel."""
     rows, failures = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for arch in archs:
             for unit in PREPARATION_UNITS:
-                cubin, log = compile_cubin(unit, arch, Path(tmp))
-                sass = sass_counts(disassemble(cubin))
+                _, log = compile_cubin(unit, arch, Path(tmp))
                 for kernel, p in sorted(parse_ptxas(log).items()):
-                    imma = sass.get(kernel, {}).get("imma", 0)
-                    want = (expected_mma_of(kernel) or {}).get("imma", 0)
                     row = dict(arch=f"sm_{arch}", kernel=kernel, registers=p.get("registers"),
-                               spill=p.get("spill_stores", -1) + p.get("spill_loads", -1), imma=imma, expected_imma=want)
+                               spill=p.get("spill_stores", -1) + p.get("spill_loads", -1))
                     rows.append(row)
                     if row["spill"] != 0:
                         failures.append(f"sm_{arch} {kernel}: spills {row['spill']} B")
-                    if imma != want:
-                        failures.append(f"sm_{arch} {kernel}: {imma} {IMMA} in SASS, expected {want}")
     return rows, failures
 
 
@@ -351,10 +333,10 @@ def main() -> int:
               f"{r['selectors']} | {r['qmma']} ({r['expected_qmma']}) | {r['qmma_selectors'] or '-'} | "
               f"{r['registers']} | {r['spill']} | {r['stack']} | {r['local']} | {r['smem']} |")
     prep_rows, prep_failures = check_preparation(tuple(args.arch) if args.arch else ARCHS)
-    print("\n| arch | preparation kernel | registers | spill B | IMMA in SASS (expected) |")
-    print("|---|---|---|---|---|")
+    print("\n| arch | preparation kernel | registers | spill B |")
+    print("|---|---|---|---|")
     for r in prep_rows:
-        print(f"| {r['arch']} | {r['kernel']} | {r['registers']} | {r['spill']} | {r['imma']} ({r['expected_imma']}) |")
+        print(f"| {r['arch']} | {r['kernel']} | {r['registers']} | {r['spill']} |")
     for f in failures + prep_failures:
         print("FAIL:", f)
     return 1 if failures or prep_failures else 0

@@ -20,7 +20,7 @@ Assumptions (sm_120, per SM sub-partition (SMSP) unless said; 8 warps per CTA, 1
     logic, select, compare, moves and packs at half rate (2 clocks); both share the same cores,
     so their sum is one pipe; uniform-datapath and control instructions take only an issue slot;
   * shared memory: 128 B per clock per SM: an LDSM.x4 of a warp is 4 wavefronts, an LDS or a
-    SHFL 1 (the kernel's LDS read scale words and broadcast correction rows), and the cp.async
+    SHFL 1 (the kernel's LDS read scale words, key projections and corrections), and the cp.async
     fill of the next stage its bytes / 128, in the Q·Kᵀ phase;
   * every warp synchronises once per tile and runs Q·Kᵀ then softmax in lock-step, so the tile
     is two phases (up to the last Q·Kᵀ MMA, and the rest); each phase takes its slowest pipe and
@@ -37,21 +37,20 @@ rows, with ``density`` and ``seq``), where the sparse tile is the ``_sparse`` ke
 dependent global reads (visiting order, list offsets, the first tile index) at about 800 clocks
 each before its first stage load issues, not hidden by other work of the CTA.
 
-The preparation (quantisation + correction) is modelled separately from its bytes and int8
-operations at the board's memory bandwidth (1.792 TB/s, GDDR7 on both boards) and int8 tensor rate
-(SMs x 4 SMSPs x 16x8x32x2 / 16 clocks x clock), memory and tensor overlapped perfectly; B=1, H=40,
-D=128 bf16 NHD inputs, balance_qk on, the default 1 GiB correction budget. Quantisation reads Q, K
-and V once each plus the statistics tiles (16 per head of each), writes codes, scales, means,
-q . km and the block statistics (key tile means, Q block similarity), and its fix-up pass reads
-and rewrites the K and V scale bytes (every tile moved to its head's scale; the rare tile that is
-quantised again is left out); each correction chunk reads K once and
-writes its rows of delta (fp16 and a 4-byte factor per 128 keys). Its share is against the
-modelled attention time at the nvfp4 D=128 non-causal TFLOP/s above. A block-sparse call at density d (``--json`` rows with ``seq_len``,
-``density``, ``prep_share``) adds the estimate (the pooled scores written and read back, the map's
-bit words and word counts, the three int32 lists of its d * nq * nk entries written) and computes
-and writes d of the correction (work in proportion to listed rows; the correction kernel skips a
-warp's 16 rows only when none is listed, which this ignores); its attention time is the dense
-time x ``time_vs_dense`` of the block-sparse kernel.
+The preparation (the quantiser) is modelled separately from its bytes at the board's memory
+bandwidth (1.792 TB/s, GDDR7 on both boards); B=1, H=40, D=128 bf16 NHD inputs, balance_qk on.
+Quantisation reads Q twice (its block means for the smoothing basis, then its tiles), K and V once
+each, plus the statistics tiles (16 per head of each); writes codes, scales, means, q . km, the
+block statistics (key tile means, Q block similarity), the smoothing basis, each block's
+coefficients and smoothed mean (read back by the Q tiles) and the key projections (16 fp16 values
+per key and query head, a factor per 128 keys); and its fix-up pass reads and rewrites the K and V
+scale bytes (every tile moved to its head's scale; the rare tile that is quantised again is left
+out). The attention kernel forms the smoothing correction from the key projections (its SASS, above,
+holds that work). The share is against the modelled attention time at the nvfp4 D=128 non-causal
+TFLOP/s above. A block-sparse call at density d (``--json`` rows with ``seq_len``, ``density``,
+``prep_share``) adds the estimate (the pooled scores written and read back, the map's bit words
+and word counts, the int32 list of its d * nq * nk entries written); its attention time is the
+dense time x ``time_vs_dense`` of the block-sparse kernel.
 
     python scripts/model_sm120.py            # table
     python scripts/model_sm120.py --json     # rows as JSON
@@ -361,45 +360,44 @@ def time_vs_dense(row: dict, density: float, seq: int) -> float:
     return sparse / (nk * row["clocks_per_tile"])
 
 
-def preparation(seq: int, attention_tflops: float, sms: int, clock: float, heads: int = 40, head_dim: int = 128,
-                budget: int = 1 << 30, density: float = 1.0, attention_vs_dense: float = 1.0) -> dict:
-    """Modelled time of quantise + correction (+ the estimate of a block-sparse call at ``density``
-    < 1) at B=1 (module docstring) and its share of attention (dense time x ``attention_vs_dense``)."""
-    from nvfp4_dit.cuda import quantize
+def preparation(seq: int, attention_tflops: float, heads: int = 40, head_dim: int = 128, density: float = 1.0,
+                attention_vs_dense: float = 1.0) -> dict:
+    """Modelled time of the quantiser (+ the estimate of a block-sparse call at ``density`` < 1) at
+    B=1 (module docstring) and its share of attention (dense time x ``attention_vs_dense``)."""
+    from nvfp4_dit import smoothing
 
     elems = seq * heads * head_dim
     skp = -(-seq // fmt.SEQ_TILE) * fmt.SEQ_TILE
     nblk = skp // fmt.SEQ_TILE
     block_stats = nblk * heads * head_dim * 4 + nblk * heads * 4           # key tile means, Q similarity
     sampled = min(seq, fmt.STATISTICS_TILES * fmt.SEQ_TILE) * heads * head_dim * 2   # one tensor's statistics tiles
+    rank, columns = smoothing.Q_BASIS_RANK, smoothing.KEY_PROJECTION_COLUMNS
+    smoothing_bytes = (2 * elems                                  # Q read once more, for its block means
+                       + 2 * nblk * heads * head_dim * 4          # the block means, written and read by the basis
+                       + nblk * heads * (rank + 2 * head_dim) * 4  # coefficients; smoothed means written and read
+                       + skp * heads * (2 * columns + 4 / fmt.SEQ_TILE))   # key projections and factors
     quant_bytes = (3 * 2 * elems + 3 * sampled + 3 * elems // 2 + 3 * elems // 16 + 2 * 2 * elems // 16
-                   + (seq // 128 + 1) * heads * head_dim * 4 + seq * heads * 4 + block_stats)
-    chunks = len(quantize.correction_chunks(nblk, 1, heads, skp, budget))
-    # delta: 128 fp16 values and a 4-byte factor per (Q block, key tile)
-    corr_bytes = chunks * 2 * skp * heads * head_dim + density * nblk * skp * heads * (2 + 4 / fmt.SEQ_TILE)
-    corr_ops = density * 8 * 2 * nblk * skp * head_dim * heads   # eight int8 limb products per multiply-add
+                   + (seq // 128 + 1) * heads * head_dim * 4 + seq * heads * 4 + block_stats + smoothing_bytes)
     map_elems = nblk * nblk * heads
     words = -(-nblk // 32)
     estimate_bytes = 0.0 if density >= 1.0 else (
         2 * map_elems * 4                       # pooled scores: the matmul writes them, the map kernel reads
         + 3 * nblk * heads * words * 4 * 2      # bit words and word counts, written and read by the lists
-        + 3 * density * map_elems * 4)          # tiles, column rows, column entries
-    int8_rate = sms * 4 * (16 * 8 * 32 * 2) / 16 * clock
+        + density * map_elems * 4)              # the listed tiles
     t_quant = quant_bytes / MEMORY_BANDWIDTH
-    t_corr = max(corr_bytes / MEMORY_BANDWIDTH, corr_ops / int8_rate)
     t_estimate = estimate_bytes / MEMORY_BANDWIDTH
     t_attention = 4 * seq * seq * head_dim * heads / (attention_tflops * 1e12) * attention_vs_dense
-    return dict(seq=seq, density=density, quantize_ms=t_quant * 1e3, correction_ms=t_corr * 1e3,
-                correction_chunks=chunks, correction_gb=corr_bytes / 1e9, estimate_ms=t_estimate * 1e3,
-                attention_ms=t_attention * 1e3, share=(t_quant + t_corr + t_estimate) / t_attention)
+    return dict(seq=seq, density=density, quantize_ms=t_quant * 1e3, quantize_gb=quant_bytes / 1e9,
+                estimate_ms=t_estimate * 1e3, attention_ms=t_attention * 1e3,
+                share=(t_quant + t_estimate) / t_attention)
 
 
 def preparation_rows(rows: list[dict]) -> list[dict]:
     """Per GPU, length and density (PREPARATION_DENSITIES) the modelled preparation, B1 H40 D128."""
     base = next(r for r in rows if r["qk_format"] == "nvfp4" and r["head_dim"] == 128 and not r["causal"])
-    return [{"gpu": gpu, **preparation(s, base[f"tflops {gpu}"], sms, clock, density=d,
+    return [{"gpu": gpu, **preparation(s, base[f"tflops {gpu}"], density=d,
                                        attention_vs_dense=time_vs_dense(base, d, s) if d < 1 else 1.0)}
-            for gpu, (sms, clock) in GPUS.items() for s in PREPARATION_SEQS for d in PREPARATION_DENSITIES]
+            for gpu in GPUS for s in PREPARATION_SEQS for d in PREPARATION_DENSITIES]
 
 
 def gpu_rows(rows: list[dict]) -> list[dict]:
@@ -438,7 +436,7 @@ def main(argv=None) -> int:
     rows = model()
     if args.json:
         prep = [{"gpu": r["gpu"], "seq_len": r["seq"], "density": r["density"], "prep_share": round(r["share"], 4),
-                 **{k: round(r[k], 3) for k in ("quantize_ms", "correction_ms", "estimate_ms", "attention_ms")}}
+                 **{k: round(r[k], 3) for k in ("quantize_ms", "estimate_ms", "attention_ms")}}
                 for r in preparation_rows(rows)]
         print(json.dumps(gpu_rows(rows) + prep, indent=1))
     else:
@@ -458,15 +456,13 @@ def main(argv=None) -> int:
         for r in rows:
             print(f"| {r['qk_format']} | {r['head_dim']} | {r['causal']} | {r['sparse_clocks_per_tile']} | " + " | ".join(
                 f"{time_vs_dense(r, d, s):.3f}" for d in SPARSE_DENSITIES for s in SPARSE_SEQS) + " |")
-        print("\nPreparation (quantise + correction + a sparse call's estimate), B=1 H=40 D=128, against the "
+        print("\nPreparation (the quantiser + a sparse call's estimate), B=1 H=40 D=128, against the "
               "modelled attention at the same density:\n")
-        print("| GPU | S | density | quantise ms | correction ms (chunks, GB) | estimate ms | attention ms "
-              "| preparation / attention |")
-        print("|---|---|---|---|---|---|---|---|")
+        print("| GPU | S | density | quantise ms (GB) | estimate ms | attention ms | preparation / attention |")
+        print("|---|---|---|---|---|---|---|")
         for r in preparation_rows(rows):
-            print(f"| {r['gpu']} | {r['seq']:,} | {r['density']} | {r['quantize_ms']:.2f} | {r['correction_ms']:.2f} "
-                  f"({r['correction_chunks']}, {r['correction_gb']:.1f}) | {r['estimate_ms']:.2f} "
-                  f"| {r['attention_ms']:.1f} | {r['share']:.1%} |")
+            print(f"| {r['gpu']} | {r['seq']:,} | {r['density']} | {r['quantize_ms']:.2f} ({r['quantize_gb']:.2f}) "
+                  f"| {r['estimate_ms']:.2f} | {r['attention_ms']:.1f} | {r['share']:.1%} |")
     if args.write_baseline:
         BASELINE.write_text(json.dumps([{k: r[k] for k in ("head_dim", "causal", "qk_format", "clocks_per_tile",
                                                              "sparse_clocks_per_tile")}

@@ -41,7 +41,7 @@ def _kernel() -> driver.Kernel:
 def test_kernel_launch_with_each_parameter_struct_marshals():
     kernel = _kernel()
     stream = 0
-    params = [[abi.AttentionFwdParams()], [abi.CorrectionParams()],
+    params = [[abi.AttentionFwdParams()], [abi.BlockListsParams()],
               [abi.QuantizeQkvParams(), ctypes.c_int64(4)],
               [ctypes.c_void_p(0)] * 6]
     for args in params:
@@ -52,7 +52,7 @@ def test_kernel_launch_with_each_parameter_struct_marshals():
 
 def test_occupancy_and_shared_memory_attribute_marshal():
     kernel = _kernel()
-    _reaches_driver(lambda: kernel.blocks_per_sm(abi.CORRECTION_THREADS, abi.CORRECTION_SMEM_BYTES[1]))
+    _reaches_driver(lambda: kernel.blocks_per_sm(abi.QUANTIZE_THREADS, abi.SMOOTHING_BASIS_SMEM_BYTES[1]))
     _reaches_driver(lambda: kernel.blocks_per_sm(abi.QUANTIZE_THREADS))
 
 

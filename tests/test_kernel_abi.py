@@ -46,8 +46,6 @@ def _layout_program() -> str:
     constants = {
         "ATTENTION_THREADS": "launch::kAttentionThreads", "PROBE_THREADS": "launch::kProbeThreads",
         "QUANTIZE_THREADS": "launch::kQuantizeThreads",
-        "CORRECTION_THREADS": "launch::kCorrectionThreads",
-        "CORRECTION_TILE_M": "launch::kCorrectionTileM", "CORRECTION_TILE_N": "launch::kCorrectionTileN",
         "BLOCK_LISTS_THREADS": "launch::kBlockListsThreads", "BLOCK_LISTS_MAX_TILES": "launch::kBlockListsMaxTiles",
         "BLOCK_LIST_ROWS_PER_CTA": "launch::kBlockListRowsPerCta", "BLOCK_MAP_WARP_MAX_TILES": "launch::kBlockMapWarpMaxTiles",
         "TILE_ROWS": "kTileRows", "STATISTICS_TILES": "kStatisticsTiles", "STAT_TENSORS": "kStatTensors",
@@ -58,7 +56,7 @@ def _layout_program() -> str:
     for i, j in itertools.product(range(2), range(2)):
         lines.append(f'  std::printf("const ATTENTION_SMEM_BYTES.{i}.{j} %d\\n", launch::kAttentionSmemBytes[{i}][{j}]);')
     for i in range(2):
-        for py, cpp in (("CORRECTION_SMEM_BYTES", "kCorrectionSmemBytes"),):
+        for py, cpp in (("SMOOTHING_BASIS_SMEM_BYTES", "kSmoothingBasisSmemBytes"),):
             lines.append(f'  std::printf("const {py}.{i} %d\\n", launch::{cpp}[{i}]);')
     for name, value in (("bf16", "kBFloat16"), ("fp16", "kFloat16"), ("fp32", "kFloat32")):
         lines.append(f'  std::printf("dtype {name} %d\\n", int(InputDtype::{value}));')
@@ -155,11 +153,13 @@ def test_entry_names_follow_the_header():
     for fragment in ("nvfp4_dit_attention_fwd_{native,emulated}_{nvfp4,mxfp8}_d{64,128}[_sparse]",
                      "nvfp4_dit_mma_probe_nvfp4_{native,emulated}_", "nvfp4_dit_balance_statistics_d<DP>",
                      "nvfp4_dit_key_stats_d<DP>", "nvfp4_dit_quantize_tiles_<dtype>_d<DP>_{nvfp4,mxfp8}",
-                     "nvfp4_dit_quantize_v_tiles_<dtype>_d<DP>", "nvfp4_dit_correction_<dtype>_d<DP>",
+                     "nvfp4_dit_quantize_v_tiles_<dtype>_d<DP>", "nvfp4_dit_q_means_<dtype>_d<DP>",
+                     "nvfp4_dit_smoothing_basis_d<DP>",
                      *abi.BLOCK_LISTS_ENTRIES):
         assert fragment in text, fragment
     assert abi.attention_entry("native", "mxfp8", 128, sparse=True) == "nvfp4_dit_attention_fwd_native_mxfp8_d128_sparse"
     assert abi.quantize_tiles_entry("fp32", 64, "nvfp4") == "nvfp4_dit_quantize_tiles_fp32_d64_nvfp4"
     assert abi.quantize_v_tiles_entry("bf16", 128) == "nvfp4_dit_quantize_v_tiles_bf16_d128"
     assert abi.key_stats_entry(128) == "nvfp4_dit_key_stats_d128"
-    assert abi.correction_entry("bf16", 128) == "nvfp4_dit_correction_bf16_d128"
+    assert abi.q_means_entry("bf16", 128) == "nvfp4_dit_q_means_bf16_d128"
+    assert abi.smoothing_basis_entry(64) == "nvfp4_dit_smoothing_basis_d64"

@@ -1,11 +1,13 @@
-"""The CUDA quantize kernels (nvfp4_dit.cuda.quantize) against nvfp4_dit.format, and the chunked correction.
+"""The CUDA quantize kernels (nvfp4_dit.cuda.quantize) against nvfp4_dit.format and nvfp4_dit.smoothing.
 
-Bytes and scales must equal preprocess.quantize_qkv exactly. The means are reductions whose
-summation order differs, so they are compared with a tolerance, and the exact comparison feeds the
-kernel's own means into preprocess.quantize_qkv (its q_mean / k_mean_override arguments).
+Bytes and scales must equal preprocess.quantize_qkv exactly. The means, the smoothing basis and its
+coefficients are reductions whose summation order differs, so they are compared with a tolerance,
+and the exact comparison feeds the kernel's own into preprocess.quantize_qkv (its q_mean,
+k_mean_override, basis_override and coeff_override arguments). The key projections are fp32 sums
+in the kernel and fp64 ones in the reference: equal within one fp16 rounding.
 
 CPU tests: the kernel's fast per-element arithmetic (csrc/quantize/quantize_math.cuh) equals the reference
-formulation exhaustively on the host; the correction chunking obeys its budget.
+formulation exhaustively on the host.
 """
 
 import subprocess
@@ -16,6 +18,7 @@ import torch
 from nvfp4_dit.cuda import quantize as cq
 from nvfp4_dit import format as fmt
 from nvfp4_dit import preprocess
+from nvfp4_dit import smoothing
 
 try:
     from host_program import compile_host_program
@@ -114,57 +117,6 @@ def test_fast_element_math_equals_reference_on_host(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
-# Correction chunking and budget (CPU)
-# ---------------------------------------------------------------------------------------------
-
-def test_budget_default_env_and_argument(monkeypatch):
-    monkeypatch.delenv(cq.BUDGET_ENV, raising=False)
-    assert cq.correction_budget_bytes() == 1 << 30
-    monkeypatch.setenv(cq.BUDGET_ENV, "256M")
-    assert cq.correction_budget_bytes() == 256 << 20
-    monkeypatch.setenv(cq.BUDGET_ENV, "1.5GiB")
-    assert cq.correction_budget_bytes() == 3 << 29
-    monkeypatch.setenv(cq.BUDGET_ENV, "12345")
-    assert cq.correction_budget_bytes() == 12345
-    assert cq.correction_budget_bytes(4096) == 4096  # the argument wins over the environment
-    assert cq.correction_budget_bytes("2K") == 2048
-    monkeypatch.setenv(cq.BUDGET_ENV, "lots")
-    with pytest.raises(ValueError, match=cq.BUDGET_ENV):
-        cq.correction_budget_bytes()
-    with pytest.raises(ValueError, match="positive"):
-        cq.correction_budget_bytes(0)
-    with pytest.raises(TypeError):
-        cq.correction_budget_bytes(1.5)
-
-
-@pytest.mark.parametrize("seq, heads, batch, budget", [
-    (118_800, 40, 1, 1 << 30), (75_600, 40, 2, 1 << 30), (4096, 4, 2, 1 << 30),
-    (118_800, 40, 1, 64 << 20), (300_000, 48, 2, 1 << 20)])
-def test_chunks_cover_all_blocks_within_budget(seq, heads, batch, budget):
-    skp = fmt.round_up(seq, 128)
-    nblk = skp // 128
-    chunks = cq.correction_chunks(nblk, batch, heads, skp, budget)
-    assert chunks[0][0] == 0 and chunks[-1][1] == nblk
-    assert all(a < b for a, b in chunks) and all(chunks[i][1] == chunks[i + 1][0] for i in range(len(chunks) - 1))
-    per_block = cq.correction_bytes_per_block(batch, heads, skp)
-    sizes = [b - a for a, b in chunks]
-    if per_block <= budget:
-        assert max(sizes) * per_block <= budget
-    else:
-        assert max(sizes) == 1  # a single block row is the smallest unit the kernel takes
-    # As few chunks as the budget allows, equal but the last (the block lists rely on it).
-    most = max(1, budget // per_block)
-    assert len(chunks) == -(-nblk // most)
-    assert all(size == sizes[0] for size in sizes[:-1]) and sizes[-1] <= sizes[0]
-
-
-def test_full_correction_would_exceed_int32():
-    # The reason for chunking and int64 offsets: 118,800 tokens x 40 heads.
-    skp = fmt.round_up(118_800, 128)
-    assert 40 * (skp // 128) * skp > 2 ** 31
-
-
-# ---------------------------------------------------------------------------------------------
 # GPU: bytes equal format.py
 # ---------------------------------------------------------------------------------------------
 
@@ -188,7 +140,7 @@ def _assert_matches_format(qq, q, k, v, layout, kv_lens):
     balance_qk = qq.balance is not None
     ref = preprocess.quantize_qkv(q, k, v, layout=layout, kv_lens=kv_lens, balance_qk=balance_qk, q_mean=qq.q_mean,
                            k_mean_override=qq.k_mean, v_mean_override=qq.v_mean, balance_override=qq.balance,
-                           qk_format=qq.qk_format)
+                           qk_format=qq.qk_format, basis_override=qq.smoothing_basis(), coeff_override=qq.q_coeff)
     for name in BYTE_FIELDS:
         got, want = getattr(qq, name), getattr(ref, name)
         assert got.shape == want.shape and got.dtype == want.dtype, (name, got.shape, want.shape)
@@ -215,6 +167,32 @@ def _assert_matches_format(qq, q, k, v, layout, kv_lens):
     scale = (qh.float().abs() * qq.k_mean[..., :d].abs().repeat_interleave(qh.shape[1] // kh.shape[1], 1)[:, :, None]).sum(-1)
     assert torch.all((qq.q_dot_km - ref.q_dot_km).abs() <= 1e-5 * scale + 1e-6)
     return ref
+
+
+def _assert_smoothing_matches(qq, ref, key_bias=None, scale=None):
+    """The kernel's smoothing basis against smoothing.smoothing_basis of its block means (the same
+    subspace and scale, the center to fp32 summation order), its coefficients against
+    basis_coefficients on its own basis, and its key projections against smoothing.key_projections
+    of the reference's k - km on its own basis: within one fp16 rounding of each value."""
+    d = qq.head_dim
+    basis = qq.smoothing_basis()
+    want = smoothing.smoothing_basis(qq.q_mean[..., :d])
+    assert torch.equal(basis.scale, want.scale)
+    torch.testing.assert_close(basis.center[..., :d], want.center, rtol=1e-5, atol=1e-6)
+    assert torch.all(basis.rows[..., d:] == 0) and torch.all(basis.center[..., d:] == 0)
+    got_proj = basis.rows[..., :d].double().transpose(-1, -2) @ basis.rows[..., :d].double()
+    want_proj = want.rows.double().transpose(-1, -2) @ want.rows.double()
+    assert (got_proj - want_proj).abs().max() < 1e-3  # the same subspace (both converge alike)
+    coeff = smoothing.basis_coefficients(qq.q_mean, basis)
+    torch.testing.assert_close(qq.q_coeff, coeff, rtol=1e-4, atol=1e-5 * float(coeff.abs().max()) + 1e-30)
+    proj = smoothing.key_projections(ref.k_smoothed, basis, key_bias=key_bias, scale=scale)
+    got = qq.key_projections
+    assert torch.equal(got.factors, proj.factors) or (got.factors / proj.factors).log2().abs().max() <= 1
+    gv, wv = got.dequantize().double(), proj.dequantize().double()
+    unit = proj.factors.double().repeat_interleave(fmt.SEQ_TILE, -1)[..., None]
+    finite = torch.isfinite(wv)
+    assert torch.equal(finite, torch.isfinite(gv)) and torch.equal(gv[~finite], wv[~finite])
+    assert torch.all((gv - wv)[finite].abs() <= (2.0 ** -10 * wv.abs() + unit * 2.0 ** -24)[finite])
 
 
 def _run_case(b, h, hkv, sq, sk, d, layout, dtype, kv_lens=None, seed=0, balance_qk=False, qk_format="nvfp4"):
@@ -272,10 +250,7 @@ def test_mxfp8_bytes_equal_format(b, h, hkv, sq, sk, d, layout, dtype, kv_lens, 
 def test_bytes_equal_format_ragged(b, h, hkv, sq, sk, d, layout, dtype, kv_lens, balance_qk):
     qq, ref, (q, k, v, lens) = _run_case(b, h, hkv, sq, sk, d, layout, dtype, kv_lens=kv_lens, seed=1,
                                          balance_qk=balance_qk)
-    # The correction kernel's integer arithmetic is preprocess.correction's: bit for bit (same means).
-    want = preprocess.correction(ref)
-    got = cq.correction(qq)
-    assert got.same_bits(want), (got.dequantize() - want.dequantize()).abs().max()
+    _assert_smoothing_matches(qq, ref)
 
 
 @pytest.mark.cuda
@@ -428,49 +403,57 @@ def test_bytes_equal_format_long(b, s, h, d, layout, dtype, kv_lens):
 
 
 @pytest.mark.cuda
-def test_beyond_int32_correction_and_bytes():
-    """H=40 at 118,800+256 tokens: B*H*S^2/128 > 2^31. The quantized bytes are exact, one
-    correction launch over all 4.4e9 entries is right at sampled points (including the last),
-    and the budgeted chunks reproduce it bit for bit."""
+def test_beyond_int32_bytes_and_smoothing():
+    """H=40 at 118,800+256 tokens: the quantised bytes are exact and the smoothing outputs match the
+    reference; nothing of size (Q blocks) x (keys) is allocated (the call's peak stays near its
+    operands)."""
     b, h, s, d = 1, 40, 118_800 + 256, 128
-    qq, ref, (q, k, v, lens) = _run_case(b, h, h, s, s, d, "NHD", torch.bfloat16, seed=4)
-    del ref
-    torch.cuda.empty_cache()
-    nblk, skp = qq.num_q_blocks, qq.k_data.shape[2]
-    assert b * h * nblk * skp > 2 ** 31
-    full = cq.correction(qq)
-    gen = torch.Generator(device="cuda").manual_seed(5)
-    n = 20000
-    hh = torch.randint(0, h, (n,), device="cuda", generator=gen)
-    mm = torch.randint(0, nblk, (n,), device="cuda", generator=gen)
-    jj = torch.randint(0, skp, (n,), device="cuda", generator=gen)
-    hh[:3] = h - 1
-    mm[:3] = nblk - 1
-    jj[:3] = torch.tensor([s - 1, s, skp - 1], device="cuda")  # last key, first and last padded key
-    kh = fmt.to_hnd(k, "NHD")
-    qm = qq.q_mean[0, hh, mm].double()                                      # [n, Dp]
-    valid = (jj < s)[:, None]
-    ks = torch.where(valid, kh[0, hh, jj.clamp_max(s - 1)].double() - qq.k_mean[0, hh].double(), 0.0)
-    want = (qm * ks).sum(-1)
-    # preprocess.correction's bound (22-bit operands, below Dp 2^-20 amax amax; fp16 storage, 2^-11 of
-    # the value), plus fp32 k - km.
-    bound = (qm.shape[-1] * 2.0 ** -20 * qm.abs().amax(-1) * ks.abs().amax(-1) + want.abs() * 2.0 ** -11 +
-             (qm.abs() * ks.abs()).sum(-1) * 2.0 ** -22 + 1e-6)
-    values = full.dequantize()
-    got = values[0, hh, mm, jj].double() * qq.score_scale()[0, hh, mm].double()  # kernel units -> q.k units
-    assert torch.all((got - want).abs() <= bound), (got - want).abs().max()
-    assert torch.all(got[1:3] == 0)
-    budget = 1 << 30
-    # Peak memory of the chunked path alone (the comparisons below allocate temporaries).
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    q = _make((b, h, s, d), "NHD", torch.bfloat16, gen)
+    k = _make((b, h, s, d), "NHD", torch.bfloat16, gen, block_structure=False)
+    v = _make((b, h, s, d), "NHD", torch.bfloat16, gen, block_structure=False)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
-    chunks = [(b0, b1) for b0, b1, _ in cq.iter_corrections(qq, budget=budget)]
+    qq = cq.quantize_qkv(q, k, v)
     torch.cuda.synchronize()
-    assert torch.cuda.max_memory_allocated() - before <= budget
-    assert chunks[0][0] == 0 and chunks[-1][1] == nblk and len(chunks) > 1
-    for b0, b1, delta in cq.iter_corrections(qq, budget=budget):
-        assert delta.same_bits(full.rows(b0, b1)), (b0, b1)
+    peak = torch.cuda.max_memory_allocated() - before
+    assert peak <= qq.workspace.layout.total_bytes + (64 << 20)
+    ref = _assert_matches_format(qq, q, k, v, "NHD", None)
+    _assert_smoothing_matches(qq, ref)
+
+
+@pytest.mark.cuda
+def test_smoothing_is_deterministic_and_per_head():
+    """Two calls give the same bits, and a head's basis, coefficients and projections do not depend
+    on the heads quantised with it (context parallelism splits heads)."""
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    q = _make((1, 4, 3000, 128), "HND", torch.bfloat16, gen)
+    k = _make((1, 2, 3000, 128), "HND", torch.bfloat16, gen, block_structure=False)
+    v = _make((1, 2, 3000, 128), "HND", torch.bfloat16, gen, block_structure=False)
+    first, again = (cq.quantize_qkv(q, k, v, layout="HND") for _ in range(2))
+    names = ("q_center", "q_basis", "q_basis_scale", "q_coeff", "q_data", "k_data")
+    for name in names:
+        assert torch.equal(getattr(first, name), getattr(again, name)), name
+    assert torch.equal(first.key_projections.values, again.key_projections.values)
+    half = cq.quantize_qkv(q[:, 2:], k[:, 1:], v[:, 1:], layout="HND")
+    for name in ("q_center", "q_basis", "q_basis_scale", "q_coeff", "q_data"):
+        assert torch.equal(getattr(half, name), getattr(first, name)[:, 2:]), name
+    assert torch.equal(half.key_projections.values, first.key_projections.values[:, 2:])
+
+
+@pytest.mark.cuda
+def test_key_bias_joins_the_projections():
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    q = _make((2, 4, 700, 64), "NHD", torch.float16, gen)
+    k = _make((2, 2, 900, 64), "NHD", torch.float16, gen, block_structure=False)
+    v = _make((2, 2, 900, 64), "NHD", torch.float16, gen, block_structure=False)
+    bias = torch.randn(2, 4, 900, device="cuda", generator=gen)
+    bias[:, :, ::7] = float("-inf")
+    qq = cq.quantize_qkv(q, k, v, key_bias=bias, scale=0.125)
+    ref = _assert_matches_format(qq, q, k, v, "NHD", None)
+    _assert_smoothing_matches(qq, ref, key_bias=bias, scale=0.125)
+    assert torch.isneginf(qq.key_projections.values[:, :, 0:900:7, 0]).all()
 
 
 @pytest.mark.cuda
@@ -490,11 +473,7 @@ def test_input_errors_name_the_argument():
         cq.quantize_qkv(x, x, x, layout="BSHD")
     with pytest.raises(ValueError, match="CUDA"):
         cq.quantize_qkv(x.cpu(), x.cpu(), x.cpu())
-    qq = cq.quantize_qkv(x, x, x)
-    with pytest.raises(ValueError, match="block_start"):
-        cq.correction(qq, 0, 5)
-    with pytest.raises(ValueError, match="out must be"):
-        cq.correction(qq, out=torch.empty(1, 2, 1, 128, device="cuda"))
-    with pytest.raises(ValueError, match="out must be"):
-        cq.correction(qq, out=fmt.Correction(torch.empty(1, 2, 1, 128, device="cuda"),
-                                             torch.empty(1, 2, 1, 1, device="cuda")))
+    with pytest.raises(ValueError, match="key_bias"):
+        cq.quantize_qkv(x, x, x, key_bias=torch.zeros(1, 3, 128, device="cuda"), scale=0.1)
+    with pytest.raises(ValueError, match="scale"):
+        cq.quantize_qkv(x, x, x, key_bias=torch.zeros(1, 1, 128, device="cuda"))

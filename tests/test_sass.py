@@ -39,16 +39,15 @@ def test_native_sass_has_fp4_mma_and_no_spills():
 @pytest.mark.compile
 @pytest.mark.skipif(check_sass.find_tool("nvcc") is None, reason="needs nvcc")
 def test_native_preparation_kernels_do_not_spill():
-    """The quantisers, the correction and the block-list kernels for sm_120a/sm_121a: no spills; the
-    correction's int8 MMAs."""
+    """The quantiser's, the smoothing basis and the block-list kernels for sm_120a/sm_121a: no
+    spills."""
     rows, failures = check_sass.check_preparation()
-    correction = [r for r in rows if r["kernel"].startswith(check_sass.CORRECTION_PREFIX)]
-    assert len(correction) == 2 * 6 and all(r["imma"] in (64, 128) for r in correction)
     lists = {r["kernel"] for r in rows if r["kernel"].startswith("nvfp4_dit_block_")}
     assert lists == set(abi.BLOCK_LISTS_ENTRIES)
-    # and the quantiser's: per head dim the balance and key statistics (any dtype), and per input
-    # dtype and head dim the K/Q tiles of each Q·Kᵀ format and the V^T tiles
-    assert len(rows) == len(correction) + 2 * (2 * 2 + 3 * 2 * 3) + 2 * len(lists)
+    # and the quantiser's: per head dim the balance and key statistics and the smoothing basis (any
+    # dtype), and per input dtype and head dim the Q block means, the K/Q tiles of each Q·Kᵀ format
+    # and the V^T tiles
+    assert len(rows) == 2 * (2 * 3 + 3 * 2 * 4) + 2 * len(lists)
     assert not failures, "\n".join(failures)
 
 

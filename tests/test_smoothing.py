@@ -26,60 +26,60 @@ def block_means(b, h, n, d, seed=0, rank=None):
 
 
 def test_basis_rows_are_orthonormal_or_zero():
-    center, basis = smoothing.smoothing_basis(block_means(2, 3, 40, 64))
-    gram = basis @ basis.transpose(-1, -2)
+    basis = smoothing.smoothing_basis(block_means(2, 3, 40, 64))
+    gram = basis.rows @ basis.rows.transpose(-1, -2)
     assert torch.allclose(gram, torch.eye(R).expand_as(gram), atol=1e-5)
-    assert center.shape == (2, 3, 64) and basis.shape == (2, 3, R, 64)
+    assert basis.center.shape == (2, 3, 64) and basis.rows.shape == (2, 3, R, 64) and basis.scale.shape == (2, 3)
 
 
 def test_basis_is_deterministic_and_per_head():
     qm = block_means(1, 4, 30, 128, seed=3)
-    center, basis = smoothing.smoothing_basis(qm)
+    basis = smoothing.smoothing_basis(qm)
     again = smoothing.smoothing_basis(qm.clone())
-    assert torch.equal(center, again[0]) and torch.equal(basis, again[1])
+    assert all(torch.equal(x, y) for x, y in zip(vars(basis).values(), vars(again).values()))
     # A head's basis does not depend on the heads beside it (context parallelism splits heads).
     for h in range(4):
-        c1, b1 = smoothing.smoothing_basis(qm[:, h:h + 1])
-        assert torch.equal(c1, center[:, h:h + 1]) and torch.equal(b1, basis[:, h:h + 1])
+        one = smoothing.smoothing_basis(qm[:, h:h + 1])
+        assert all(torch.equal(x, y[:, h:h + 1]) for x, y in zip(vars(one).values(), vars(basis).values()))
 
 
 @pytest.mark.parametrize("n", [1, 2, 5])
 def test_fewer_blocks_than_the_rank_give_zero_rows(n):
     qm = block_means(1, 1, n, 64, seed=n)
-    center, basis = smoothing.smoothing_basis(qm)
-    assert torch.isfinite(basis).all()
-    nonzero = int((basis.norm(dim=-1) > 0).sum())
+    basis = smoothing.smoothing_basis(qm)
+    assert torch.isfinite(basis.rows).all()
+    nonzero = int((basis.rows.norm(dim=-1) > 0).sum())
     assert nonzero <= max(n - 1, 0)
     # Every block mean is reproduced: n - 1 deviations span at most n - 1 directions.
-    coeff = smoothing.basis_coefficients(qm, center, basis)
-    assert torch.allclose(smoothing.smoothed_means(center, basis, coeff), qm, atol=1e-4)
+    coeff = smoothing.basis_coefficients(qm, basis)
+    assert torch.allclose(smoothing.smoothed_means(basis, coeff), qm, atol=1e-4)
 
 
 def test_all_zero_means_and_nan_blocks_keep_the_basis_finite():
     zero = torch.zeros(1, 2, 20, 64)
-    center, basis = smoothing.smoothing_basis(zero)
-    assert torch.equal(center, torch.zeros_like(center)) and torch.equal(basis, torch.zeros_like(basis))
+    basis = smoothing.smoothing_basis(zero)
+    assert not basis.center.any() and not basis.rows.any()
     qm = block_means(1, 2, 20, 64, seed=5)
     qm[0, 0, 3] = float("nan")
     qm[0, 1, 7, 2] = float("inf")
-    center, basis = smoothing.smoothing_basis(qm)
-    assert torch.isfinite(center).all() and torch.isfinite(basis).all()
+    basis = smoothing.smoothing_basis(qm)
+    assert torch.isfinite(basis.center).all() and torch.isfinite(basis.rows).all()
     # The other blocks define it: the same as without the non-finite ones.
     keep = [i for i in range(20) if i != 3]
-    c0, b0 = smoothing.smoothing_basis(qm[:, :1, keep])
-    assert torch.allclose(c0, center[:, :1], atol=1e-6)
+    alone = smoothing.smoothing_basis(qm[:, :1, keep])
+    assert torch.allclose(alone.center, basis.center[:, :1], atol=1e-6)
 
 
 def test_huge_means_keep_the_gram_matrix_finite():
     qm = block_means(1, 1, 30, 64, seed=6) * 1e30
-    center, basis = smoothing.smoothing_basis(qm)
-    assert torch.isfinite(basis).all() and (basis.norm(dim=-1) > 0).all()
+    basis = smoothing.smoothing_basis(qm)
+    assert torch.isfinite(basis.rows).all() and (basis.rows.norm(dim=-1) > 0).all()
 
 
 def test_means_in_r_directions_are_reproduced():
     qm = block_means(1, 2, 64, 128, seed=7, rank=R)
-    center, basis = smoothing.smoothing_basis(qm)
-    res = smoothing.residual_norm(qm, center, basis)
+    basis = smoothing.smoothing_basis(qm)
+    res = smoothing.residual_norm(qm, basis)
     assert float(res.max()) < 1e-4 * float(qm.norm(dim=-1).max())
 
 
@@ -88,11 +88,15 @@ def test_basis_reaches_the_svd_subspace_on_decaying_spectra():
     n, d = 200, 128
     spectrum = 0.6 ** torch.arange(d, dtype=torch.float32)
     qm = (torch.randn(1, 1, n, d, generator=g) * spectrum) @ torch.linalg.qr(torch.randn(d, d, generator=g))[0].T
-    center, basis = smoothing.smoothing_basis(qm)
-    dev = (qm - center[:, :, None]).double()[0, 0]
+    basis = smoothing.smoothing_basis(qm)
+    dev = (qm - basis.center[:, :, None]).double()[0, 0]
     _, s, vh = torch.linalg.svd(dev, full_matrices=False)
-    best = (dev - dev @ vh[:R].T @ vh[:R]).norm()
-    ours = (dev - dev @ basis[0, 0].double().T @ basis[0, 0].double()).norm()
+    rows = basis.rows[0, 0].double()
+    kept = int((rows.norm(dim=-1) > 0).sum())
+    # The floor drops the directions under 2^-7 of the leading singular value, and only those.
+    assert s[kept - 1] >= 2.0 ** -8 * s[0] and s[kept] <= 2.0 ** -6 * s[0], (kept, (s / s[0])[:R])
+    best = (dev - dev @ vh[:kept].T @ vh[:kept]).norm()
+    ours = (dev - dev @ rows.T @ rows).norm()
     assert float(ours) <= 1.01 * float(best)
 
 
@@ -100,15 +104,15 @@ def test_key_projections_error_bound_against_fp64():
     g = torch.Generator().manual_seed(9)
     b, h, hkv, skp, dp, n = 1, 4, 2, 384, 64, 6
     qm = block_means(b, h, n, dp, seed=10)
-    center, basis = smoothing.smoothing_basis(qm)
-    coeff = smoothing.basis_coefficients(qm, center, basis)
+    basis = smoothing.smoothing_basis(qm)
+    coeff = smoothing.basis_coefficients(qm, basis)
     ks = torch.randn(b, hkv, skp, dp, generator=g) * torch.logspace(-3, 2, skp)[None, None, :, None]
-    proj = smoothing.key_projections(ks, center, basis)
+    proj = smoothing.key_projections(ks, basis)
     assert proj.values.dtype == torch.float16 and proj.values.shape == (b, h, skp, R + 1)
     assert torch.isfinite(proj.values).all()
     score_scale = torch.ones(b, h, n)
     got = smoothing.correction_from_projections(proj, coeff, score_scale).double()
-    weights = torch.cat([center[:, :, None], basis], 2).double()
+    weights = torch.cat([basis.center[:, :, None], basis.rows * basis.scale[..., None, None]], 2).double()
     keys = ks.double().repeat_interleave(h // hkv, 1)
     u = keys @ weights.transpose(-1, -2)                                      # [b, h, skp, C]
     a = torch.cat([torch.ones_like(coeff[..., :1]), coeff], -1).double()
@@ -123,51 +127,61 @@ def test_key_bias_joins_the_first_column():
     g = torch.Generator().manual_seed(11)
     ks = torch.randn(1, 1, 256, 64, generator=g)
     qm = block_means(1, 1, 3, 64, seed=12)
-    center, basis = smoothing.smoothing_basis(qm)
-    coeff = smoothing.basis_coefficients(qm, center, basis)
+    basis = smoothing.smoothing_basis(qm)
+    coeff = smoothing.basis_coefficients(qm, basis)
     bias = torch.zeros(1, 256)
     bias[0, 5] = -math.inf
     bias[0, 9] = -3.0
-    plain = smoothing.correction_from_projections(smoothing.key_projections(ks, center, basis), coeff,
-                                                  torch.ones(1, 1, 3))
+    plain = smoothing.correction_from_projections(smoothing.key_projections(ks, basis), coeff, torch.ones(1, 1, 3))
     biased = smoothing.correction_from_projections(
-        smoothing.key_projections(ks, center, basis, key_bias=bias, scale=0.5), coeff, torch.ones(1, 1, 3))
+        smoothing.key_projections(ks, basis, key_bias=bias, scale=0.5), coeff, torch.ones(1, 1, 3))
     assert torch.isneginf(biased[..., 5]).all()
     assert torch.allclose(biased[..., 9], plain[..., 9] - 6.0, atol=1e-3)
     with pytest.raises(ValueError, match="scale"):
-        smoothing.key_projections(ks, center, basis, key_bias=bias)
+        smoothing.key_projections(ks, basis, key_bias=bias)
 
 
-def test_low_rank_matches_block_smoothing_when_the_means_fit():
-    """Q whose block means lie in R directions around their mean (16 blocks): low-rank smoothing
-    quantises the same bytes as per-block smoothing, and its correction is as close to the exact
-    qm . k' (6e-4 rms in logits for both here), so both are equally accurate. They differ only by
-    the two corrections' fp16 roundings, which flip a few FP4(P) roundings."""
+def test_means_in_r_directions_quantise_as_per_block_smoothing():
+    """Q whose block means lie in R directions around their mean (16 blocks): m_b reproduces each
+    block mean to fp32 rounding, and the Q bytes are those of smoothing each block by m_b
+    (format.py's steps written out: subtract, tensor scale per block, quantise)."""
     g = torch.Generator().manual_seed(13)
     s, h, d = 2048, 2, 64
     q = torch.randn(1, s, h, d, generator=g) + 3.0 * torch.randn(1, 16, h, d, generator=g).repeat_interleave(128, 1)
     k, v = torch.randn(1, s, h, d, generator=g), torch.randn(1, s, h, d, generator=g)
-    block_qq = preprocess.quantize_qkv(q, k, v)
-    low_qq = preprocess.quantize_qkv(q, k, v, q_smoothing="low_rank")
-    assert torch.equal(block_qq.q_data, low_qq.q_data) and torch.equal(block_qq.q_sf, low_qq.q_sf)
-    exact, _ = reference.attention_exact(q, k, v)
-    block = reference.attention_reference(q, k, v, quantized=block_qq)
-    low = reference.attention_reference(q, k, v, quantized=low_qq)
-    assert abs(cos(block, exact) - cos(low, exact)) <= 1e-5
-    assert cos(block, low) >= 0.9999
+    qq = preprocess.quantize_qkv(q, k, v, balance_qk=False)
+    m = smoothing.smoothed_means(qq.smoothing_basis(), qq.q_coeff)
+    assert torch.allclose(m, qq.q_mean, rtol=0, atol=1e-5 * float(qq.q_mean.abs().max()))
+    rows = fmt.to_hnd(q, "NHD").float() - m.repeat_interleave(fmt.SEQ_TILE, 2)
+    q_scale = fmt.tensor_scale(rows.unflatten(2, (16, fmt.SEQ_TILE)).abs().amax((3, 4)))
+    data, sf = fmt.quantize_qk_rows(rows / q_scale.repeat_interleave(fmt.SEQ_TILE, 2)[..., None], "nvfp4")
+    assert torch.equal(q_scale, qq.q_scale) and torch.equal(sf, qq.q_sf) and torch.equal(data, qq.q_data)
 
 
-def test_low_rank_quantiser_outputs():
+def test_quantiser_smoothing_outputs():
     g = torch.Generator().manual_seed(14)
     q, k, v = (torch.randn(1, 700, 4, 64, generator=g) for _ in range(3))
-    qq = preprocess.quantize_qkv(q, k, v, q_smoothing="low_rank")
+    qq = preprocess.quantize_qkv(q, k, v)
     assert qq.q_center.shape == (1, 4, 64) and qq.q_basis.shape == (1, 4, R, 64)
     assert qq.q_coeff.shape == (1, 4, 6, R)
-    center, basis = smoothing.smoothing_basis(qq.q_mean)
-    assert torch.equal(center, qq.q_center) and torch.equal(basis, qq.q_basis)
+    basis = smoothing.smoothing_basis(qq.q_mean)
+    assert all(torch.equal(x, y) for x, y in zip(vars(basis).values(), vars(qq.smoothing_basis()).values()))
     # An override replaces the basis: the zero basis smooths every block by the center alone.
-    forced = preprocess.quantize_qkv(q, k, v, q_smoothing="low_rank",
-                                     basis_override=(qq.q_center, torch.zeros_like(qq.q_basis)))
+    forced = preprocess.quantize_qkv(q, k, v, basis_override=smoothing.Basis(
+        qq.q_center, torch.zeros_like(qq.q_basis), qq.q_basis_scale))
     assert torch.equal(forced.q_coeff, torch.zeros_like(forced.q_coeff))
-    with pytest.raises(ValueError, match="q_smoothing"):
-        preprocess.quantize_qkv(q, k, v, q_smoothing="rows")
+
+
+def test_power_of_two_scaling_leaves_the_stored_correction_alone():
+    """Q times c and K over c (powers of two): the projections' bytes and factors and the coefficients
+    are unchanged, since every projection column is in q . k units."""
+    g = torch.Generator().manual_seed(15)
+    q, k, v = (torch.randn(1, 600, 2, 64, generator=g) for _ in range(3))
+    q = q + 2.0 * torch.randn(1, 5, 2, 64, generator=g).repeat_interleave(128, 1)[:, :600]
+    base = preprocess.quantize_qkv(q, k, v)
+    for c in (2.0 ** 20, 2.0 ** -12):
+        scaled = preprocess.quantize_qkv(q * c, k / c, v)
+        assert torch.equal(scaled.q_coeff, base.q_coeff)
+        p0 = smoothing.key_projections(base.k_smoothed, base.smoothing_basis())
+        p1 = smoothing.key_projections(scaled.k_smoothed, scaled.smoothing_basis())
+        assert torch.equal(p0.values, p1.values) and torch.equal(p0.factors, p1.factors)

@@ -1,5 +1,6 @@
-"""Block-sparse attention on the GPU: the kernel's block map against the reference's, the compact
-correction, the estimate from the quantiser's statistics, and a sparse call without host syncs."""
+"""Block-sparse attention on the GPU: the kernel's block map against the reference's, the list
+kernels against their PyTorch twin, the estimate from the quantiser's statistics, and a sparse call
+without host syncs."""
 
 import math
 
@@ -66,7 +67,7 @@ def test_random_maps_match_the_reference(cuda_device, d, causal, qk_format):
     assert torch.equal(finite, torch.isfinite(lse))
     assert (lse[finite] - ref_lse[finite]).abs().max().item() <= 2e-3
     assert (out[0, 128:256, 0] == 0).all() and torch.isneginf(lse[0, 0, 128:256]).all()
-    # The CUDA quantiser and its compact correction, through the public op.
+    # The CUDA quantiser, through the public op.
     op_out = nvfp4_dit.attention(q, k, v, backend="cuda", causal=causal, kv_lens=lens, qk_format=qk_format,
                                  block_mask=bmap)
     assert _cos(op_out, ref) >= 0.999
@@ -86,13 +87,11 @@ def test_an_all_tiles_map_equals_dense_byte_for_byte(cuda_device, causal):
 
 
 @pytest.mark.cuda
-def test_chunks_and_groups_do_not_change_the_result(cuda_device, monkeypatch):
+def test_groups_of_q_blocks_do_not_change_the_result(cuda_device, monkeypatch):
     q, k, v = _qkv(1, 2000, 2, 128, seed=9)
     bmap = _random_map(1, 2, 16, 16, 0.5, seed=2)
     whole = nvfp4_dit.attention(q, k, v, backend="cuda", block_mask=bmap, return_lse=True)
-    monkeypatch.setenv(cuda_quantize.BUDGET_ENV, str(2 * 3 * 2048 * 4))     # 3 Q blocks per chunk
-    real_groups = sparse.chunk_groups
-    monkeypatch.setattr(sparse, "chunk_groups", lambda chunks, bh, nk: real_groups(chunks, bh, nk, budget=1))
+    monkeypatch.setattr(sparse, "WORK_ELEMENTS", 3 * 2 * 16)     # 3 Q blocks per group
     split = nvfp4_dit.attention(q, k, v, backend="cuda", block_mask=bmap, return_lse=True)
     assert torch.equal(whole[0], split[0]) and torch.equal(whole[1], split[1])
 
@@ -108,44 +107,42 @@ def map_row_threads(request, monkeypatch):
     return request.param
 
 
-def _kernel_lists(stats, sparsity, grid, chunks):
+def _kernel_lists(stats, sparsity, grid):
     from nvfp4_dit.cuda import block_lists, launch
 
     dk = launch.device_kernels(torch.device("cuda"))
-    return list(block_lists.lists_by_group(dk, stats, sparsity, grid, chunks, launch.current_stream(dk.index),
+    return list(block_lists.lists_by_group(dk, stats, sparsity, grid, launch.current_stream(dk.index),
                                            with_map=True))
 
 
 def _assert_lists_equal(got: sparse.BlockLists, want: sparse.BlockLists):
-    """Equal offsets and order, and equal lists up to each chunk's entries (the kernels leave the
-    rest of a chunk's worst-case region unwritten)."""
-    for name in ("offsets", "order", "col_offsets"):
-        assert torch.equal(getattr(got, name), getattr(want, name)), name
-    for c in range(got.offsets.shape[0]):
-        n = int(want.offsets[c, -1])
-        for name in ("tiles", "col_rows", "col_entries"):
-            assert torch.equal(getattr(got, name)[c, :n], getattr(want, name)[c, :n]), (name, c)
+    """Equal offsets and order, and equal lists up to the group's entries (the kernels leave the
+    rest of the worst-case region unwritten)."""
+    assert torch.equal(got.offsets, want.offsets) and torch.equal(got.order, want.order)
+    n = int(want.offsets[-1])
+    assert torch.equal(got.tiles[:n], want.tiles[:n])
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("broadcast", [(1, 3), (2, 1)])
-def test_the_list_kernels_list_a_given_map_exactly(cuda_device, map_row_threads, causal, broadcast):
+def test_the_list_kernels_list_a_given_map_exactly(cuda_device, map_row_threads, causal, broadcast, monkeypatch):
     b, h, sq, sk = 2, 3, 1900, 5000   # 15 Q blocks, 40 key tiles: two bit words per row
     bmap = _random_map(*broadcast, 15, 40, 0.3, seed=7)
     grid = sparse.TileGrid(b, h, sq, sk, 0.1, causal, torch.tensor([5000, 2100], device="cuda"))
     spec = sparse.Sparsity(block_mask=bmap)
-    chunks = [(0, 4), (4, 8), (8, 12), (12, 15)]
-    for group, rows_map, lists in _kernel_lists(None, spec, grid, chunks):
-        g0, g1 = group[0][0], group[-1][1]
+    monkeypatch.setattr(sparse, "WORK_ELEMENTS", 4 * b * h * 40)     # groups of 4 Q blocks, the last of 3
+    groups = _kernel_lists(None, spec, grid)
+    assert [g for g, _, _ in groups] == [(0, 4), (4, 8), (8, 12), (12, 15)]
+    for (g0, g1), rows_map, lists in groups:
         want_map = sparse.map_rows(None, spec, grid, g0, g1)
         assert torch.equal(rows_map, want_map)
-        _assert_lists_equal(lists, sparse.build_lists(want_map, [c1 - c0 for c0, c1 in group]))
+        _assert_lists_equal(lists, sparse.build_lists(want_map))
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("case", ["plain", "masked", "restricted"])
-def test_the_list_kernels_estimate_as_the_reference_does(cuda_device, map_row_threads, case):
+def test_the_list_kernels_estimate_as_the_reference_does(cuda_device, map_row_threads, case, monkeypatch):
     q, k, _ = _structured(6000, 4, 128, seed=3)
     kv = k[:, :, ::2]                                      # GQA: two query heads per kv head
     qh, kh = fmt.to_hnd(q, "NHD"), fmt.to_hnd(kv, "NHD")
@@ -159,16 +156,15 @@ def test_the_list_kernels_estimate_as_the_reference_does(cuda_device, map_row_th
     grid = sparse.TileGrid(1, 4, 6000, 6000, fmt.default_scale(128), case == "restricted", lens, bias)
     bmap = _random_map(1, 4, 47, 47, 0.7, seed=1) if case == "restricted" else None
     spec = sparse.Sparsity(block_mask=bmap, keep_mass=0.8, always_keep=(5900, 6000) if case != "plain" else None)
-    chunks = [(0, 20), (20, 40), (40, 47)]
+    monkeypatch.setattr(sparse, "WORK_ELEMENTS", 20 * 4 * 47)     # groups of 20 Q blocks
     agree = []
-    for group, rows_map, lists in _kernel_lists(stats, spec, grid, chunks):
-        g0, g1 = group[0][0], group[-1][1]
+    for (g0, g1), rows_map, lists in _kernel_lists(stats, spec, grid):
         want = sparse.map_rows(stats, spec, grid, g0, g1)
         agree.append((rows_map == want).float().mean().item())
         given = torch.ones(1, 1, 47, 47, dtype=torch.bool, device="cuda") if bmap is None else bmap
         assert not (rows_map & ~sparse.map_rows(None, sparse.Sparsity(block_mask=given), grid, g0, g1)).any()
-        _assert_lists_equal(lists, sparse.build_lists(rows_map, [c1 - c0 for c0, c1 in group]))
-    assert min(agree) >= 0.995, agree
+        _assert_lists_equal(lists, sparse.build_lists(rows_map))
+    assert len(agree) == 3 and min(agree) >= 0.995, agree
 
 
 @pytest.mark.cuda
@@ -183,7 +179,7 @@ def test_the_list_kernels_break_ties_to_the_lower_tile(cuda_device, map_row_thre
     stats = sparse.BlockStatistics(ones, torch.ones(1, 1, nk, 128, device="cuda"), torch.ones(1, 1, 2, device="cuda"))
     grid = sparse.TileGrid(1, 1, 256, seq_k, 0.1)
     spec = sparse.Sparsity(keep_mass=keep_mass)
-    (_, rows_map, _), = _kernel_lists(stats, spec, grid, [(0, 2)])
+    (_, rows_map, _), = _kernel_lists(stats, spec, grid)
     want = torch.zeros(1, 1, 2, nk, dtype=torch.bool, device="cuda")
     want[..., :kept] = True
     assert torch.equal(sparse.map_rows(stats, spec, grid, 0, 2), want)

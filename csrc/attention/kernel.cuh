@@ -1,11 +1,13 @@
 // The NVFP4 attention forward kernel: one template, the MMA back-end a template argument.
 //
 // CTA = 128 Q rows x 8 warps (16 rows each), 128-key tiles in ascending key order, a kStages
-// cp.async pipeline for K, V^T, their scales and the correction row. Per 128-key tile at D=128
+// cp.async pipeline for K, V^T, their scales and the next tile's key projections. Per 128-key tile at D=128
 // each warp issues 32 QK^T + 32 PV m16n8k64 block-scaled MMAs (512 per CTA).
 //
 // Data path per tile (no register shuffles of data, thanks to the K row permutation):
-//   S = delta (C operand) + FP4(Q) FP4(K)^T     Q fragments live in registers for the whole tile
+//   S = corr (C operand) + FP4(Q) FP4(K)^T      Q fragments live in registers for the whole tile;
+//       corr, the low-rank smoothing's correction of the tile's 128 keys, formed one tile ahead
+//       in shared memory from their key projections and the Q block's coefficients
 //   mask on the true token index; running max m (quad max); P' = exp2((S-m)c + log2 2688)
 //   per 16 keys: sf = e4m3(max/6), e2m1(P'/sf) packed straight into the PV A fragment;
 //   the row sum takes the unquantised P'; O = O * alpha + FP4(P) FP4(V).
@@ -109,6 +111,21 @@ __device__ __forceinline__ void store_one(void* out, int64_t offset, float x, bo
   }
 }
 
+// Half of one key's correction sum: terms 8 * half .. 8 * half + 7 of coeff . u (coeff[0] = 1 for
+// u_j0), in order; the pair of lanes (half 0, half 1) then adds the halves (smoothing.py, step 4).
+template <class Coeff>
+__device__ __forceinline__ float correction_half(uint4 u_bits, Coeff coeff) {
+  const uint32_t w[4] = {u_bits.x, u_bits.y, u_bits.z, u_bits.w};
+  float acc = 0.0f;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const float2 u = __half22float2(*reinterpret_cast<const __half2*>(&w[k]));
+    acc = fmaf(coeff(2 * k), u.x, acc);
+    acc = fmaf(coeff(2 * k + 1), u.y, acc);
+  }
+  return acc;
+}
+
 }  // namespace detail
 
 template <int kHeadDim, bool kSparse, class Mma, class QkFmt>
@@ -130,6 +147,11 @@ __device__ __forceinline__ void attention_fwd_body(const AttentionFwdParams& p) 
   extern __shared__ __align__(128) uint8_t smem[];
   __shared__ int item_first;   // a block-sparse work item's first list entry
   __shared__ int item_kv;      // and its b * Hkv + kv head, read back by the epilogue
+  // The work item's coefficients [1, a_1 .. a_15] and the corrections of the current and the next
+  // key tile (fp32, natural key order), double-buffered by tile parity.
+  __shared__ __align__(16) float coeff_s[T::kProjColumns];
+  __shared__ float inv_score_unit_s;   // 1 / (q_scale k_scale) of the work item
+  __shared__ __align__(16) float corr_s[2][T::kBlockN];
   const uint32_t smem_base = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
   const int tid = threadIdx.x;
   const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
@@ -145,11 +167,11 @@ __device__ __forceinline__ void attention_fwd_body(const AttentionFwdParams& p) 
     int bh;   // B * H fits 32 bits; 64-bit products at the uses
     int list_row = 0;
     int mi;
-    if constexpr (sparse) {   // a chunk's rows fit 32 bits (the host checks): 32-bit division
-      const int r = p.work_order[work], stride = int(p.block_row_stride);
+    if constexpr (sparse) {   // a launch's rows fit 32 bits (the host checks): 32-bit division
+      const int r = p.work_order[work];
       list_row = r;
-      bh = r / stride;
-      mi = r % stride;
+      bh = r / nblk;
+      mi = r % nblk;
     } else {
       bh = int(work / nblk);
       mi = int(work % nblk);
@@ -165,9 +187,9 @@ __device__ __forceinline__ void attention_fwd_body(const AttentionFwdParams& p) 
     int n_end = (kv_len + T::kBlockN - 1) / T::kBlockN;
     if (p.causal) n_end = min(n_end, m_blk + 1);
     // A block map lists the row's tiles (within the limits above: the host drops the others) from
-    // its first entry on, which also places its compact correction. That entry is kept in shared
-    // memory, so no address derived from it stays in a register (the D=128 kernels are at the
-    // register limit); the previous item's last reader passed the barrier that ends it.
+    // its first entry on. That entry is kept in shared memory, so no address derived from it stays
+    // in a register (the D=128 kernels are at the register limit); the previous item's last reader
+    // passed the barrier that ends it.
     if constexpr (sparse) {
       const int first = p.block_offsets[list_row];
       n_end = p.block_offsets[list_row + 1] - first;
@@ -182,15 +204,17 @@ __device__ __forceinline__ void attention_fwd_body(const AttentionFwdParams& p) 
     const uint8_t* ksf_base = p.k_sf + b * p.ksf_stride_b + hk * p.ksf_stride_h;
     const uint8_t* vt_base = p.vt_data + b * p.vt_stride_b + hk * p.vt_stride_h;
     const uint8_t* vtsf_base = p.vt_sf + b * p.vtsf_stride_b + hk * p.vtsf_stride_h;
-    // The n-th tile visited: its key tile, and its correction (tile n of a dense row, or entry n of
-    // the row's compact list).
-    // Correction tiles are counted in 128-value units (the strides are multiples of 128): tile i
-    // has its values at delta + 128 i and its factor at delta_factor[i].
-    const int64_t delta_tile_row = sparse ? 0
-        : (b * p.delta_stride_b + h * p.delta_stride_h + int64_t(mi) * p.delta_stride_blk) / T::kBlockN;
+    // The key tile of the n-th tile visited (n of a dense row, entry n of a listed one).
     auto tile_of = [&](int n) { return sparse ? p.block_tiles[item_first + n] : n; };
-    auto delta_tile_of = [&](int n) { return sparse ? int64_t(item_first + n) : delta_tile_row + n; };
     const int64_t vt_row = p.seq_k_pad / 2, vtsf_row = p.seq_k_pad / 16;
+    // The key projections of query head bh, tile i: projections at proj_tile(i), factor at
+    // proj_factor(i) (computed where used: no address stays in a register across the loop).
+    auto proj_tile = [&](int i) {
+      return p.key_proj + (int64_t(bh) * p.seq_k_pad + int64_t(i) * T::kBlockN) * T::kProjColumns;
+    };
+    auto proj_factor = [&](int i) { return p.key_proj_factor + int64_t(bh) * (p.seq_k_pad / T::kBlockN) + i; };
+    // This thread's key and half of the correction sum (two lanes per key).
+    const int corr_key = tid >> 1, corr_half = tid & 1;
 
     // Stage of the n-th tile visited.
     auto load_stage = [&](int stage, int n) {
@@ -215,18 +239,37 @@ __device__ __forceinline__ void attention_fwd_body(const AttentionFwdParams& p) 
       for (int i = tid; i < kHeadDim; i += T::kThreads) {
         detail::cp_async8(sbase + F::v_scale_row(i), vtsf_base + i * vtsf_row + int64_t(tile) * T::kVSfRowBytes);
       }
-      if (tid < T::kBlockN / 8) {
-        const int64_t delta_tile = delta_tile_of(n);
-        detail::cp_async16(sbase + T::kOffDelta + tid * 16, p.delta + delta_tile * T::kBlockN + tid * 8);
-        if (tid == 0) detail::cp_async4(sbase + T::kOffDeltaFactor, p.delta_factor + delta_tile);
+      {   // the next tile's key projections (the last tile's own again): its corrections are formed this iteration
+        const int next = tile_of(min(n + 1, n_end - 1));
+        detail::cp_async16(sbase + T::kOffProj + tid * 16, proj_tile(next) + tid * 8);
+        if (tid == 0) detail::cp_async4(sbase + T::kOffProjFactor, proj_factor(next));
       }
     };
+    static_assert(T::kBlockN * T::kProjColumns * 2 == T::kThreads * 16, "one 16-byte copy per thread");
 
-    // Prologue: the first kPrefetch tiles in flight while Q goes to registers.
+    // Prologue: the first kPrefetch tiles in flight while Q goes to registers; the coefficients, and
+    // the first tile's corrections from global memory (the loop's first barrier publishes them; the
+    // previous item's readers passed the barrier that ended it).
 #pragma unroll
     for (int s = 0; s < kPrefetch; ++s) {
       if (s < n_end) load_stage(s, s);
       detail::cp_async_commit();
+    }
+    {
+      const float* coeff_g = p.q_coeff + (int64_t(bh) * nblk_all + m_blk) * (T::kProjColumns - 1);
+      const float inv_score_unit = 1.0f / score_unit;   // a power of two: exact
+      if (tid < T::kProjColumns) coeff_s[tid] = tid == 0 ? 1.0f : coeff_g[tid - 1];
+      if (tid == 0) inv_score_unit_s = inv_score_unit;
+      if (n_end > 0) {
+        const int first = tile_of(0);
+        const uint4 u = *reinterpret_cast<const uint4*>(proj_tile(first) + corr_key * T::kProjColumns + corr_half * 8);
+        const float part = detail::correction_half(u, [&](int k) {
+          const int term = corr_half * 8 + k;
+          return term == 0 ? 1.0f : coeff_g[term - 1];
+        });
+        const float sum = part + __shfl_xor_sync(0xFFFFFFFFu, part, 1);
+        if (corr_half == 0) corr_s[0][corr_key] = sum * (*proj_factor(first) * inv_score_unit);
+      }
     }
 
     const int row_warp = m_blk * T::kBlockM + warp * 16;
@@ -284,20 +327,31 @@ __device__ __forceinline__ void attention_fwd_body(const AttentionFwdParams& p) 
       const uint32_t sb_prev = smem_base + stage_prev * T::kStageBytes;
       const uint8_t* sp_prev = smem + stage_prev * T::kStageBytes;
 
-      // ---- S = delta + FP4(Q) FP4(K)^T -------------------------------------------------------
+      // The next tile's corrections (its projections came with this tile's stage) into the other
+      // buffer, last read in iteration n - 1; the next iteration's barrier publishes them. Before
+      // the scores: fewer registers are live here.
+      {   // (after the last tile: unused)
+        const uint4 u = *reinterpret_cast<const uint4*>(sp + T::kOffProj + corr_key * (T::kProjColumns * 2) + corr_half * 16);
+        const float* a = coeff_s + corr_half * 8;
+        const float part = detail::correction_half(u, [&](int k) { return a[k]; });
+        const float sum = part + __shfl_xor_sync(0xFFFFFFFFu, part, 1);
+        const float factor = *reinterpret_cast<const float*>(sp + T::kOffProjFactor);
+        if (corr_half == 0) corr_s[(n + 1) & 1][corr_key] = sum * (factor * inv_score_unit_s);
+      }
+
+      // ---- S = corr + FP4(Q) FP4(K)^T --------------------------------------------------------
       float s[T::kNTilesS][4];
-      // The delta row is in natural key order; a lane's keys of group q are score_key(4q, t, 0)
-      // + 2a + e for tile 4q + a, element e: one 16-byte load of 8 fp16 values, times the tile's
-      // power-of-two factor (exact).
-      const float delta_factor = *reinterpret_cast<const float*>(sp + T::kOffDeltaFactor);
+      // The corrections are in natural key order; a lane's keys of group q are score_key(4q, t, 0)
+      // + 2a + e for tile 4q + a, element e.
+      const float* corr = corr_s[n & 1];
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
-        const __half2* dh = reinterpret_cast<const __half2*>(sp + T::kOffDelta + 2 * score_key(4 * q, t, 0));
+        const float2* d2 = reinterpret_cast<const float2*>(corr + score_key(4 * q, t, 0));
 #pragma unroll
         for (int a = 0; a < 4; ++a) {
-          const float2 d = __half22float2(dh[a]);
-          s[4 * q + a][0] = s[4 * q + a][2] = d.x * delta_factor;
-          s[4 * q + a][1] = s[4 * q + a][3] = d.y * delta_factor;
+          const float2 d = d2[a];
+          s[4 * q + a][0] = s[4 * q + a][2] = d.x;
+          s[4 * q + a][1] = s[4 * q + a][3] = d.y;
         }
       }
 #pragma unroll

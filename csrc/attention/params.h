@@ -1,6 +1,6 @@
 // Launch parameters of the NVFP4 attention forward kernel. Plain data, no torch, no CUDA types:
 // the binding fills it, the kernel takes it as a __grid_constant__. Every stride and offset is
-// int64 (the correction tensor alone passes 2^31 elements near 80k tokens at 40 heads).
+// int64 (the quantised K alone passes 2^31 bytes near 420k tokens at 40 heads).
 #pragma once
 #include "common/portable.h"
 #include "common/token_order.h"
@@ -23,27 +23,22 @@ struct AttentionFwdParams {
   int64_t vt_stride_b, vt_stride_h;
   int64_t vtsf_stride_b, vtsf_stride_h;
 
-  // Correction qm . k_s / (q_scale * k_scale) for Q blocks [q_block_begin, q_block_end) (format:
-  // nvfp4_dit.format.Correction): per 128-key tile 128 fp16 values (bits) and one fp32 power-of-two
-  // factor, the tile's delta being values * factor. Values: natural key order, row
-  // (m - q_block_begin) of [B, H, nblk_chunk, Skp]; strides in elements, multiples of 128, the last
-  // dim contiguous and 16-byte aligned. delta_stride_blk may be 0 (one row for every block). The
-  // factor of the tile whose first value is element i is delta_factor[i / 128].
-  // With a block map (below) it is compact instead: 128 values per listed tile, entry e at e * 128.
-  const uint16_t* delta;
-  const float* delta_factor;
-  int64_t delta_stride_b, delta_stride_h, delta_stride_blk;
+  // The correction m_b . (k - km) / (q_scale * k_scale) of low-rank Q smoothing
+  // (nvfp4_dit/smoothing.py), formed per key tile from the key projections and the Q block's
+  // coefficients: (u_j0 + sum_i a_i u_ji) * key_proj_factor[tile] / (q_scale * k_scale).
+  // key_proj: fp16 bits [B, H, Skp, kKeyProjectionColumns] (natural key order of the tiles),
+  // key_proj_factor [B, H, Skp/128], q_coeff [B, H, Sqp/128, kBasisRank]; all contiguous.
+  const uint16_t* key_proj;
+  const float* key_proj_factor;
+  const float* q_coeff;
 
-  // The block map of a block-sparse call, or nullptr for dense attention. Row r = bh *
-  // block_row_stride + (m - q_block_begin) of the chunk (block_row_stride >= nblk) visits the key
-  // tiles block_tiles[block_offsets[r] .. block_offsets[r + 1]) (ascending; int32 CSR, entries
-  // counted from the chunk's first), and its correction is entry block_offsets[r] onwards of delta.
-  // The CTAs take the B * H * nblk rows of the chunk in the order work_order (each head's rows
-  // longest first).
-  const int32_t* block_offsets;  // the chunk's rows, plus one
+  // The block map of a block-sparse launch, or nullptr for dense attention. Row r = bh * nblk +
+  // (m - q_block_begin) (nblk = q_block_end - q_block_begin) visits the key tiles
+  // block_tiles[block_offsets[r] .. block_offsets[r + 1]) (ascending; int32 CSR).
+  // The CTAs take the B * H * nblk rows in the order work_order (each head's rows longest first).
+  const int32_t* block_offsets;  // the launch's rows, plus one
   const int32_t* block_tiles;
   const int32_t* work_order;     // [B * H * nblk] rows
-  int64_t block_row_stride;
 
   // q . km [B, H, Sq] fp32 (only read when the LSE is written).
   const float* q_dot_km;

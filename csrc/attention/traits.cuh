@@ -31,17 +31,18 @@ struct AttentionTraits {
   static constexpr int kKSfBytes = kBlockN * kKSfRowBytes;
   static constexpr int kVBytes = kHeadDim * kVRowBytes;
   static constexpr int kVSfBytes = kHeadDim * kVSfRowBytes;
-  // The correction tile: 128 fp16 values, then its fp32 factor. 512 bytes: with the 384 it needs,
-  // the MXFP8 D=128 kernels' register allocation spills (scripts/check_sass.py).
-  static constexpr int kDeltaBytes = kBlockN * 4;
+  // The key projections of the tile after this stage's (the corrections are formed one tile ahead):
+  // 128 x kProjColumns fp16, then their fp32 factor (padded to 128 bytes).
+  static constexpr int kProjColumns = 16;
+  static constexpr int kProjBytes = kBlockN * kProjColumns * 2 + 128;
 
   static constexpr int kOffK = 0;
   static constexpr int kOffV = kOffK + kKBytes;
   static constexpr int kOffKSf = kOffV + kVBytes;
   static constexpr int kOffVSf = kOffKSf + kKSfBytes;
-  static constexpr int kOffDelta = kOffVSf + kVSfBytes;
-  static constexpr int kOffDeltaFactor = kOffDelta + kBlockN * 2;
-  static constexpr int kStageBytes = kOffDelta + kDeltaBytes;
+  static constexpr int kOffProj = kOffVSf + kVSfBytes;
+  static constexpr int kOffProjFactor = kOffProj + kBlockN * kProjColumns * 2;
+  static constexpr int kStageBytes = kOffProj + kProjBytes;
   // cp.async stages: 2 tiles ahead + current + previous (its PV), or 1 ahead where 4 stages do
   // not fit sm_120's 99 KB per block (8-bit K at D=128).
   static constexpr int kStages = 4 * kStageBytes <= 99 * 1024 ? 4 : 3;

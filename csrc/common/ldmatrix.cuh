@@ -1,4 +1,4 @@
-// ldmatrix.x4, shared by the attention kernel and the correction GEMM.
+// ldmatrix.x4 for the attention kernel.
 #pragma once
 #include "common/portable.h"
 

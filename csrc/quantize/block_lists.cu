@@ -1,16 +1,12 @@
 // The block map of a block-sparse call and the lists the kernels read (params.h: BlockListsParams),
-// for one group of correction chunks, in three launches and two scans the host queues in between:
+// for one group of Q blocks, in two launches and a scan the host queues in between:
 //
-//   block_map_rows      per map row: the tiles the Q block keeps, as 32-tile bit words, the row's
-//                       count, the words' popcount prefix, each column's count (integer atomics:
-//                       the sums do not depend on their order) and optionally the bool map; a warp
-//                       estimates a row of at most kBlockMapWarpMaxTiles tiles (_by_warp), a CTA a
-//                       longer one;
-//   (host)              offsets = exclusive scans of the row and column counts, per chunk;
-//   block_list_rows     a warp per row: the row's tiles at its offset, ascending, and the row's place
-//                       in the chunk's visiting order;
-//   block_list_columns  a warp per (bh, tile) column: the chunk's Q blocks that list it, ascending,
-//                       and their entries.
+//   block_map_rows   per map row: the tiles the Q block keeps, as 32-tile bit words, the row's count,
+//                    the words' popcount prefix and optionally the bool map; a warp estimates a row
+//                    of at most kBlockMapWarpMaxTiles tiles (_by_warp), a CTA a longer one;
+//   (host)           offsets = the exclusive scan of the row counts;
+//   block_list_rows  a warp per row: the row's tiles at its offset, ascending, and the row's place
+//                    in the visiting order.
 //
 // The estimate follows nvfp4_dit/sparse.py (map_rows): logits scale * s_ij / sqrt(max(sim_i, t)) +
 // log w_j over the allowed tiles, a softmax, and the fewest tiles by descending mass (ties to the
@@ -115,8 +111,8 @@ struct RowGroup {
   }
 };
 
-__device__ __forceinline__ int64_t map_row_index(const BlockListsParams& p, int64_t c, int64_t bh, int64_t m) {
-  return (c * p.batch * p.heads + bh) * p.step + m;
+__device__ __forceinline__ int64_t map_row_index(const BlockListsParams& p, int64_t bh, int64_t g) {
+  return bh * p.rows + g;
 }
 
 // Tile j of Q block i holds a visible key for the causal rule, kv_lens and the caller's map.
@@ -249,16 +245,9 @@ __device__ void block_map_rows(const BlockListsParams& p) {
   uint32_t* selected = selected_rows[row_in_cta];
   int32_t* word_count = word_count_rows[row_in_cta];
   const int64_t g = static_cast<int64_t>(blockIdx.x) * kRows + row_in_cta, bh = blockIdx.y;
-  if (g >= p.chunks * p.step) return;  // past the last row: the whole group
+  if (g >= p.rows) return;  // past the last row: the whole group
   const int64_t b = bh / p.heads, h = bh % p.heads;
-  const int64_t c = g / p.step, m = g % p.step;
   const int nk = static_cast<int>(p.num_k_tiles), words = static_cast<int>(p.words);
-  if (g >= p.rows) {  // a padding row of the last chunk: empty
-    const int64_t r = map_row_index(p, c, bh, m);
-    for (int w = group.t; w < words; w += Group::kRowThreads) p.bits[r * p.words + w] = p.word_prefix[r * p.words + w] = 0;
-    if (group.t == 0) p.row_counts[r] = 0;
-    return;
-  }
   const int64_t i = p.block_begin + g;
   int64_t visible_keys = p.seq_k;
   if (p.kv_lens != nullptr) visible_keys = min(max(static_cast<int64_t>(p.kv_lens[b]), int64_t(0)), p.seq_k);
@@ -273,11 +262,10 @@ __device__ void block_map_rows(const BlockListsParams& p) {
     if (!keep_all) select_by_mass(group, p, b, h, bh, g, i, visible_keys, selected);
   }
   // The row's outputs, addressed after the selection (fewer registers live across it).
-  const int64_t r = map_row_index(p, c, bh, m);
+  const int64_t r = map_row_index(p, bh, g);
   uint32_t* bits = p.bits + r * p.words;
   int32_t* prefix = p.word_prefix + r * p.words;
   const float* log_weights = estimated ? p.log_weights + b * p.log_weights_stride_b + h * p.log_weights_stride_h : nullptr;
-  int32_t* col_counts = p.col_counts + (c * p.batch * p.heads + bh) * p.num_k_tiles;
   uint8_t* row_map = p.row_map != nullptr ? p.row_map + (bh * p.rows + g) * p.num_k_tiles : nullptr;
   const int lane = group.lane();
   for (int w = group.warp(); w < words; w += kRowWarps) {
@@ -295,7 +283,6 @@ __device__ void block_map_rows(const BlockListsParams& p) {
       bits[w] = word;
       word_count[w] = __popc(word);
     }
-    if (keep) atomicAdd(&col_counts[j], 1);
     if (row_map != nullptr && j < nk) row_map[j] = keep;
   }
   group.sync();
@@ -319,73 +306,29 @@ __device__ void block_map_rows(const BlockListsParams& p) {
 
 __device__ void block_list_rows(const BlockListsParams& p) {
   const int64_t g = static_cast<int64_t>(blockIdx.x) * kListWarps + threadIdx.x / 32, bh = blockIdx.y;
-  if (g >= p.chunks * p.step) return;
-  const int64_t c = g / p.step, m = g % p.step;
-  const int64_t r = map_row_index(p, c, bh, m);
-  const int64_t bh_count = p.batch * p.heads, per_chunk = bh_count * p.step;
-  const int64_t base = p.offsets[c * (per_chunk + 1) + bh * p.step + m];
-  int32_t* tiles = p.tiles + c * per_chunk * p.num_k_tiles;
+  if (g >= p.rows) return;
+  const int64_t r = map_row_index(p, bh, g);
+  const int64_t base = p.offsets[r];
   const int lane = threadIdx.x & 31;
   for (int64_t w = 0; w < p.words; ++w) {  // lane l writes tile 32 w + l if listed: coalesced
     const uint32_t word = p.bits[r * p.words + w];
-    if ((word >> lane) & 1u) tiles[base + p.word_prefix[r * p.words + w] + __popc(word & lanes_below())] = 32 * w + lane;
+    if ((word >> lane) & 1u) p.tiles[base + p.word_prefix[r * p.words + w] + __popc(word & lanes_below())] = 32 * w + lane;
   }
-  // The row's place in the visiting order: among its head's real rows of the chunk, after those
-  // with more tiles and the earlier ones with as many (the kernel's longest-first schedule).
-  const int64_t length = min(p.step, p.rows - c * p.step);  // the chunk's real rows
-  int64_t place;
-  if (m < length) {
-    const int32_t* counts = p.row_counts + map_row_index(p, c, bh, 0);  // the head's rows of the chunk
-    const int32_t own = counts[m];
-    int64_t rank = 0;
-    for (int64_t m0 = 0; m0 < length; m0 += 32) {
-      const int64_t other = m0 + lane;
-      bool ahead = false;
-      if (other < length) {
-        const int32_t n = counts[other];
-        ahead = n > own || (n == own && other < m);
-      }
-      rank += __popc(__ballot_sync(0xFFFFFFFFu, ahead));
+  // The row's place in the visiting order: among its head's rows, after those with more tiles and
+  // the earlier ones with as many (the kernel's longest-first schedule).
+  const int32_t* counts = p.row_counts + map_row_index(p, bh, 0);  // the head's rows
+  const int32_t own = counts[g];
+  int64_t rank = 0;
+  for (int64_t g0 = 0; g0 < p.rows; g0 += 32) {
+    const int64_t other = g0 + lane;
+    bool ahead = false;
+    if (other < p.rows) {
+      const int32_t n = counts[other];
+      ahead = n > own || (n == own && other < g);
     }
-    place = bh * length + rank;
-  } else {
-    place = bh_count * length + bh * (p.step - length) + (m - length);
+    rank += __popc(__ballot_sync(0xFFFFFFFFu, ahead));
   }
-  if (lane == 0) p.order[c * per_chunk + place] = static_cast<int32_t>(bh * p.step + m);
-}
-
-__device__ void block_list_columns(const BlockListsParams& p) {
-  const int64_t columns = p.batch * p.heads * p.num_k_tiles;
-  const int64_t col = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32, c = blockIdx.y;
-  if (col >= columns) return;
-  const int64_t bh = col / p.num_k_tiles;
-  const int j = static_cast<int>(col % p.num_k_tiles);
-  const int64_t per_chunk = p.batch * p.heads * p.step;
-  const int32_t* offsets = p.offsets + c * (per_chunk + 1) + bh * p.step;
-  const int64_t entries = per_chunk * p.num_k_tiles;
-  int32_t* rows = p.col_rows + c * entries;
-  int32_t* col_entries = p.col_entries + c * entries;
-  int64_t slot = p.col_offsets[c * (columns + 1) + col];
-  const uint32_t below = (1u << (j % 32)) - 1u;
-  const int lane = threadIdx.x & 31;
-  for (int64_t m0 = 0; m0 < p.step; m0 += 32) {  // lane l takes Q block m0 + l: coalesced writes
-    const int64_t m = m0 + lane;
-    bool listed = false;
-    int32_t entry = 0;
-    if (m < p.step) {
-      const int64_t r = map_row_index(p, c, bh, m);
-      const uint32_t word = p.bits[r * p.words + j / 32];
-      listed = (word >> (j % 32)) & 1u;
-      if (listed) entry = offsets[m] + p.word_prefix[r * p.words + j / 32] + __popc(word & below);
-    }
-    const uint32_t ballot = __ballot_sync(0xFFFFFFFFu, listed);
-    if (listed) {
-      const int64_t at = slot + __popc(ballot & lanes_below());
-      rows[at] = static_cast<int32_t>(m);
-      col_entries[at] = entry;
-    }
-    slot += __popc(ballot);
-  }
+  if (lane == 0) p.order[bh * p.rows + rank] = static_cast<int32_t>(r);
 }
 
 }  // namespace
@@ -405,8 +348,4 @@ extern "C" __global__ void __launch_bounds__(nvfp4_dit::kThreads, 3)
 extern "C" __global__ void __launch_bounds__(32 * nvfp4_dit::kListWarps)
     nvfp4_dit_block_list_rows(const __grid_constant__ nvfp4_dit::BlockListsParams p) {
   nvfp4_dit::block_list_rows(p);
-}
-extern "C" __global__ void __launch_bounds__(nvfp4_dit::kThreads)
-    nvfp4_dit_block_list_columns(const __grid_constant__ nvfp4_dit::BlockListsParams p) {
-  nvfp4_dit::block_list_columns(p);
 }

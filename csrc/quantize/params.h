@@ -1,5 +1,5 @@
 // Launch parameters of the NVFP4 preprocessing of Q, K, V for the attention kernel (the tile
-// quantiser) and of the per-Q-block correction term qm . (k - km)^T computed in chunks.
+// quantiser with its low-rank Q smoothing) and of the block-sparse map's lists.
 //
 // Plain data: no torch, no CUDA types. The host launcher (nvfp4_dit/cuda/launch.py) fills a mirror of
 // these structs (nvfp4_dit/cuda/abi.py; tests/test_kernel_abi.py compiles this header with the
@@ -20,7 +20,7 @@ namespace nvfp4_dit {
 enum class InputDtype : int32_t { kBFloat16 = 0, kFloat16 = 1, kFloat32 = 2 };
 
 // M(name, InputDtype, Dp) for every input dtype and padded head dim: the per-input entry points of
-// the quantiser and the correction (their names carry `name` and `Dp`: common/launch.h).
+// the quantiser (their names carry `name` and `Dp`: common/launch.h).
 #define NVFP4_DIT_FOR_EACH_INPUT(M) \
   M(bf16, kBFloat16, 64) M(bf16, kBFloat16, 128) M(fp16, kFloat16, 64) M(fp16, kFloat16, 128) \
   M(fp32, kFloat32, 64) M(fp32, kFloat32, 128)
@@ -71,6 +71,26 @@ struct QuantizeQkvParams {
   // cosine of the raw Q rows of each 128-row block (1 for a block of fewer than two nonzero rows).
   float* k_tile_mean;   // [B, Hkv, Skp/128, Dp]
   float* q_similarity;  // [B, H, Sqp/128]
+
+  // Low-rank Q smoothing (nvfp4_dit/smoothing.py, quantize/smoothing.cuh): per query head the
+  // center g, kBasisRank basis rows and the basis scale s, per Q block its coefficients a_b / s and
+  // the mean it is smoothed by, g + basis^T a_b; per key and query head the kKeyProjectionColumns
+  // projections u_j = [g . k'_j (+ key_bias_j / scale), (basis_i . k'_j) s] as fp16 bits under one power-of-two
+  // factor per 128-key tile (k' = k - km, 0 past the valid keys; natural key order of the tiles).
+  float* q_center;          // [B, H, Dp]
+  float* q_basis;           // [B, H, kBasisRank, Dp]
+  float* q_basis_scale;     // [B, H] the basis scale s: coefficients a_b / s, projections (row . k') s
+  float* q_coeff;           // [B, H, Sqp/128, kBasisRank]
+  float* q_smooth_mean;     // [B, H, Sqp/128, Dp]
+  uint16_t* key_proj;       // [B, H, Skp, kKeyProjectionColumns]
+  float* key_proj_factor;   // [B, H, Skp/128]
+  // A per-key additive mask (nvfp4_dit/masks.py) in units of the scaled scores, fp32 [B, H or 1, Sk]
+  // through element strides (h stride 0 for one row per batch), in the tiles' key order, or
+  // nullptr: it joins u_j0 as key_bias / scale, -inf masking the key.
+  const float* key_bias;
+  int64_t key_bias_stride_b;
+  int64_t key_bias_stride_h;
+  float scale;              // the softmax scale (read only with key_bias)
 
   // Channel balance (format.channel_balance): on, Q is multiplied by s and K divided by it.
   // q_channel_amax holds max |q - qm| per (b, kv head, channel) over the group's rows as fp32
@@ -138,61 +158,10 @@ NVFP4_DIT_HOST_DEVICE inline int64_t quantize_qkv_workspace_records(int64_t batc
   return kStatTensors * batch * heads_kv * (seq_k_padded / kTileRows) * 2;
 }
 
-struct CorrectionParams {
-  const float* q_mean;  // [B, H, num_q_blocks, Dp], contiguous
-  StridedInput k;       // the raw K input, logical [B, Hkv, Sk, D]
-  InputDtype dtype;
-  const void* kv_lens;  // [B] or nullptr, as in QuantizeQkvParams: keys past it have k_s = 0
-  bool kv_lens_int64;
-  const float* k_mean;  // [B, Hkv, Dp], contiguous
-  const float* q_scale;  // [B, H, num_q_blocks] and
-  const float* k_scale;  // [B, Hkv] tensor scales (contiguous): delta is written in their units
-  // delta as nvfp4_dit.format.Correction stores it: fp16 values (bits) [B, H, block_end -
-  // block_begin, Skp], the last dim contiguous, strides multiples of 128; the factor of the tile
-  // whose first value is element i at delta_factor[i / 128].
-  uint16_t* delta;
-  float* delta_factor;
-  int64_t delta_stride_b;
-  int64_t delta_stride_h;
-  int64_t delta_stride_blk;
-  // A per-key additive mask (nvfp4_dit/masks.py), in units of the scaled scores: fp32 [B, H or 1,
-  // Sk] through element strides (h stride 0 for one row per batch), or nullptr. It enters delta
-  // as key_bias / (scale * q_scale * k_scale), -inf masking the key.
-  const float* key_bias;
-  int64_t key_bias_stride_b;
-  int64_t key_bias_stride_h;
-  float scale;          // the softmax scale (read only with key_bias)
-  // A block-sparse call's correction, only where the attention kernel reads it, or nullptr for all
-  // of it: CTA (key tile j, bh) computes the rows (Q blocks of the chunk) col_rows[col_offsets[
-  // bh * nk + j] .. col_offsets[bh * nk + j + 1]) and writes each to entry col_entries[..] (values at
-  // delta + 128 * entry, factor at delta_factor[entry])
-  // (the chunk's compact layout that the attention kernel's block map reads, entries counted from
-  // the chunk's first: AttentionFwdParams::block_offsets).
-  const int32_t* col_offsets;  // the chunk's B * H * Skp/128 columns, plus one
-  const int32_t* col_rows;
-  const int32_t* col_entries;
-
-  int64_t batch;
-  int64_t heads_q;
-  int64_t heads_kv;
-  int64_t seq_k;
-  int64_t seq_k_padded;
-  int64_t head_dim;
-  int64_t head_dim_padded;
-  int64_t num_q_blocks;
-  int64_t block_begin;  // Q blocks [block_begin, block_end) of q_mean
-  int64_t block_end;
-  // Key s (in tile order) is row source_row(k_order, s) of k; key_bias is in tile order already.
-  TokenOrder k_order;
-};
-
-
-
 // The block map of a block-sparse call and its lists (quantize/block_lists.cu), for a group of
-// consecutive correction chunks: `chunks` chunks of `step` Q blocks (the group's `rows` Q blocks
-// from block_begin, the last chunk possibly shorter). A map row is (chunk c, bh = b * heads + h,
-// Q block m of the chunk), stored at r = (c * batch * heads + bh) * step + m; rows past the group's
-// end are empty. nvfp4_dit/sparse.py (map_rows, build_lists) states the same rules in PyTorch.
+// `rows` consecutive Q blocks from block_begin (a group bounds the map's memory). Map row r = bh *
+// rows + g (bh = b * heads + h) is Q block block_begin + g. nvfp4_dit/sparse.py (map_rows,
+// build_lists) states the same rules in PyTorch.
 struct BlockListsParams {
   // The estimate (scores != nullptr): per row the raw pooled scores mean(q_i) . mean(k_j), fp32
   // [B, H, rows, nk] contiguous; the blocks' similarity [B, H, num_q_blocks] contiguous; the
@@ -225,25 +194,18 @@ struct BlockListsParams {
   int64_t words;        // 32-tile words of a row: ceil(nk / 32)
   int64_t block_begin;
   int64_t rows;
-  int64_t step;
-  int64_t chunks;
 
-  // block_map_rows writes (col_counts zeroed before it):
-  uint32_t* bits;        // [C, B*H*step, words]: bit j % 32 of word j / 32 = tile j listed
-  int32_t* row_counts;   // [C, B*H*step]
-  int32_t* word_prefix;  // [C, B*H*step, words]: tiles listed in the row's earlier words
-  int32_t* col_counts;   // [C, B*H*nk]: Q blocks of the chunk that list (bh, tile)
+  // block_map_rows writes:
+  uint32_t* bits;        // [B*H*rows, words]: bit j % 32 of word j / 32 = tile j listed
+  int32_t* row_counts;   // [B*H*rows]
+  int32_t* word_prefix;  // [B*H*rows, words]: tiles listed in the row's earlier words
   uint8_t* row_map;      // bool [B, H, rows, nk], or nullptr
-  // block_list_rows and block_list_columns read the exclusive scans of the counts (per chunk, with
-  // the total last) and write the lists (nvfp4_dit.sparse.BlockLists), E = B*H*step*nk per chunk:
-  const int32_t* offsets;      // [C, B*H*step + 1]
-  const int32_t* col_offsets;  // [C, B*H*nk + 1]
-  int32_t* tiles;              // [C, E]
-  int32_t* col_rows;           // [C, E]
-  int32_t* col_entries;        // [C, E]
-  // block_list_rows also writes each chunk's visiting order of its rows (BlockLists.order): per
-  // head, the chunk's real rows by descending count (ties by Q block), then every padding row.
-  int32_t* order;              // [C, B*H*step]: r - c * B*H*step of the row visited at that place
+  // block_list_rows reads the exclusive scan of the row counts (with the total last) and writes the
+  // lists (nvfp4_dit.sparse.BlockLists) and the visiting order of the rows: per head, by descending
+  // count (ties by Q block).
+  const int32_t* offsets;  // [B*H*rows + 1]
+  int32_t* tiles;          // [B*H*rows*nk]
+  int32_t* order;          // [B*H*rows]: the row visited at that place
 };
 
 }  // namespace nvfp4_dit

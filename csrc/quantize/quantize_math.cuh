@@ -88,8 +88,8 @@ NVFP4_DIT_HD uint32_t pack8_biased_codes_signs(const uint32_t (&code)[8], const 
   return mag | (odd & 0x80808080u) | ((even >> 4) & 0x08080808u);
 }
 
-// Valid keys of batch b: kv_lens[b] clamped to [0, seq_k], or seq_k without kv_lens. Params is
-// QuantizeQkvParams or CorrectionParams (fields kv_lens, kv_lens_int64, seq_k).
+// Valid keys of batch b: kv_lens[b] clamped to [0, seq_k], or seq_k without kv_lens. Params has
+// the fields kv_lens, kv_lens_int64 and seq_k (QuantizeQkvParams).
 template <typename Params>
 NVFP4_DIT_HD int64_t valid_key_count(const Params& p, int64_t b) {
   if (p.kv_lens == nullptr) return p.seq_k;
@@ -98,8 +98,8 @@ NVFP4_DIT_HD int64_t valid_key_count(const Params& p, int64_t b) {
   return n < 0 ? 0 : (n > p.seq_k ? p.seq_k : n);
 }
 
-// Raw input element (bf16, fp16 or fp32 bits) to float: shared by the quantize and the
-// correction kernels, which both read Q/K straight from the caller's strides.
+// Raw input element (bf16, fp16 or fp32 bits) to float: the quantiser reads Q, K and V straight
+// from the caller's strides.
 #if defined(__CUDACC__)
 template <InputDtype DT>
 struct InputTraits;

@@ -1,5 +1,5 @@
 // The quantiser of Q, K and V for the attention kernel (contract: params.h). It takes bf16, fp16 or
-// fp32 inputs on any GPU and reads each input byte from DRAM about once.
+// fp32 inputs on any GPU and reads K and V from DRAM about once, Q twice.
 //
 // Launches (after the caller's memset of a small counter workspace), each CTA one work item by
 // blockIdx, none waiting for another:
@@ -9,13 +9,17 @@
 //   1. key_stats_kernel: the same tiles of K and of V of each (b, kv-head) reduced to per-channel
 //      sums, minima and maxima (the last tile of a head to arrive adds them in a fixed order,
 //      deterministic, and finishes the head: km, vm, the channel balance);
-//   2. qk_tiles_kernel: K tiles ((k - km) / (s t), rows permuted) and Q tiles (the tile's own
-//      128-row block mean and tensor scale, then (q - qm) s / q_scale, and q . km);
-//   3. v_tiles_kernel: V^T tiles ((v - vm) / t, transposed through shared memory, quantized along
+//   2. q_means_kernel: each Q tile's block mean qm and its rows' similarity (Q's first read);
+//   3. (smoothing_basis.cu) each query head's smoothing basis, coefficients and smoothed block
+//      means m = g + basis^T a (smoothing.cuh);
+//   4. qk_tiles_kernel: K tiles ((k - km) / (s t), rows permuted) with their key projections for
+//      every query head of the group, and Q tiles ((q - m) s / q_scale with the block's tensor
+//      scale, and q . km: Q's second read);
+//   5. v_tiles_kernel: V^T tiles ((v - vm) / t, transposed through shared memory, quantized along
 //      tokens). A K or V tile does not wait for its head's tensor scale: it takes its own,
 //      t = tensor_scale(tile amax), a power of two, records it and raises its head's maximum
 //      (head_exponent_slot);
-//   4., 5. the same two entry points' fix-up passes (K, then V): the head's scale is the largest
+//   6., 7. the same two entry points' fix-up passes (K, then V): the head's scale is the largest
 //      tile's (tensor_scale is monotone), so each K or V tile under a smaller one moves its scale
 //      bytes down by the difference, which gives the bytes of quantising under the head's scale
 //      directly as long as every byte stays in its normal range (format.scale_headroom, proven on
@@ -42,6 +46,7 @@
 #include "quantize/params.h"
 #include "quantize/quantize_block.cuh"
 #include "quantize/quantize_math.cuh"
+#include "quantize/smoothing.cuh"
 
 namespace nvfp4_dit {
 namespace {
@@ -524,6 +529,17 @@ __device__ __forceinline__ bool quantize_qk_block(const float (&v)[16], bool val
   }
 }
 
+// Q tile `tile`'s block mean qm over its valid rows (q_mean: the smoothing basis and the block-sparse
+// estimate read it) and its rows' similarity, before the basis kernel.
+template <InputDtype DT, int DP>
+__device__ __forceinline__ void q_means_tile(const QuantizeQkvParams& p, SharedStorage<DP>& sm, int64_t tile) {
+  const RowTile<DP> t = RowTile<DP>::queries(p, tile);
+  Block16<DT> x[RowTileMap<DP>::kPasses];
+  const float qm = q_tile_load<DT, DP>(p, sm, t, x);
+  if (threadIdx.x < DP) p.q_mean[tile * DP + threadIdx.x] = qm;
+  q_tile_similarity<DT, DP>(p, sm, t, x, tile);
+}
+
 template <InputDtype DT, int DP, class QkFmt>
 __device__ __forceinline__ void q_tile(const QuantizeQkvParams& p, SharedStorage<DP>& sm, int64_t tile) {
   using Map = RowTileMap<DP>;
@@ -532,12 +548,16 @@ __device__ __forceinline__ void q_tile(const QuantizeQkvParams& p, SharedStorage
   const int cb = t.cb, r0 = t.r0, valid_rows = t.valid_rows;
 
   Block16<DT> x[Map::kPasses];
-  const float qm = q_tile_load<DT, DP>(p, sm, t, x);
-  q_tile_similarity<DT, DP>(p, sm, t, x, tile);
-  // The block's tensor scale t(max |fl(q - qm_c)| * s_c); then quantise (q - qm) * s_c / t.
+  t.template load<DT>(p, p.q, sm.input_rows, x);
+  // The block's smoothing mean m = g + basis^T a (the basis kernel's), its tensor scale
+  // t(max |fl(q - m_c)| * s_c); then quantise (q - m) * s_c / t.
   const int c = int(threadIdx.x);
+  const float qm = c < DP ? __ldcg(p.q_smooth_mean + tile * DP + c) : 0.0f;
   const float s = c < DP ? p.balance[bhk * DP + c] : 1.0f;
-  if (c < DP) sm.factor[padded_column(c)] = s;
+  if (c < DP) {
+    sm.mean[padded_column(c)] = qm;
+    sm.factor[padded_column(c)] = s;
+  }
   __syncthreads();
   float dev[1];
   q_tile_deviation<false>(sm, t, x, sm.factor, dev);
@@ -547,7 +567,6 @@ __device__ __forceinline__ void q_tile(const QuantizeQkvParams& p, SharedStorage
     sm.factor[padded_column(c)] = f;
     sm.offset[padded_column(c)] = qm * f;
     sm.km[padded_column(c)] = __ldcg(p.k_mean + bhk * DP + c);
-    p.q_mean[tile * DP + c] = qm;
     if (c == 0) p.q_scale[tile] = q_scale;
   }
   fill_scale_tables(sm.tables);
@@ -598,6 +617,7 @@ __device__ __forceinline__ void key_tile_columns(const QuantizeQkvParams& p, Sha
     const float mean = __ldcg((values ? p.v_mean : p.k_mean) + bh * DP + c);
     sm.factor[padded_column(c)] = f;
     sm.offset[padded_column(c)] = mean * f;
+    sm.km[padded_column(c)] = mean;
   }
 }
 
@@ -625,6 +645,112 @@ __device__ __forceinline__ void record_tile_scale(const QuantizeQkvParams& p, Sh
   record[1] = least;
   if (!(tile_amax <= FLT_MAX)) atomicMax(head_exponent_slot(p, bh, tensor), kNonfiniteExponent);
   else if (tile_amax > 0.0f) atomicMax(head_exponent_slot(p, bh, tensor), uint32_t(exponent + kExponentBias));
+}
+
+// The key projections of K tile `tile` (smoothing.key_projections) for each query head of its kv
+// head: u_j = [g . k'_j (+ key_bias_j / scale), (basis_i . k'_j) s] of the tile's keys, k' = k - km (0 past
+// the valid keys), each an fp32 sum over the columns in order, then fp16 under the tile's power of
+// two (smoothing.projection_exponents). Runs after the tile's quantisation, when its registers are
+// free: the rows come again from L2, a pass of kRows keys at a time staged in shared memory as k',
+// and thread t sums key t / kPerRow's projection columns (t % kPerRow) * kCols .. + kCols.
+template <InputDtype DT, int DP>
+__device__ __forceinline__ void key_tile_projections(const QuantizeQkvParams& p, SharedStorage<DP>& sm,
+                                                     const RowTile<DP>& t) {
+  using Map = RowTileMap<DP>;
+  using Raw = typename InputTraits<DT>::Raw;
+  constexpr int kRows = Map::kRowsPerPass;  // keys per staged pass
+  constexpr int kCols = kRows * kKeyProjectionColumns / kThreads;
+  constexpr int kPerRow = kKeyProjectionColumns / kCols;
+  constexpr int kPitch = DP + 4;            // 16-byte row reads of 8 keys fall on distinct banks
+  static_assert(kCols * kPerRow == kKeyProjectionColumns && kRows * kPerRow == kThreads, "thread layout");
+  static_assert((kRows * kPitch + kKeyProjectionColumns * DP) * 4 <= kVTileBytes, "staging fits v_tile");
+  float* staged = reinterpret_cast<float*>(sm.v_tile);
+  float* weights = staged + kRows * kPitch;  // [kKeyProjectionColumns][DP]: g, then the basis rows
+  const int64_t group = p.heads_q / p.heads_kv;
+  const int row = int(threadIdx.x) / kPerRow, col0 = (int(threadIdx.x) % kPerRow) * kCols;
+  const bool ordered = token_order_active(p.order);  // sm.input_rows holds the tile's rows (RowTile::load)
+  const Raw* base = static_cast<const Raw*>(p.k.ptr) + row_offset(p.k, t.b, t.h, t.row0);
+  for (int64_t g = 0; g < group; ++g) {
+    const int64_t bhq = t.b * p.heads_q + t.h * group + g;
+    __syncthreads();  // the previous readers of the staging area are done
+    for (int i = threadIdx.x; i < kKeyProjectionColumns * DP; i += kThreads) {
+      const int r = i / DP, c = i % DP;
+      weights[i] = r == 0 ? __ldcg(p.q_center + bhq * DP + c) : __ldcg(p.q_basis + (bhq * kBasisRank + r - 1) * DP + c);
+    }
+    const float basis_scale = __ldcg(p.q_basis_scale + bhq);
+    float u[Map::kPasses][kCols];
+    float amax = 0.0f;
+#pragma unroll 1
+    for (int ps = 0; ps < Map::kPasses; ++ps) {
+      {  // this thread's 16 columns of the pass's row t.r0, as k'
+        const int r = t.r0 + ps * kRows;
+        Block16<DT> blk;
+        blk.zero();
+        if (r < t.valid_rows) load_block16<DT>(blk, base + (ordered ? sm.input_rows[r] : r) * p.k.stride_s, t.cb * 16);
+        float km[16];
+        load_column_block(sm.km, t.cb, km);
+        float* dst = staged + t.r0 * kPitch + t.cb * 16;
+#pragma unroll
+        for (int e = 0; e < 16; e += 4) {
+          float4 v;
+          v.x = r < t.valid_rows ? __fsub_rn(blk.get(e), km[e]) : 0.0f;
+          v.y = r < t.valid_rows ? __fsub_rn(blk.get(e + 1), km[e + 1]) : 0.0f;
+          v.z = r < t.valid_rows ? __fsub_rn(blk.get(e + 2), km[e + 2]) : 0.0f;
+          v.w = r < t.valid_rows ? __fsub_rn(blk.get(e + 3), km[e + 3]) : 0.0f;
+          *reinterpret_cast<float4*>(dst + e) = v;
+        }
+      }
+      __syncthreads();
+      float acc[kCols];
+#pragma unroll
+      for (int j = 0; j < kCols; ++j) acc[j] = 0.0f;
+      const float* key = staged + row * kPitch;
+#pragma unroll 4
+      for (int c = 0; c < DP; c += 4) {
+        const float4 k4 = *reinterpret_cast<const float4*>(key + c);
+#pragma unroll
+        for (int j = 0; j < kCols; ++j) {
+          const float4 w4 = *reinterpret_cast<const float4*>(weights + (col0 + j) * DP + c);
+          acc[j] = fmaf(w4.x, k4.x, acc[j]);
+          acc[j] = fmaf(w4.y, k4.y, acc[j]);
+          acc[j] = fmaf(w4.z, k4.z, acc[j]);
+          acc[j] = fmaf(w4.w, k4.w, acc[j]);
+        }
+      }
+      const int64_t key_index = t.row0 + ps * kRows + row;  // in the tiles' order
+      if (col0 == 0 && p.key_bias != nullptr && key_index < p.seq_k)
+        acc[0] += __fdiv_rn(p.key_bias[t.b * p.key_bias_stride_b + (t.h * group + g) * p.key_bias_stride_h + key_index],
+                            p.scale);
+#pragma unroll
+      for (int j = 0; j < kCols; ++j) {
+        if (col0 + j > 0) acc[j] *= basis_scale;  // a power of two: exact
+        u[ps][j] = acc[j];
+        if (isfinite(acc[j])) amax = fmaxf(amax, fabsf(acc[j]));
+      }
+      __syncthreads();  // the staged rows are consumed
+    }
+    amax = cta_reduce(kColumnMax, amax, sm);
+    int amax_exponent = 0;
+    frexpf(amax > 0.0f ? amax : 1.0f, &amax_exponent);
+    const int exponent = amax > 0.0f ? min(max(amax_exponent - 15, -126), 111) : -126;
+    const float inverse = power_of_two(-exponent);
+    if (threadIdx.x == 0) p.key_proj_factor[bhq * (p.seq_k_padded / kTileRows) + t.blk] = power_of_two(exponent);
+#pragma unroll
+    for (int ps = 0; ps < Map::kPasses; ++ps) {
+      uint32_t h[kCols];
+#pragma unroll
+      for (int j = 0; j < kCols; ++j) {
+        const float v = u[ps][j] * inverse;
+        h[j] = __half_as_ushort(__float2half_rn(isfinite(u[ps][j]) ? fminf(fmaxf(v, -65504.0f), 65504.0f) : v));
+      }
+      uint16_t* out = p.key_proj + (bhq * p.seq_k_padded + t.row0 + ps * kRows + row) * kKeyProjectionColumns + col0;
+      if constexpr (kCols == 2) {
+        *reinterpret_cast<uint32_t*>(out) = h[0] | (h[1] << 16);
+      } else {
+        *reinterpret_cast<uint2*>(out) = make_uint2(h[0] | (h[1] << 16), h[2] | (h[3] << 16));
+      }
+    }
+  }
 }
 
 // A K tile under its own tensor scale (own_scale: the tiles pass) or its head's 2^head_exponent (the
@@ -694,7 +820,10 @@ __device__ __forceinline__ void k_tile(const QuantizeQkvParams& p, SharedStorage
                                             sf + ps * Map::kRowsPerPass * Row::kScales, headroom);
   }
   raise_flag(p.nonfinite_kv + bh, nonfinite);
-  if (own_scale) record_tile_scale(p, sm, 0, tile, bh, exponent, tile_amax, headroom);
+  if (own_scale) {
+    record_tile_scale(p, sm, 0, tile, bh, exponent, tile_amax, headroom);
+    key_tile_projections<DT, DP>(p, sm, t);
+  }
 }
 
 // A V^T tile, under its own or its head's tensor scale as k_tile.
@@ -922,6 +1051,13 @@ __device__ __forceinline__ void v_tiles_kernel(const QuantizeQkvParams& p, bool 
   });
 }
 
+// Launch 2a: one Q tile per block, its block mean and similarity (q_means_tile).
+template <InputDtype DT, int DP>
+__device__ __forceinline__ void q_means_kernel(const QuantizeQkvParams& p) {
+  __shared__ __align__(16) SharedStorage<DP> sm;
+  q_means_tile<DT, DP>(p, sm, blockIdx.x);
+}
+
 // The balance statistics: one CTA per Q statistics tile (kStatisticsTiles per query head, those
 // past the head's rows return at once), max |q - qm| per column into the kv head's q_channel_amax
 // (fp32 bits of non-negative values, or NaN: they order like unsigned integers).
@@ -971,6 +1107,10 @@ __device__ __forceinline__ void balance_statistics_kernel(const QuantizeQkvParam
       nvfp4_dit_quantize_tiles_##NAME##_d##DP##_mxfp8(const __grid_constant__ nvfp4_dit::QuantizeQkvParams p,    \
                                                        int32_t fix_up) {                                         \
     nvfp4_dit::qk_tiles_kernel<nvfp4_dit::InputDtype::DT, DP, nvfp4_dit::QkFormatMxfp8>(p, fix_up != 0);         \
+  }                                                                                                              \
+  extern "C" __global__ void __launch_bounds__(nvfp4_dit::kThreads, nvfp4_dit::kTilesMinCtasPerSm<nvfp4_dit::InputDtype::DT>) \
+      nvfp4_dit_q_means_##NAME##_d##DP(const __grid_constant__ nvfp4_dit::QuantizeQkvParams p) {                   \
+    nvfp4_dit::q_means_kernel<nvfp4_dit::InputDtype::DT, DP>(p);                                                 \
   }                                                                                                              \
   extern "C" __global__ void __launch_bounds__(nvfp4_dit::kThreads, nvfp4_dit::kTilesMinCtasPerSm<nvfp4_dit::InputDtype::DT>) \
       nvfp4_dit_quantize_v_tiles_##NAME##_d##DP(const __grid_constant__ nvfp4_dit::QuantizeQkvParams p,          \

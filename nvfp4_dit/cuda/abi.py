@@ -15,13 +15,10 @@ from ctypes import c_bool, c_float, c_int, c_int32, c_int64, c_void_p
 # csrc/common/launch.h
 ATTENTION_THREADS = 256
 # [Q·Kᵀ format index (format.QK_FORMATS)][head dim 64, 128]
-ATTENTION_SMEM_BYTES = ((38912, 75776), (54272, 79872))
+ATTENTION_SMEM_BYTES = ((53760, 90624), (69120, 91008))
 PROBE_THREADS = 32
 QUANTIZE_THREADS = 256
-CORRECTION_THREADS = 256
-CORRECTION_TILE_M = 64
-CORRECTION_TILE_N = 128
-CORRECTION_SMEM_BYTES = (47620, 84740)     # [head dim 64, 128]
+SMOOTHING_BASIS_SMEM_BYTES = (29568, 90752)   # [head dim 64, 128]
 BLOCK_LISTS_THREADS = 256
 BLOCK_LISTS_MAX_TILES = 4096
 BLOCK_MAP_WARP_MAX_TILES = 1024  # block_map_rows_by_warp: a warp per map row of at most this many tiles
@@ -54,10 +51,8 @@ class AttentionFwdParams(ctypes.Structure):
         ("ksf_stride_b", c_int64), ("ksf_stride_h", c_int64),
         ("vt_stride_b", c_int64), ("vt_stride_h", c_int64),
         ("vtsf_stride_b", c_int64), ("vtsf_stride_h", c_int64),
-        ("delta", c_void_p), ("delta_factor", c_void_p),
-        ("delta_stride_b", c_int64), ("delta_stride_h", c_int64), ("delta_stride_blk", c_int64),
+        ("key_proj", c_void_p), ("key_proj_factor", c_void_p), ("q_coeff", c_void_p),
         ("block_offsets", c_void_p), ("block_tiles", c_void_p), ("work_order", c_void_p),
-        ("block_row_stride", c_int64),
         ("q_dot_km", c_void_p), ("qdk_stride_b", c_int64), ("qdk_stride_h", c_int64),
         ("q_scale", c_void_p), ("k_scale", c_void_p), ("v_scale", c_void_p), ("v_mean", c_void_p),
         ("kv_lens", c_void_p),
@@ -89,24 +84,13 @@ class QuantizeQkvParams(ctypes.Structure):
         ("q_mean", c_void_p), ("k_mean", c_void_p), ("v_mean", c_void_p),
         ("q_scale", c_void_p), ("k_scale", c_void_p), ("v_scale", c_void_p),
         ("balance", c_void_p), ("q_dot_km", c_void_p), ("k_tile_mean", c_void_p), ("q_similarity", c_void_p),
+        ("q_center", c_void_p), ("q_basis", c_void_p), ("q_basis_scale", c_void_p), ("q_coeff", c_void_p), ("q_smooth_mean", c_void_p),
+        ("key_proj", c_void_p), ("key_proj_factor", c_void_p),
+        ("key_bias", c_void_p), ("key_bias_stride_b", c_int64), ("key_bias_stride_h", c_int64), ("scale", c_float),
         ("balance_qk", c_bool), ("q_channel_amax", c_void_p),
         ("nonfinite_kv", c_void_p), ("nonfinite_q_blocks", c_void_p),
         ("k_partial_sums", c_void_p), ("work_counters", c_void_p), ("tile_records", c_void_p),
         ("order", TokenOrder),
-    ]
-
-
-class CorrectionParams(ctypes.Structure):
-    _fields_ = [
-        ("q_mean", c_void_p), ("k", StridedInput), ("dtype", c_int32), ("kv_lens", c_void_p),
-        ("kv_lens_int64", c_bool), ("k_mean", c_void_p), ("q_scale", c_void_p), ("k_scale", c_void_p),
-        ("delta", c_void_p), ("delta_factor", c_void_p),
-        ("delta_stride_b", c_int64), ("delta_stride_h", c_int64), ("delta_stride_blk", c_int64),
-        ("key_bias", c_void_p), ("key_bias_stride_b", c_int64), ("key_bias_stride_h", c_int64), ("scale", c_float),
-        ("col_offsets", c_void_p), ("col_rows", c_void_p), ("col_entries", c_void_p),
-        ("batch", c_int64), ("heads_q", c_int64), ("heads_kv", c_int64), ("seq_k", c_int64),
-        ("seq_k_padded", c_int64), ("head_dim", c_int64), ("head_dim_padded", c_int64),
-        ("num_q_blocks", c_int64), ("block_begin", c_int64), ("block_end", c_int64), ("k_order", TokenOrder),
     ]
 
 
@@ -120,15 +104,13 @@ class BlockListsParams(ctypes.Structure):
         ("always_keep_begin", c_int64), ("always_keep_end", c_int64),
         ("batch", c_int64), ("heads", c_int64), ("seq_k", c_int64), ("num_q_blocks", c_int64),
         ("num_k_tiles", c_int64), ("words", c_int64), ("block_begin", c_int64), ("rows", c_int64),
-        ("step", c_int64), ("chunks", c_int64),
-        ("bits", c_void_p), ("row_counts", c_void_p), ("word_prefix", c_void_p), ("col_counts", c_void_p),
-        ("row_map", c_void_p), ("offsets", c_void_p), ("col_offsets", c_void_p), ("tiles", c_void_p),
-        ("col_rows", c_void_p), ("col_entries", c_void_p), ("order", c_void_p),
+        ("bits", c_void_p), ("row_counts", c_void_p), ("word_prefix", c_void_p), ("row_map", c_void_p),
+        ("offsets", c_void_p), ("tiles", c_void_p), ("order", c_void_p),
     ]
 
 
 STRUCTS = {"AttentionFwdParams": AttentionFwdParams, "StridedInput": StridedInput, "TokenOrder": TokenOrder,
-           "QuantizeQkvParams": QuantizeQkvParams, "CorrectionParams": CorrectionParams,
+           "QuantizeQkvParams": QuantizeQkvParams,
            "BlockListsParams": BlockListsParams}
 
 
@@ -172,6 +154,16 @@ def key_stats_entry(head_dim_padded: int) -> str:
     return f"nvfp4_dit_key_stats_d{head_dim_padded}"
 
 
+def q_means_entry(dtype: str, head_dim_padded: int) -> str:
+    """The Q block means and similarities, a CTA per Q tile."""
+    return f"nvfp4_dit_q_means_{dtype}_d{head_dim_padded}"
+
+
+def smoothing_basis_entry(head_dim_padded: int) -> str:
+    """The low-rank smoothing of each query head (center, basis, coefficients, smoothed means)."""
+    return f"nvfp4_dit_smoothing_basis_d{head_dim_padded}"
+
+
 def quantize_tiles_entry(dtype: str, head_dim_padded: int, qk_format: str) -> str:
     """The K and Q tiles (and the K tiles' fix-up pass) of one Q·Kᵀ format."""
     return f"nvfp4_dit_quantize_tiles_{dtype}_d{head_dim_padded}_{qk_format}"
@@ -182,12 +174,7 @@ def quantize_v_tiles_entry(dtype: str, head_dim_padded: int) -> str:
     return f"nvfp4_dit_quantize_v_tiles_{dtype}_d{head_dim_padded}"
 
 
-def correction_entry(dtype: str, head_dim_padded: int) -> str:
-    return f"nvfp4_dit_correction_{dtype}_d{head_dim_padded}"
-
-
-BLOCK_LISTS_ENTRIES = ("nvfp4_dit_block_map_rows", "nvfp4_dit_block_map_rows_by_warp", "nvfp4_dit_block_list_rows",
-                       "nvfp4_dit_block_list_columns")
+BLOCK_LISTS_ENTRIES = ("nvfp4_dit_block_map_rows", "nvfp4_dit_block_map_rows_by_warp", "nvfp4_dit_block_list_rows")
 
 
 def launcher_entries(kind: str) -> set[str]:
@@ -199,7 +186,7 @@ def launcher_entries(kind: str) -> set[str]:
               for i in range(n)}
     for dt in INPUT_DTYPES:
         for d in head_dims:
-            names |= {balance_statistics_entry(d), key_stats_entry(d), quantize_v_tiles_entry(dt, d)}
+            names |= {balance_statistics_entry(d), key_stats_entry(d), quantize_v_tiles_entry(dt, d),
+                      q_means_entry(dt, d), smoothing_basis_entry(d)}
             names |= {quantize_tiles_entry(dt, d, f) for f in formats}
-            names.add(correction_entry(dt, d))
     return names | set(BLOCK_LISTS_ENTRIES)

@@ -1,4 +1,4 @@
-"""The ``cuda`` back-end of :func:`nvfp4_dit.attention`: quantise, correction chunks, kernel launches.
+"""The ``cuda`` back-end of :func:`nvfp4_dit.attention`: quantise, then the attention kernel.
 
 The kernel (``csrc/attention/``) is one template with two MMA kinds: the native block-scaled FP4
 ``mma.sync`` on sm_120/sm_121 and an emulated one on sm_80/sm_90 that reproduces it with fp16
@@ -6,15 +6,13 @@ The kernel (``csrc/attention/``) is one template with two MMA kinds: the native 
 takes this back-end only where the MMA is native (:mod:`nvfp4_dit.planner`), since the emulation
 is slower than exact SDPA.
 
-One call: one workspace allocation (the quantised operands, their statistics, the correction chunk
-buffer; :class:`~nvfp4_dit.cuda.launch.Workspace`), one memset, the output (and LSE) allocations,
-and the launches: the quantiser (two or three), then per correction chunk the correction and the
-attention kernel. The correction ``delta = qm . k_s^T`` is ``[B, H, Sq/128, Skp]`` fp16 (and a
-factor per 128-key tile, :class:`~nvfp4_dit.format.Correction`), 3.4 GiB per batch element at 75k
-tokens and 40 heads, so it comes in chunks of Q blocks within a memory
-budget (:func:`nvfp4_dit.cuda.quantize.correction_chunks`) and the kernel runs once per chunk,
-writing those rows of the output in place. A NaN/inf input poisons its rows inside the kernel.
-Nothing synchronises with the host.
+One call: one workspace allocation (the quantised operands, their statistics, the smoothing basis
+and the key projections; :class:`~nvfp4_dit.cuda.launch.Workspace`), one memset, the output (and
+LSE) allocations, and the launches: the quantiser's, then one attention launch over every Q block
+(dense), or per group of Q blocks the block map, its lists and an attention launch (block-sparse).
+The kernel forms the Q-smoothing correction of each key tile from the key projections and the Q
+block's coefficients (:mod:`nvfp4_dit.smoothing`): nothing of size (Q blocks) x (keys) exists. A
+NaN/inf input poisons its rows inside the kernel. Nothing synchronises with the host.
 """
 
 from __future__ import annotations
@@ -25,6 +23,7 @@ import torch
 
 from .. import format as fmt
 from .. import preprocess
+from .. import smoothing
 from .. import sparse as sp
 from . import block_lists, build, launch, quantize
 
@@ -63,7 +62,7 @@ def device_unsupported_reason(device: torch.device, require_native: bool) -> Opt
 
 
 _PLANES = ("q_data", "q_sf", "k_data", "k_sf", "vt_data", "vt_sf", "q_dot_km", "q_scale", "k_scale", "v_scale",
-           "v_mean", "nonfinite_q", "nonfinite_kv")
+           "v_mean", "q_coeff", "key_proj", "key_proj_factor", "nonfinite_q", "nonfinite_kv")
 
 
 def _workspace_planes(ws: launch.Workspace) -> dict:
@@ -71,9 +70,11 @@ def _workspace_planes(ws: launch.Workspace) -> dict:
     return {name: (ws.base + regions[name].offset, regions[name].shape) for name in _PLANES}
 
 
-def _tensor_planes(qq: fmt.QuantizedQKV, nonfinite: tuple) -> tuple[dict, list]:
-    """The planes of a QuantizedQKV of tensors (dense, as the kernel reads them), and the tensors
-    that must outlive the launches."""
+def _tensor_planes(qq: fmt.QuantizedQKV, projections: smoothing.KeyProjections, nonfinite: tuple) -> tuple[dict, list]:
+    """The planes of a QuantizedQKV of tensors with low-rank smoothing and its key projections
+    (dense, as the kernel reads them), and the tensors that must outlive the launches."""
+    if qq.q_coeff is None:
+        raise ValueError("the attention kernel reads low-rank smoothing: quantise with q_smoothing='low_rank'")
     keep = []
 
     def plane(t):
@@ -81,7 +82,9 @@ def _tensor_planes(qq: fmt.QuantizedQKV, nonfinite: tuple) -> tuple[dict, list]:
         keep.append(t)
         return t.data_ptr(), tuple(t.shape)
 
-    planes = {name: plane(getattr(qq, name)) for name in _PLANES[:11]}
+    planes = {name: plane(getattr(qq, name)) for name in _PLANES[:12]}
+    planes["key_proj"] = plane(projections.values)
+    planes["key_proj_factor"] = plane(projections.factors)
     planes["nonfinite_q"] = plane(nonfinite[0].to(torch.int32))
     planes["nonfinite_kv"] = plane(nonfinite[1].to(torch.int32))
     return planes, keep
@@ -108,10 +111,10 @@ def attention(q, k, v, *, layout: str, causal: bool, scale: Optional[float], kv_
     ``mask_nonfinite``: bool [B], a NaN/+inf in that batch's mask (:class:`nvfp4_dit.masks.KeyMask`).
     ``quantizer``: "cuda" (the CUDA quantiser) or "torch" (:func:`nvfp4_dit.preprocess.quantize_qkv`
     on the GPU: the reference's own bytes, for tests). ``sparsity``: a block-sparse call
-    (:mod:`nvfp4_dit.sparse`): per group of correction chunks the block map is estimated from the
-    quantiser's statistics and listed on the device, and the correction and the kernel visit only
-    the listed tiles. ``order``: a video call's :class:`~nvfp4_dit.token_order.TokenOrder`: the
-    quantiser and the correction read the inputs in tile order and the kernel writes the output
+    (:mod:`nvfp4_dit.sparse`): per group of Q blocks the block map is estimated from the
+    quantiser's statistics and listed on the device, and the kernel visits only the listed tiles.
+    ``order``: a video call's :class:`~nvfp4_dit.token_order.TokenOrder`: the quantiser reads the
+    inputs in tile order and the kernel writes the output
     rows back to the caller's (``kv_lens``, ``key_bias`` and the map are in tile order already).
     Inputs the quantiser cannot read as 16-byte vectors are copied first, their head dim zero-padded
     to 64 or 128 (:func:`~nvfp4_dit.cuda.launch.vector_readable`).
@@ -128,73 +131,61 @@ def attention(q, k, v, *, layout: str, causal: bool, scale: Optional[float], kv_
     launch.ensure_current(dk.index)
     stream = launch.current_stream(dk.index)
     lens = None if kv_lens is None else (kv_lens if kv_lens.dtype == torch.int32 else kv_lens.to(torch.int32))
-    skp = fmt.round_up(max(sk, 1), fmt.SEQ_TILE)
     nq = fmt.round_up(max(sq, 1), fmt.SEQ_TILE) // fmt.SEQ_TILE
-    chunks = quantize.correction_chunks(nq, b, h, skp)
+    bias = quantize.checked_key_bias(key_bias, b, h, sk, q.device)
     if quantizer == "cuda":
-        rows = chunks[0][1] - chunks[0][0]
-        ws = launch.Workspace(quantize.workspace_layout(qh, kh, balance_qk, qk_format, rows), q.device)
+        ws = launch.Workspace(quantize.workspace_layout(qh, kh, balance_qk, qk_format), q.device)
         ws.clear(stream)
-        # read once as 16-byte vectors by the quantiser and the correction (a padded copy where needed)
-        qr, k_input, vr = (launch.vector_readable(t, fmt.padded_head_dim(d)) for t in (qh, kh, vh))
-        launch.launch_quantize(dk, ws, qr, k_input, vr, lens, balance_qk, qk_format, stream, order=read_order)
+        qr, kr, vr = (launch.vector_readable(t, fmt.padded_head_dim(d)) for t in (qh, kh, vh))
+        launch.launch_quantize(dk, ws, qr, kr, vr, lens, balance_qk, qk_format, stream, order=read_order,
+                               key_bias=bias, scale=scale)
         planes = _workspace_planes(ws)
         if mask_nonfinite is not None:
             ws.view("nonfinite_kv").bitwise_or_(mask_nonfinite[:, None].to(torch.int32))
-        delta = launch.CorrectionAddress(ws.ptr("delta"), ws.ptr("delta_factor"), (h * rows * skp, rows * skp, skp))
     elif quantizer == "torch":
         qq = preprocess.quantize_qkv(qh, kh, vh, layout="HND", kv_lens=kv_lens, balance_qk=balance_qk,
-                                     qk_format=qk_format)
+                                     qk_format=qk_format, q_smoothing="low_rank")
+        projections = smoothing.key_projections(qq.k_smoothed, qq.smoothing_basis(), key_bias=bias, scale=scale)
         q_bad, kv_bad = preprocess.nonfinite_blocks(qh, kh, vh, kv_lens, "HND")
         if mask_nonfinite is not None:
             kv_bad = kv_bad | mask_nonfinite[:, None]
-        planes, keep = _tensor_planes(qq, (q_bad, kv_bad))
-        k_input = None
+        planes, keep = _tensor_planes(qq, projections, (q_bad, kv_bad))
     else:
         raise ValueError(f"quantizer must be 'cuda' or 'torch', got {quantizer!r}")
     out, out_hnd = _output(q, layout, b, h, sq, d)
     lse = torch.empty(b, h, sq, dtype=torch.float32, device=q.device) if return_lse else None
-    bias = quantize.checked_key_bias(key_bias, b, h, sk, q.device)
     if sparsity is None:
-        groups = [(chunks, None, None)]
-    elif quantizer == "cuda":
-        stats = sp.BlockStatistics(ws.view("q_mean"), ws.view("k_tile_mean"), ws.view("q_similarity"))
-        tile_grid = sp.TileGrid(b, h, sq, sk, scale, causal, lens, bias)
-        groups = block_lists.lists_by_group(dk, stats, sparsity, tile_grid, chunks, stream) \
-            if block_lists.supported(tile_grid) else sp.lists_by_group(stats, sparsity, tile_grid, chunks)
+        launch.launch_attention(dk, planes, sq, sk, 0, nq, out_hnd, lse, lens, scale, causal, qk_format, stream,
+                                out_order=order)
     else:
-        groups = sp.lists_by_group(sp.BlockStatistics.of(qq), sparsity,
-                                   sp.TileGrid(b, h, sq, sk, scale, causal, lens, bias), chunks)
-    for group, rows_map, lists in groups:
-        g0 = group[0][0]
-        for c, (b0, b1) in enumerate(group):
-            chunk_lists = None if lists is None else lists.chunk(c)
-            if k_input is not None:
-                launch.launch_correction(dk, ws, k_input, lens, bias, scale, b0, b1 - b0, delta, stream,
-                                         columns=chunk_lists, k_order=read_order)
-            else:
-                correction = preprocess.correction(qq, b0, b1, key_bias=bias, scale=scale)
-                if lists is not None:
-                    correction = sp.compact_correction(correction, rows_map[:, :, b0 - g0:b1 - g0])
-                keep.append(correction)   # alive until the launch is queued (the allocator orders its reuse)
-                delta = launch.CorrectionAddress.of(correction)
-            launch.launch_attention(dk, planes, sq, sk, b0, b1, delta, out_hnd, lse, lens, scale,
-                                    causal, qk_format, stream, lists=chunk_lists, out_order=order)
+        # the block map and its lists in groups of Q blocks of bounded size, a launch per group
+        tile_grid = sp.TileGrid(b, h, sq, sk, scale, causal, lens, bias)
+        if quantizer == "cuda":
+            stats = sp.BlockStatistics(ws.view("q_mean"), ws.view("k_tile_mean"), ws.view("q_similarity"))
+            by_group = block_lists.lists_by_group(dk, stats, sparsity, tile_grid, stream) \
+                if block_lists.supported(tile_grid) else sp.lists_by_group(stats, sparsity, tile_grid)
+        else:
+            by_group = sp.lists_by_group(sp.BlockStatistics.of(qq), sparsity, tile_grid)
+        for (b0, b1), _, lists in by_group:
+            launch.launch_attention(dk, planes, sq, sk, b0, b1, out_hnd, lse, lens, scale, causal, qk_format,
+                                    stream, lists=lists, out_order=order)
     if out.dtype != q.dtype:
         out = out.to(q.dtype)
     return out, lse
 
 
-def run_kernel(qq: fmt.QuantizedQKV, corrections, out_hnd: torch.Tensor, lse: Optional[torch.Tensor], *,
-               scale: float, causal: bool, kv_lens: Optional[torch.Tensor],
+def run_kernel(qq: fmt.QuantizedQKV, projections: smoothing.KeyProjections, out_hnd: torch.Tensor,
+               lse: Optional[torch.Tensor], *, scale: float, causal: bool, kv_lens: Optional[torch.Tensor],
                nonfinite: Optional[tuple] = None) -> None:
-    """The attention kernel alone on quantised operands (tests, benchmarks): once per
-    ``(begin, end, delta)`` chunk of Q blocks in ``corrections``.
+    """The attention kernel alone on quantised operands (tests, benchmarks), one launch over every Q
+    block.
 
-    ``qq``: from :func:`nvfp4_dit.cuda.quantize.quantize_qkv` or :func:`nvfp4_dit.preprocess.quantize_qkv`
-    on the GPU; ``out_hnd`` a ``[B, H, Sq, D]`` view (any batch/head/row strides, last dim
-    contiguous) written in place, as is ``lse [B, H, Sq]``; ``nonfinite`` the
-    ``(q_blocks, kv)`` flags that poison rows (default: those of ``qq``, else none).
+    ``qq``: from :func:`nvfp4_dit.cuda.quantize.quantize_qkv` or
+    :func:`nvfp4_dit.preprocess.quantize_qkv` (``q_smoothing="low_rank"``) on the GPU;
+    ``projections`` its key projections (``qq.key_projections`` of the CUDA quantiser, or
+    :func:`nvfp4_dit.smoothing.key_projections`); ``out_hnd`` a ``[B, H, Sq, D]`` view (any
+    batch/head/row strides, last dim contiguous) written in place, as is ``lse [B, H, Sq]``;
+    ``nonfinite`` the ``(q_blocks, kv)`` flags that poison rows (default: those of ``qq``, else none).
     """
     device = qq.q_data.device
     b, h = qq.q_scale.shape[:2]
@@ -202,7 +193,14 @@ def run_kernel(qq: fmt.QuantizedQKV, corrections, out_hnd: torch.Tensor, lse: Op
         nonfinite = getattr(qq, "nonfinite", None) or (
             torch.zeros(qq.q_scale.shape, dtype=torch.bool, device=device),
             torch.zeros(qq.k_scale.shape, dtype=torch.bool, device=device))
-    planes, keep = _tensor_planes(qq, nonfinite)
+    skp = qq.k_data.shape[2]
+    if (not isinstance(projections, smoothing.KeyProjections)
+            or tuple(projections.values.shape) != (b, h, skp, smoothing.KEY_PROJECTION_COLUMNS)
+            or projections.values.dtype != torch.float16
+            or tuple(projections.factors.shape) != (b, h, skp // fmt.SEQ_TILE)):
+        raise ValueError(f"projections must be smoothing.KeyProjections of fp16 [{b}, {h}, {skp}, "
+                         f"{smoothing.KEY_PROJECTION_COLUMNS}] values and [{b}, {h}, {skp // fmt.SEQ_TILE}] factors")
+    planes, keep = _tensor_planes(qq, projections, nonfinite)
     if out_hnd.dim() != 4 or tuple(out_hnd.shape[:3]) != (b, h, qq.seq_q) or out_hnd.stride(3) != 1 \
             or out_hnd.dtype not in (torch.bfloat16, torch.float16) or out_hnd.shape[3] > qq.head_dim_padded:
         raise ValueError(f"out must be a bf16/fp16 [{b}, {h}, {qq.seq_q}, <= {qq.head_dim_padded}] view with a "
@@ -213,18 +211,6 @@ def run_kernel(qq: fmt.QuantizedQKV, corrections, out_hnd: torch.Tensor, lse: Op
     dk = launch.device_kernels(device)
     launch.ensure_current(dk.index)
     stream = launch.current_stream(dk.index)
-    skp = qq.k_data.shape[2]
-    for b0, b1, delta in corrections:
-        if (not isinstance(delta, fmt.Correction) or delta.values.dim() != 4 or delta.values.shape[3] != skp
-                or delta.values.shape[2] not in (1, b1 - b0)
-                or tuple(delta.factors.shape) != (*delta.values.shape[:3], skp // fmt.SEQ_TILE)):
-            raise ValueError(f"delta must be a format.Correction of [B, H, {b1 - b0} or 1, {skp}] values, got "
-                             f"{type(delta).__name__}")
-        delta = fmt.Correction(delta.values.contiguous(), delta.factors.contiguous())
-        address = launch.CorrectionAddress.of(delta)
-        if delta.values.shape[2] == 1:   # one row for every block
-            address = launch.CorrectionAddress(address.values, address.factors, (*address.strides[:2], 0))
-        launch.launch_attention(dk, planes, qq.seq_q, qq.seq_k, b0, b1, address, out_hnd, lse,
-                                lens, scale, causal, qq.qk_format, stream)
-        keep.append(delta)
+    launch.launch_attention(dk, planes, qq.seq_q, qq.seq_k, 0, qq.num_q_blocks, out_hnd, lse, lens, scale, causal,
+                            qq.qk_format, stream)
     del keep

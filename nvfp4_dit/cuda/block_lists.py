@@ -1,18 +1,18 @@
 """The block map of a block-sparse call and its lists, on the GPU (``csrc/quantize/block_lists.cu``).
 
 The same map and lists as :func:`nvfp4_dit.sparse.lists_by_group` (the PyTorch twin, which the
-``torch`` quantiser path and the reference use): per group of correction chunks, the pooled scores
-(one batched matmul of the quantiser's block means) go to ``block_map_rows``, which estimates each
-Q block's tiles in one warp, or one CTA past ``BLOCK_MAP_WARP_MAX_TILES`` tiles (softmax, the
-threshold mass by bisection, the safeguards), and writes the map as bit words with its row and
-column counts; two scans of the counts give the CSR and CSC offsets, ``block_list_rows`` writes
-the row lists and the visiting order, ``block_list_columns`` the column lists. A handful of
-launches per group instead of dozens of passes over the bool map, and nothing waits for the GPU.
+``torch`` quantiser path and the reference use): per group of Q blocks, the pooled scores (one
+batched matmul of the quantiser's block means) go to ``block_map_rows``, which estimates each Q
+block's tiles in one warp, or one CTA past ``BLOCK_MAP_WARP_MAX_TILES`` tiles (softmax, the
+threshold mass by bisection, the safeguards), and writes the map as bit words with its row counts;
+a scan of the counts gives the CSR offsets, and ``block_list_rows`` writes the row lists and the
+visiting order. A handful of launches per group instead of dozens of passes over the bool map, and
+nothing waits for the GPU.
 """
 
 from __future__ import annotations
 
-from typing import Iterator, Optional, Sequence
+from typing import Iterator, Optional
 
 import torch
 
@@ -20,7 +20,7 @@ from .. import sparse as sp
 from . import abi
 from .launch import DeviceKernels
 
-_MAP_ROWS, _MAP_ROWS_BY_WARP, _LIST_ROWS, _LIST_COLUMNS = abi.BLOCK_LISTS_ENTRIES
+_MAP_ROWS, _MAP_ROWS_BY_WARP, _LIST_ROWS = abi.BLOCK_LISTS_ENTRIES
 
 
 def supported(grid: sp.TileGrid) -> bool:
@@ -34,12 +34,12 @@ def _strides_or_zero(t: torch.Tensor) -> list[int]:
 
 
 def lists_by_group(dk: DeviceKernels, stats: Optional[sp.BlockStatistics], sparsity: sp.Sparsity,
-                   grid: sp.TileGrid, chunks: Sequence[tuple[int, int]], stream: int,
-                   with_map: bool = False) -> Iterator[tuple[list, Optional[torch.Tensor], sp.BlockLists]]:
-    """Per group of consecutive correction ``chunks``: ``(group, rows_map, lists)`` as
+                   grid: sp.TileGrid, stream: int,
+                   with_map: bool = False) -> Iterator[tuple[tuple[int, int], Optional[torch.Tensor], sp.BlockLists]]:
+    """Per group of Q blocks: ``((begin, end), rows_map, lists)`` as
     :func:`nvfp4_dit.sparse.lists_by_group` gives them, made by the kernels on ``stream``.
-    ``rows_map`` (bool [B, H, rows, nk]) is written only ``with_map`` (else None). The list regions
-    past each chunk's entries are not written. ``stats`` is read when the map is estimated."""
+    ``rows_map`` (bool [B, H, rows, nk]) is written only ``with_map`` (else None). The list region
+    past a group's entries is not written. ``stats`` is read when the map is estimated."""
     b, h, nq, nk = grid.batch, grid.heads, grid.nq, grid.nk
     if not supported(grid):
         raise ValueError(f"the block-list kernels take at most {abi.BLOCK_LISTS_MAX_TILES} key tiles, got {nk}")
@@ -68,44 +68,33 @@ def lists_by_group(dk: DeviceKernels, stats: Optional[sp.BlockStatistics], spars
     # A warp estimates a row of up to BLOCK_MAP_WARP_MAX_TILES tiles, a CTA a longer one.
     by_warp = nk <= abi.BLOCK_MAP_WARP_MAX_TILES
     rows_per_map_cta = abi.BLOCK_LISTS_THREADS // 32 if by_warp else 1
-    map_rows, list_rows, list_columns = (dk.kernel(name) for name in (_MAP_ROWS_BY_WARP if by_warp else _MAP_ROWS,
-                                                                      _LIST_ROWS, _LIST_COLUMNS))
-    for group in sp.chunk_groups(chunks, bh, nk):
-        g0, g1 = group[0][0], group[-1][1]
-        lengths = [c1 - c0 for c0, c1 in group]
-        step, n_chunks, rows = max(lengths), len(group), g1 - g0
-        sp.check_list_size(bh, step, nk)
+    map_rows, list_rows = (dk.kernel(name) for name in (_MAP_ROWS_BY_WARP if by_warp else _MAP_ROWS, _LIST_ROWS))
+    for g0, g1 in sp.row_groups(nq, bh * nk):
+        rows = g1 - g0
+        sp.check_list_size(bh, rows, nk)
         scores = sp.pooled_scores(stats, g0, g1) if estimated else None
-        bits = torch.empty(n_chunks, bh * step, words, **i32)
-        row_counts = torch.empty(n_chunks, bh, step, **i32)
-        word_prefix = torch.empty(n_chunks, bh * step, words, **i32)
-        col_counts = torch.zeros(n_chunks, bh * nk, **i32)
+        bits = torch.empty(bh * rows, words, **i32)
+        row_counts = torch.empty(bh * rows, **i32)
+        word_prefix = torch.empty(bh * rows, words, **i32)
         rows_map = torch.empty(b, h, rows, nk, dtype=torch.bool, device=device) if with_map else None
         p.scores = None if scores is None else scores.data_ptr()
-        p.block_begin, p.rows, p.step, p.chunks = g0, rows, step, n_chunks
-        p.bits, p.row_counts, p.word_prefix, p.col_counts = (t.data_ptr() for t in (bits, row_counts, word_prefix,
-                                                                                     col_counts))
+        p.block_begin, p.rows = g0, rows
+        p.bits, p.row_counts, p.word_prefix = (t.data_ptr() for t in (bits, row_counts, word_prefix))
         p.row_map = None if rows_map is None else rows_map.data_ptr()
-        map_rows.launch((-(-n_chunks * step // rows_per_map_cta), bh), abi.BLOCK_LISTS_THREADS, [p], stream)
+        map_rows.launch((-(-rows // rows_per_map_cta), bh), abi.BLOCK_LISTS_THREADS, [p], stream)
 
-        offsets, col_offsets = sp.offsets_of(row_counts), sp.offsets_of(col_counts)
-        entries = bh * step * nk
-        tiles, col_rows, col_entries = (torch.empty(n_chunks, entries, **i32) for _ in range(3))
-        order = torch.empty(n_chunks, bh * step, **i32)
-        p.offsets, p.col_offsets = offsets.data_ptr(), col_offsets.data_ptr()
-        p.tiles, p.col_rows, p.col_entries = tiles.data_ptr(), col_rows.data_ptr(), col_entries.data_ptr()
-        p.order = order.data_ptr()
+        offsets = sp.offsets_of(row_counts)
+        tiles = torch.empty(bh * rows * nk, **i32)
+        order = torch.empty(bh * rows, **i32)
+        p.offsets, p.tiles, p.order = offsets.data_ptr(), tiles.data_ptr(), order.data_ptr()
         rows_per_cta = abi.BLOCK_LIST_ROWS_PER_CTA                 # a warp per map row (and its place in order)
-        list_rows.launch((-(-n_chunks * step // rows_per_cta), bh), 32 * rows_per_cta, [p], stream)
-        columns_per_cta = abi.BLOCK_LISTS_THREADS // 32            # a warp per column
-        list_columns.launch((-(-bh * nk // columns_per_cta), n_chunks), abi.BLOCK_LISTS_THREADS, [p], stream)
-        yield group, rows_map, sp.BlockLists(offsets=offsets, tiles=tiles, order=order, col_offsets=col_offsets,
-                                             col_rows=col_rows, col_entries=col_entries, step=step)
+        list_rows.launch((-(-rows // rows_per_cta), bh), 32 * rows_per_cta, [p], stream)
+        yield (g0, g1), rows_map, sp.BlockLists(offsets=offsets, tiles=tiles, order=order)
 
 
 def block_map(dk: DeviceKernels, stats: Optional[sp.BlockStatistics], sparsity: sp.Sparsity, grid: sp.TileGrid,
-              chunks: Sequence[tuple[int, int]], stream: int) -> torch.Tensor:
+              stream: int) -> torch.Tensor:
     """The whole block map the kernels make for a call, bool [B, H, nq, nk] (for
     :func:`nvfp4_dit.sparse.estimate_block_mask`)."""
-    return torch.cat([rows_map for _, rows_map, _ in lists_by_group(dk, stats, sparsity, grid, chunks, stream,
+    return torch.cat([rows_map for _, rows_map, _ in lists_by_group(dk, stats, sparsity, grid, stream,
                                                                    with_map=True)], dim=2)

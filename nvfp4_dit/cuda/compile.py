@@ -44,7 +44,7 @@ FIRST_DRIVER = {"sm_120a": 12080, "sm_121a": 12090, "sm_90a": 12000, "sm_80": 11
 COMMON_UNITS = (
     "attention/mma_probe.cu",
     "quantize/quantize_tiles.cu",
-    "quantize/correction.cu",
+    "quantize/smoothing_basis.cu",
     "quantize/block_lists.cu",
 )
 ATTENTION_UNITS = {

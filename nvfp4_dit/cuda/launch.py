@@ -23,6 +23,7 @@ from typing import Optional
 import torch
 
 from .. import format as fmt
+from .. import smoothing
 from . import abi, build, driver
 
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
@@ -96,7 +97,7 @@ class Region:
 
 @dataclass(frozen=True)
 class WorkspaceLayout:
-    """Where each output of the quantiser, its scratch and the correction chunk lie in one buffer."""
+    """Where each output of the quantiser and its scratch lie in one buffer."""
 
     regions: dict
     zeroed_bytes: int   # the counters, flags and channel statistics at the start: cleared per call
@@ -104,10 +105,9 @@ class WorkspaceLayout:
 
 
 @functools.lru_cache(maxsize=512)
-def workspace_layout(b: int, h: int, hkv: int, sq: int, sk: int, dp: int, qk_format: str, balance_qk: bool,
-                     correction_rows: int) -> WorkspaceLayout:
-    """The layout of a call's workspace for these sizes; ``correction_rows`` Q blocks of correction
-    per chunk (0: no correction buffer)."""
+def workspace_layout(b: int, h: int, hkv: int, sq: int, sk: int, dp: int, qk_format: str,
+                     balance_qk: bool) -> WorkspaceLayout:
+    """The layout of a call's workspace for these sizes."""
     per_byte, per_scale = (1, fmt.MX_BLOCK) if qk_format == "mxfp8" else (2, fmt.BLOCK)
     sqp, skp = fmt.round_up(max(sq, 1), fmt.SEQ_TILE), fmt.round_up(max(sk, 1), fmt.SEQ_TILE)
     nq = sqp // fmt.SEQ_TILE
@@ -125,11 +125,14 @@ def workspace_layout(b: int, h: int, hkv: int, sq: int, sk: int, dp: int, qk_for
         ("balance", (b, hkv, dp), f32), ("q_scale", (b, h, nq), f32), ("k_scale", (b, hkv), f32),
         ("v_scale", (b, hkv), f32), ("q_dot_km", (b, h, sq), f32),
         ("k_tile_mean", (b, hkv, skp // fmt.SEQ_TILE, dp), f32), ("q_similarity", (b, h, nq), f32),
+        ("q_center", (b, h, dp), f32), ("q_basis", (b, h, smoothing.Q_BASIS_RANK, dp), f32),
+        ("q_basis_scale", (b, h), f32),
+        ("q_coeff", (b, h, nq, smoothing.Q_BASIS_RANK), f32), ("q_smooth_mean", (b, h, nq, dp), f32),
+        ("key_proj", (b, h, skp, smoothing.KEY_PROJECTION_COLUMNS), torch.float16),
+        ("key_proj_factor", (b, h, skp // fmt.SEQ_TILE), f32),
         ("q_data", (b, h, sqp, dp // per_byte), u8), ("q_sf", (b, h, sqp, dp // per_scale), u8),
         ("k_data", (b, hkv, skp, dp // per_byte), u8), ("k_sf", (b, hkv, skp, dp // per_scale), u8),
         ("vt_data", (b, hkv, dp, skp // 2), u8), ("vt_sf", (b, hkv, dp, skp // 16), u8),
-        ("delta", (b, h, correction_rows, skp), torch.float16),
-        ("delta_factor", (b, h, correction_rows, skp // fmt.SEQ_TILE), f32),
     ]
     regions, offset, zeroed = {}, 0, 0
     for name, shape, dtype in items:
@@ -205,12 +208,15 @@ def inputs_in_order(order, qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor,
 
 def launch_quantize(dk: DeviceKernels, ws: Workspace, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     kv_lens: Optional[torch.Tensor], balance_qk: bool, qk_format: str, stream: int,
-                    order=None) -> None:
+                    order=None, key_bias: Optional[torch.Tensor] = None, scale: float = 1.0) -> None:
     """Quantise logical [B, H, S, D] views (any strides) into ``ws`` (cleared by the caller): the
-    balance statistics (``balance_qk``), the K and V statistics tiles, the tiles, then the fix-up
+    balance statistics (``balance_qk``), the K and V statistics tiles, the Q block means, the
+    smoothing basis of each query head, the tiles (with the key projections), then the fix-up
     passes that move each K and V tile to its head's tensor scale. Inputs the kernels cannot read as
     16-byte vectors are copied first (:func:`vector_readable`). ``order``: a video call's
-    :class:`~nvfp4_dit.token_order.TokenOrder`, read through: the outputs are in tile order."""
+    :class:`~nvfp4_dit.token_order.TokenOrder`, read through: the outputs are in tile order.
+    ``key_bias`` (fp32 [B, H or 1, Sk] in the tiles' key order, last dim contiguous; units of the
+    scaled scores) joins the key projections' first column divided by ``scale``."""
     b, h, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     dp = fmt.padded_head_dim(d)
@@ -227,7 +233,14 @@ def launch_quantize(dk: DeviceKernels, ws: Workspace, q: torch.Tensor, k: torch.
         vt_data=ws.ptr("vt_data"), vt_sf=ws.ptr("vt_sf"), q_mean=ws.ptr("q_mean"), k_mean=ws.ptr("k_mean"),
         v_mean=ws.ptr("v_mean"), q_scale=ws.ptr("q_scale"), k_scale=ws.ptr("k_scale"), v_scale=ws.ptr("v_scale"),
         balance=ws.ptr("balance"), q_dot_km=ws.ptr("q_dot_km"), k_tile_mean=ws.ptr("k_tile_mean"),
-        q_similarity=ws.ptr("q_similarity"), balance_qk=balance_qk,
+        q_similarity=ws.ptr("q_similarity"), q_center=ws.ptr("q_center"), q_basis=ws.ptr("q_basis"),
+        q_basis_scale=ws.ptr("q_basis_scale"),
+        q_coeff=ws.ptr("q_coeff"), q_smooth_mean=ws.ptr("q_smooth_mean"), key_proj=ws.ptr("key_proj"),
+        key_proj_factor=ws.ptr("key_proj_factor"),
+        key_bias=None if key_bias is None else key_bias.data_ptr(),
+        key_bias_stride_b=0 if key_bias is None else key_bias.stride(0),
+        key_bias_stride_h=0 if key_bias is None or key_bias.shape[1] == 1 else key_bias.stride(1),
+        scale=scale, balance_qk=balance_qk,
         q_channel_amax=ws.ptr("q_channel_amax") if balance_qk else None,
         nonfinite_kv=ws.ptr("nonfinite_kv"), nonfinite_q_blocks=ws.ptr("nonfinite_q"),
         k_partial_sums=ws.ptr("partial"), work_counters=ws.ptr("arrivals"), tile_records=ws.ptr("tile_records"),
@@ -242,6 +255,10 @@ def launch_quantize(dk: DeviceKernels, ws: Workspace, q: torch.Tensor, k: torch.
         dk.kernel(abi.balance_statistics_entry(dp)).launch(
             (b * h * abi.STATISTICS_TILES,), abi.QUANTIZE_THREADS, args, stream)
     dk.kernel(abi.key_stats_entry(dp)).launch((statistics,), abi.QUANTIZE_THREADS, args, stream)
+    # the Q block means, then each query head's smoothing basis, before any K or Q tile reads it
+    dk.kernel(abi.q_means_entry(dtype, dp)).launch((q_tiles,), abi.QUANTIZE_THREADS, args, stream)
+    dk.kernel(abi.smoothing_basis_entry(dp)).launch((b * h,), abi.QUANTIZE_THREADS, args, stream,
+                                                      abi.SMOOTHING_BASIS_SMEM_BYTES[abi.head_dim_index(dp)])
     qk_tiles = dk.kernel(abi.quantize_tiles_entry(dtype, dp, qk_format))
     v_tiles = dk.kernel(abi.quantize_v_tiles_entry(dtype, dp))
     qk_tiles.launch((kv_tiles + q_tiles,), abi.QUANTIZE_THREADS, [p, ctypes.c_int32(0)], stream)
@@ -253,100 +270,21 @@ def launch_quantize(dk: DeviceKernels, ws: Workspace, q: torch.Tensor, k: torch.
 
 
 # ---------------------------------------------------------------------------------------------
-# The correction term
-# ---------------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class CorrectionAddress:
-    """Where a correction chunk lives (:class:`~nvfp4_dit.format.Correction`): the device addresses
-    of its fp16 values and fp32 factors, and the values' element strides (b, h, blk) for dense rows
-    (unused for a compact one). The factor of the tile whose first value is element ``i`` (counted
-    from ``values``) is factor ``i / 128``, so every stride is a multiple of 128."""
-
-    values: int
-    factors: int
-    strides: tuple = (0, 0, 0)
-
-    def __post_init__(self):
-        if any(s % fmt.SEQ_TILE for s in self.strides):
-            raise ValueError(f"correction strides must be multiples of {fmt.SEQ_TILE}, got {self.strides}")
-
-    @staticmethod
-    def of(correction: fmt.Correction) -> "CorrectionAddress":
-        """The address of a :class:`~nvfp4_dit.format.Correction` laid out as the kernels read it."""
-        values, factors = correction.values, correction.factors
-        if values.dtype != torch.float16 or factors.dtype != torch.float32 or not values.is_contiguous() \
-                or not factors.is_contiguous() or values.shape[-1] % fmt.SEQ_TILE:
-            raise ValueError("a correction must be contiguous fp16 values (last dim a multiple of 128) and "
-                             "contiguous fp32 factors")
-        strides = tuple(values.stride()[:3]) if values.dim() == 4 else (0, 0, 0)
-        return CorrectionAddress(values.data_ptr(), factors.data_ptr(), strides)
-
-
-def launch_correction(dk: DeviceKernels, ws: Workspace, k: torch.Tensor, kv_lens: Optional[torch.Tensor],
-                      key_bias: Optional[torch.Tensor], scale: float, block_begin: int, rows: int,
-                      delta: CorrectionAddress, stream: int, columns=None, k_order=None) -> None:
-    """delta = qm . (k - km)^T / (q_scale k_scale) (+ key_bias / (scale q_scale k_scale)) for Q blocks
-    [block_begin, block_begin + rows) at ``delta`` (dense rows [B, H, rows, Skp] of a
-    :class:`~nvfp4_dit.format.Correction`), in one launch. ``k`` is the raw [B, Hkv, Sk, Dp] input as
-    the kernel reads it (:func:`vector_readable`); the Q statistics come from ``ws``. With ``columns`` (a block-sparse chunk's
-    :class:`nvfp4_dit.sparse.ChunkLists`) only the listed tiles are computed, into the compact layout
-    the attention kernel reads (128 values and a factor per entry, ``delta.strides`` unused).
-    ``k_order``: a video call's :class:`~nvfp4_dit.token_order.TokenOrder`: key s is row
-    ``source_row(s)`` of ``k`` (``key_bias`` is in tile order already)."""
-    b, h, nq, dp = ws.layout.regions["q_mean"].shape
-    hkv, sk, d = k.shape[1:]
-    skp = fmt.round_up(max(sk, 1), fmt.SEQ_TILE)
-    if rows <= 0:
-        return
-    if b * h > _MAX_GRID_YZ:
-        raise ValueError(f"too many batches x heads ({b * h}) for one correction launch")
-    smem = abi.CORRECTION_SMEM_BYTES[abi.head_dim_index(dp)]
-    if not vector_loads(k, dp):
-        raise ValueError("the correction reads K as 16-byte vectors: pass launch.vector_readable(k, head_dim_padded)")
-    kernel = dk.kernel(abi.correction_entry(DTYPE_NAMES[k.dtype], dp))
-    # A CTA converts its 128 keys once and walks the Q blocks; the blocks are split over grid.y only
-    # as far as needed to give every SM its resident CTAs.
-    key_tiles, m_tiles = skp // abi.CORRECTION_TILE_N, -(-rows // abi.CORRECTION_TILE_M)
-    resident = dk.sms * kernel.blocks_per_sm(abi.CORRECTION_THREADS, smem)
-    grid = (key_tiles, min(m_tiles, max(1, -(-resident // (key_tiles * b * h))), _MAX_GRID_YZ), b * h)
-    # A bias shared by the heads ([B, 1, Sk]) is read at head stride 0, whatever its storage says.
-    bias_strides = (0, 0) if key_bias is None else (
-        key_bias.stride(0), 0 if key_bias.shape[1] == 1 else key_bias.stride(1))
-    p = abi.CorrectionParams(
-        q_mean=ws.ptr("q_mean"), k=_strided(k), dtype=abi.INPUT_DTYPES[DTYPE_NAMES[k.dtype]],
-        kv_lens=None if kv_lens is None else kv_lens.data_ptr(),
-        kv_lens_int64=kv_lens is not None and kv_lens.dtype == torch.int64,
-        k_mean=ws.ptr("k_mean"), q_scale=ws.ptr("q_scale"), k_scale=ws.ptr("k_scale"),
-        delta=delta.values, delta_factor=delta.factors,
-        delta_stride_b=delta.strides[0], delta_stride_h=delta.strides[1], delta_stride_blk=delta.strides[2],
-        key_bias=None if key_bias is None else key_bias.data_ptr(), key_bias_stride_b=bias_strides[0],
-        key_bias_stride_h=bias_strides[1], scale=float(scale),
-        batch=b, heads_q=h, heads_kv=hkv, seq_k=sk, seq_k_padded=skp, head_dim=d, head_dim_padded=dp,
-        num_q_blocks=nq, block_begin=block_begin, block_end=block_begin + rows)
-    if columns is not None:
-        p.col_offsets, p.col_rows, p.col_entries = columns.col_offsets, columns.col_rows, columns.col_entries
-    if k_order is not None:
-        p.k_order = _order_struct(k_order)
-    kernel.launch(grid, abi.CORRECTION_THREADS, [p], stream, smem)
-
-
-# ---------------------------------------------------------------------------------------------
 # The attention kernel
 # ---------------------------------------------------------------------------------------------
 
 def launch_attention(dk: DeviceKernels, planes: dict, seq_q: int, seq_k: int, block_begin: int, block_end: int,
-                     delta: CorrectionAddress, out: torch.Tensor, lse: Optional[torch.Tensor],
+                     out: torch.Tensor, lse: Optional[torch.Tensor],
                      kv_lens: Optional[torch.Tensor], scale: float, causal: bool, qk_format: str,
                      stream: int, lists=None, out_order=None) -> None:
     """The attention kernel over Q blocks [block_begin, block_end), writing those rows of ``out``
     [B, H, Sq, D] (any batch/head/row strides, bf16/fp16, last dim contiguous) and of ``lse``
     [B, H, Sq] fp32 (last dim contiguous). ``planes`` maps each quantised operand to its
     ``(address, shape)`` (the :class:`Workspace` regions or tensors of the same layout); ``kv_lens``
-    is int32 [B] or None; ``delta`` is the chunk's correction (dense rows [B, H, nblk, Skp]; a blk
-    stride of 0 repeats one row). With ``lists`` (a block-sparse chunk's
-    :class:`nvfp4_dit.sparse.ChunkLists`) each Q block visits only its listed key tiles and
-    ``delta`` is the chunk's compact correction (:func:`launch_correction` with ``columns``).
+    is int32 [B] or None; the planes ``q_coeff``, ``key_proj`` and ``key_proj_factor`` give the
+    correction (low-rank smoothing, :mod:`nvfp4_dit.smoothing`). With ``lists`` (the
+    :class:`nvfp4_dit.sparse.BlockLists` of exactly these Q blocks) each Q block visits only its
+    listed key tiles.
     ``out_order``: a video call's :class:`~nvfp4_dit.token_order.TokenOrder`: the operands are in
     tile order and query row s is written to row ``source_row(s)`` of ``out`` and ``lse``."""
     qd, qd_shape = planes["q_data"]
@@ -364,8 +302,7 @@ def launch_attention(dk: DeviceKernels, planes: dict, seq_q: int, seq_k: int, bl
         k_stride_b=hkv * skp * qrow, k_stride_h=skp * qrow, ksf_stride_b=hkv * skp * sf_row, ksf_stride_h=skp * sf_row,
         vt_stride_b=hkv * dp * (skp // 2), vt_stride_h=dp * (skp // 2),
         vtsf_stride_b=hkv * dp * (skp // 16), vtsf_stride_h=dp * (skp // 16),
-        delta=delta.values, delta_factor=delta.factors,
-        delta_stride_b=delta.strides[0], delta_stride_h=delta.strides[1], delta_stride_blk=delta.strides[2],
+        key_proj=planes["key_proj"][0], key_proj_factor=planes["key_proj_factor"][0], q_coeff=planes["q_coeff"][0],
         q_dot_km=planes["q_dot_km"][0], qdk_stride_b=h * seq_q, qdk_stride_h=seq_q,
         q_scale=planes["q_scale"][0], k_scale=planes["k_scale"][0], v_scale=planes["v_scale"][0],
         v_mean=planes["v_mean"][0], kv_lens=None if kv_lens is None else kv_lens.data_ptr(),
@@ -380,8 +317,8 @@ def launch_attention(dk: DeviceKernels, planes: dict, seq_q: int, seq_k: int, bl
         out_vec2=int(out.stride(0) % 2 == 0 and out.stride(1) % 2 == 0 and out.stride(2) % 2 == 0
                      and out.data_ptr() % 4 == 0))
     if lists is not None:
-        p.block_offsets, p.block_tiles, p.work_order = lists.offsets, lists.tiles, lists.order
-        p.block_row_stride = lists.row_stride
+        p.block_offsets, p.block_tiles, p.work_order = (t.data_ptr() for t in (lists.offsets, lists.tiles,
+                                                                                 lists.order))
     if out_order is not None:
         p.out_order = _order_struct(out_order)
     smem = abi.ATTENTION_SMEM_BYTES[fmt.QK_FORMATS.index(qk_format)][abi.head_dim_index(dp)]

@@ -27,7 +27,7 @@ import torch
 
 import nvfp4_dit
 from nvfp4_dit import format as fmt
-from nvfp4_dit import preprocess
+from nvfp4_dit import preprocess, smoothing
 from nvfp4_dit.reference import attention_reference
 
 N_ATTENTION_CASES = 240
@@ -222,35 +222,70 @@ def oracle_balance(amax_q: list, amax_k: list) -> list:
     return out
 
 
-def oracle_row_exponent(rows: torch.Tensor) -> torch.Tensor:
-    """The correction's fixed-point row exponent: the e with amax < 2^e (frexp), -100 for a zero
-    row, clamped to [-100, 100]."""
-    amax = rows.abs().amax(-1).double()
-    e = torch.frexp(amax)[1].long()
-    return torch.where(amax > 0, e, -100).clamp(-100, 100)
+RANK, ITERATIONS = 15, 8
 
 
-def oracle_stored_correction(delta, qm_blk, k_s, f_blk, dp):
-    """The contract's fp16 storage of the correction (kernel units, float64 in and out): per tile
-    e = eq + max_tile(ek) - log2(f) + log2(Dp) - 15 in [-126, 111], fp16(delta / 2^e) with finite
-    values saturated at 65504, times 2^e."""
-    eq = oracle_row_exponent(qm_blk)                                        # [B, H, nblk]
-    ek = oracle_row_exponent(k_s).view(*k_s.shape[:2], -1, TILE).amax(-1)   # [B, H, nk]
-    u = torch.log2(f_blk).round().long()
-    e = (eq[..., None] + ek[:, :, None, :] - u[..., None] + round(math.log2(dp)) - 15).clamp(-126, 111)
-    unit = torch.pow(2.0, e.double()).repeat_interleave(TILE, -1)
-    x = delta / unit
+def oracle_hash32(x: int) -> int:
+    """The contract's 32-bit mix of the basis start (lowbias32)."""
+    x &= 0xFFFFFFFF
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+def oracle_basis(qm: torch.Tensor):
+    """One head's smoothing basis from its block means [n, D] (float64 throughout): the center
+    (mean of the finite means), RANK rows by ITERATIONS steps of subspace iteration on the Gram
+    matrix of the deviations (scaled below 1 by a power of two) from the hashed start, modified
+    Gram-Schmidt (two sweeps) zeroing a row left with 2^-14 of the first row's norm or less in the last step; and the scale, that power of
+    two. Returns (center [D], rows [RANK, D], scale)."""
+    n, d = qm.shape
+    finite = torch.isfinite(qm).all(-1)
+    center = qm[finite].double().sum(0) / max(int(finite.sum()), 1) if finite.any() else torch.zeros(d, dtype=torch.float64)
+    dev = torch.where(finite[:, None], qm.double() - center, 0.0)
+    amax = dev.abs().max().item() if n else 0.0
+    e = math.frexp(amax)[1] if amax > 0 else 1
+    dev = dev * 2.0 ** -e
+    gram = dev.T @ dev
+    rows = torch.tensor([[(oracle_hash32(i * d + c) >> 8) / 2.0 ** 23 - 1.0 for c in range(d)] for i in range(RANK)],
+                        dtype=torch.float64)
+    for it in range(ITERATIONS):
+        floor = 2.0 ** -14 if it == ITERATIONS - 1 else 0.0
+        rows = rows @ gram
+        first = rows[0].norm()
+        for i in range(RANK):
+            x = rows[i].clone()
+            for j in [*range(i), *range(i)]:
+                x = x - (x @ rows[j]) * rows[j]
+            after = x.norm()
+            rows[i] = x / after if after > floor * first and after > 0 else 0.0
+    return center, rows, 2.0 ** e
+
+
+def oracle_stored_projections(u: torch.Tensor) -> torch.Tensor:
+    """The contract's fp16 storage of one head's key projections [Skp, RANK + 1] (q.k units, float64
+    in and out): per 128-key tile e = frexp(max finite |u|) - 15 in [-126, 111] (-126 for a zero
+    tile), fp16(u / 2^e) with finite values saturated at 65504, times 2^e."""
+    tiles = u.view(-1, TILE, u.shape[-1])
+    amax = torch.where(torch.isfinite(tiles), tiles.abs(), 0.0).amax((1, 2))
+    e = torch.tensor([math.frexp(a)[1] - 15 if a > 0 else -126 for a in amax.tolist()]).clamp(-126, 111)
+    unit = torch.pow(2.0, e.double())[:, None, None]
+    x = tiles / unit
     x = torch.where(torch.isfinite(x), x.clamp(-65504.0, 65504.0), x)
-    return x.half().double() * unit
+    return (x.float().half().double() * unit).view_as(u)
 
 
-def oracle_fp4_attention(q, k, v, *, causal, scale, kv_lens, key_bias, layout, balance_qk=False, means=None):
+def oracle_fp4_attention(q, k, v, *, causal, scale, kv_lens, key_bias, layout, balance_qk=False, means=None,
+                         basis=None):
     """The contract, step by step, with a sequential tile loop (float64 after quantisation).
 
     ``means=(qm, km, vm)`` replaces the oracle's own fp32 means (float64 sums rounded once), which
     may differ from a torch fp32 reduction by an ulp and so flip a code at a rounding boundary;
     :func:`check_case` checks the means separately and then compares everything else exactly.
-    Returns ``(out, lse, (qm, km, vm))``.
+    ``basis`` (a :class:`nvfp4_dit.smoothing.Basis`) replaces the oracle's own float64 basis likewise.
+    Returns ``(out, lse, (qm, km, vm), own_basis)``, own_basis per batch and head ``(center, rows, scale)``.
     """
     qh, kh, vh = (fmt.to_hnd(t, layout).float() for t in (q, k, v))
     b, h, sq, d = qh.shape
@@ -283,13 +318,35 @@ def oracle_fp4_attention(q, k, v, *, causal, scale, kv_lens, key_bias, layout, b
 
     k_dev = torch.where(vmask, kh - km[:, :, None], 0.0)
     v_dev = torch.where(vmask, vh - vm[:, :, None], 0.0)
-    q_dev = qh - qm.repeat_interleave(TILE, 2)[:, :, :sq]
+    # Low-rank Q smoothing: each block by m_b = center + rows^T a_b, the coefficients a_b / s stored
+    # in fp32 and m_b formed by one fp32 fused multiply-add per row; the balance statistics take
+    # q - qm_b. ``basis`` replaces the oracle's own (float64) basis as ``means`` do the means.
+    own_basis = [[oracle_basis(qm[bi, hh]) for hh in range(h)] for bi in range(b)]
+    smoothing_of = own_basis if basis is None else [
+        [(basis.center[bi, hh, :d].double(), basis.rows[bi, hh, :, :d].double(), float(basis.scale[bi, hh]))
+         for hh in range(h)] for bi in range(b)]
+
+    def coefficients(bi, hh):   # a_b / s, fp32
+        center, rows, sc = smoothing_of[bi][hh]
+        return (((qm[bi, hh].double() - center) @ rows.T) / sc).float()
+
+    def smoothed(bi, hh):
+        center, rows, sc = smoothing_of[bi][hh]
+        a = coefficients(bi, hh).double() * sc
+        m = center.float().expand(nblk, d)
+        for i in range(RANK):
+            m = (m.double() + a[:, i:i + 1] * rows[i]).float()
+        return m
+
+    m_blk = torch.stack([torch.stack([smoothed(bi, hh) for hh in range(h)]) for bi in range(b)])
+    q_dev_stats = qh - qm.repeat_interleave(TILE, 2)[:, :, :sq]
+    q_dev = qh - m_blk.repeat_interleave(TILE, 2)[:, :, :sq]
     # Channel balance from the smoothed Q rows (every head of a kv group) and K's valid keys.
     bal = torch.ones(b, hkv, d)
     if balance_qk:
         for bi in range(b):
             for kv in range(hkv):
-                aq = [q_dev[bi, kv * g:(kv + 1) * g, :, c].abs().max().item() if sq else 0.0 for c in range(d)]
+                aq = [q_dev_stats[bi, kv * g:(kv + 1) * g, :, c].abs().max().item() if sq else 0.0 for c in range(d)]
                 ak = [k_dev[bi, kv, :, c].abs().max().item() if sk else 0.0 for c in range(d)]
                 bal[bi, kv] = torch.tensor(oracle_balance(aq, ak))
     k_bal = k_dev / bal[:, :, None]
@@ -306,15 +363,22 @@ def oracle_fp4_attention(q, k, v, *, causal, scale, kv_lens, key_bias, layout, b
     k_hat = oracle_quantize(pad(k_bal / ts_k[:, :, None, None], skp, dp))[2]   # row permutation: storage only
     v_hat = oracle_quantize(pad(v_dev / ts_v[:, :, None, None], skp, dp).transpose(2, 3))[2].transpose(2, 3)
 
-    # Scores in q.k units: FP4 products times the tensor scales, plus the Q-mean correction (with a
-    # key bias), stored per (Q block, 128-key tile) in fp16 under 2^e as the contract says.
+    # Scores in q.k units: FP4 products times the tensor scales, plus the correction m_b . k' (with a
+    # key bias) formed from the stored key projections and the block's coefficients.
     k_hat, v_hat, k_s = (x.repeat_interleave(g, 1) for x in (k_hat, v_hat, pad(k_dev, skp, dp)))
     f_blk = (ts_q * ts_k.repeat_interleave(g, 1)[:, :, None]).double()      # [B, H, nblk]
-    qm_blk = pad(qm, nblk, dp)                                              # [B, H, nblk, Dp] fp32
-    delta = (qm_blk.double() @ k_s.double().transpose(-1, -2)) / f_blk[..., None]   # kernel units
-    if key_bias is not None:
-        delta[..., :sk] += key_bias.double()[:, None, None, :] / (scale * f_blk[..., None])
-    delta = oracle_stored_correction(delta, qm_blk, k_s, f_blk, dp) * f_blk[..., None]
+    delta = torch.zeros(b, h, nblk, skp, dtype=torch.float64)
+    for bi in range(b):
+        for hh in range(h):
+            center, rows, sc = smoothing_of[bi][hh]
+            w = torch.zeros(RANK + 1, dp, dtype=torch.float64)   # [g; rows * s], zero past D
+            w[0, :d], w[1:, :d] = center, rows * sc
+            u = k_s[bi, hh].double() @ w.T                                     # [Skp, RANK + 1]
+            if key_bias is not None:
+                u[:sk, 0] += key_bias[bi].double() / scale
+            u = oracle_stored_projections(u)
+            a = torch.cat([torch.ones(nblk, 1, dtype=torch.float64), coefficients(bi, hh).double()], 1)
+            delta[bi, hh] = a @ u.T
     s = (q_hat @ k_hat.transpose(-1, -2)) * f_blk.repeat_interleave(TILE, 2)[..., None] \
         + delta.repeat_interleave(TILE, 2)
     hidden = torch.full((b, skp), -math.inf, dtype=torch.float64)
@@ -344,7 +408,7 @@ def oracle_fp4_attention(q, k, v, *, causal, scale, kv_lens, key_bias, layout, b
     q_dot_km = (qh.double() * km.repeat_interleave(g, 1)[:, :, None, :].double()).sum(-1)
     lse = torch.where(has, m * scale + torch.log(lsum.clamp_min(1e-300)) - math.log(fmt.P_RANGE), -math.inf)
     lse = lse[:, :, :sq] + scale * q_dot_km
-    return out, lse, own_means
+    return out, lse, own_means, own_basis
 
 
 def exact_attention(q, k, v, *, causal, scale, kv_lens, key_bias, layout):
@@ -468,9 +532,24 @@ def check_case(case: Case):
     # The reference's fp32 means (what the op uses: suffix masks become kv_lens).
     qh, kh = (fmt.to_hnd(t, case.layout) for t in (q, k))
     ref_means = (preprocess.q_block_means(qh), preprocess.k_mean(kh, lens), preprocess.k_mean(fmt.to_hnd(v, case.layout), lens))
-    want, want_lse, own_means = oracle_fp4_attention(q, k, v, means=ref_means, balance_qk=case.balance_qk, **okw)
+    ref_basis = smoothing.smoothing_basis(ref_means[0])
+    want, want_lse, own_means, own_basis = oracle_fp4_attention(q, k, v, means=ref_means, basis=ref_basis,
+                                                                balance_qk=case.balance_qk, **okw)
     for mine, theirs in zip(own_means, ref_means):
         assert torch.allclose(theirs, mine, rtol=1e-5, atol=1e-5 * max(1.0, mine.abs().max().item()))
+    # The same center and scale, and the same smoothed block means (float64 against fp32). The rows
+    # themselves may differ where a subspace direction holds next to no deviation: a row that falls
+    # to the Gram-Schmidt floor in one precision survives in the other, and smooths nothing.
+    for bi, heads in enumerate(own_basis):
+        for hh, (center, rows, sc) in enumerate(heads):
+            assert sc == float(ref_basis.scale[bi, hh])
+            assert torch.allclose(ref_basis.center[bi, hh].double(), center, rtol=1e-5, atol=1e-6 * sc)
+            qm = ref_means[0][bi, hh].double()
+            finite = torch.isfinite(qm).all(-1)
+            theirs = ref_basis.rows[bi, hh].double()
+            dev = (qm - center)[finite]
+            mine_smoothed, their_smoothed = dev @ rows.T @ rows, dev @ theirs.T @ theirs
+            assert dev.numel() == 0 or (mine_smoothed - their_smoothed).abs().max() <= 1e-4 * sc
     exact, exact_lse = exact_attention(q, k, v, **okw)
     out_h = fmt.to_hnd(out, case.layout)
 
@@ -567,7 +646,7 @@ def test_the_oracle_detects_a_halved_output():
     q, k, v = case.tensors()
     kwargs, lens, bias = case.masks()
     okw = dict(causal=case.causal, scale=case.scale, kv_lens=lens, key_bias=bias, layout=case.layout)
-    want, want_lse, _ = oracle_fp4_attention(q, k, v, **okw)
+    want, want_lse, _, _ = oracle_fp4_attention(q, k, v, **okw)
     out, lse = nvfp4_dit.attention(q, k, v, layout=case.layout, causal=case.causal, scale=case.scale,
                                    backend="reference", return_lse=True, **kwargs)
     assert _rel_l2(fmt.to_hnd(out, case.layout) * 0.5, want) > 0.4
