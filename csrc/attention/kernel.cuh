@@ -451,13 +451,14 @@ __device__ __forceinline__ void attention_fwd_body(const AttentionFwdParams& p) 
 #pragma unroll
       for (int i = 0; i < kPVSteps; ++i) pv_step(i, smem_base + stage_last * T::kStageBytes, smem + stage_last * T::kStageBytes);
     }
+    // The block-sparse kernels read their kv head back from shared memory (no register across the
+    // loop), before the barrier: past it, warp 0 may already write the next item's.
+    const int kv = sparse ? item_kv : bhk;
     detail::cp_async_wait<0>();
     __syncthreads();   // the next work item's prologue reuses the stages
 
     // ---- epilogue ------------------------------------------------------------------------------
     // out = O / rowsum * v_scale + v_mean; a row with no visible key gives 0 (not v_mean, not NaN).
-    // The block-sparse kernels read their kv head back from shared memory (no register across the loop).
-    const int kv = sparse ? item_kv : bhk;
     const float v_scale = p.v_scale[kv];
     const float* v_mean = p.v_mean + int64_t(kv) * kHeadDim;
     const bool poisoned = p.nonfinite_q_blocks[int64_t(bh) * nblk_all + m_blk] != 0u || p.nonfinite_kv[kv] != 0u;
