@@ -173,11 +173,13 @@ def quantize_qkv(
     valid = valid_key_mask(kv_lens, b, sk, kh.device)[:, None, :, None]
     k_s = torch.where(valid, kh.float() - km[:, :, None, :], 0.0)
     v_s = torch.where(valid, vh.float() - vm[:, :, None, :], 0.0)
-    q_s = qh.float() - qm.repeat_interleave(SEQ_TILE, dim=2)[:, :, :sq]
     if balance_override is not None:
         balance = balance_override.float()[..., :d]
+    elif balance_qk:   # its statistics are those of q - qm_b (the block means, known before the basis)
+        q_dev = qh.float() - qm.repeat_interleave(SEQ_TILE, dim=2)[:, :, :sq]
+        balance = channel_balance(*balance_statistics(q_dev, k_s, kv_lens))
     else:
-        balance = channel_balance(*balance_statistics(q_s, k_s, kv_lens)) if balance_qk else None
+        balance = None
     if basis_override is not None:
         basis = smoothing.Basis(basis_override.center.float()[..., :d], basis_override.rows.float()[..., :d],
                                 basis_override.scale.float())

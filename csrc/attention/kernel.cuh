@@ -111,10 +111,12 @@ __device__ __forceinline__ void store_one(void* out, int64_t offset, float x, bo
   }
 }
 
-// Half of one key's correction sum: terms 8 * half .. 8 * half + 7 of coeff . u (coeff[0] = 1 for
-// u_j0), in order; the pair of lanes (half 0, half 1) then adds the halves (smoothing.py, step 4).
+// One key's correction sum coeff . u (smoothing.py, step 4), by a pair of lanes (half 0, half 1):
+// each sums its 8 of the 16 terms in order, coeff(k) . u_k for its projections `u_bits` (terms
+// 8 * half + k; term 0's coefficient is 1), and the pair adds the halves. Both lanes get the sum,
+// in units of the tile's factor.
 template <class Coeff>
-__device__ __forceinline__ float correction_half(uint4 u_bits, Coeff coeff) {
+__device__ __forceinline__ float key_correction_sum(uint4 u_bits, Coeff coeff) {
   const uint32_t w[4] = {u_bits.x, u_bits.y, u_bits.z, u_bits.w};
   float acc = 0.0f;
 #pragma unroll
@@ -123,7 +125,7 @@ __device__ __forceinline__ float correction_half(uint4 u_bits, Coeff coeff) {
     acc = fmaf(coeff(2 * k), u.x, acc);
     acc = fmaf(coeff(2 * k + 1), u.y, acc);
   }
-  return acc;
+  return acc + __shfl_xor_sync(0xFFFFFFFFu, acc, 1);
 }
 
 }  // namespace detail
@@ -263,11 +265,10 @@ __device__ __forceinline__ void attention_fwd_body(const AttentionFwdParams& p) 
       if (n_end > 0) {
         const int first = tile_of(0);
         const uint4 u = *reinterpret_cast<const uint4*>(proj_tile(first) + corr_key * T::kProjColumns + corr_half * 8);
-        const float part = detail::correction_half(u, [&](int k) {
+        const float sum = detail::key_correction_sum(u, [&](int k) {
           const int term = corr_half * 8 + k;
           return term == 0 ? 1.0f : coeff_g[term - 1];
         });
-        const float sum = part + __shfl_xor_sync(0xFFFFFFFFu, part, 1);
         if (corr_half == 0) corr_s[0][corr_key] = sum * (*proj_factor(first) * inv_score_unit);
       }
     }
@@ -333,8 +334,7 @@ __device__ __forceinline__ void attention_fwd_body(const AttentionFwdParams& p) 
       {   // (after the last tile: unused)
         const uint4 u = *reinterpret_cast<const uint4*>(sp + T::kOffProj + corr_key * (T::kProjColumns * 2) + corr_half * 16);
         const float* a = coeff_s + corr_half * 8;
-        const float part = detail::correction_half(u, [&](int k) { return a[k]; });
-        const float sum = part + __shfl_xor_sync(0xFFFFFFFFu, part, 1);
+        const float sum = detail::key_correction_sum(u, [&](int k) { return a[k]; });
         const float factor = *reinterpret_cast<const float*>(sp + T::kOffProjFactor);
         if (corr_half == 0) corr_s[(n + 1) & 1][corr_key] = sum * (factor * inv_score_unit_s);
       }

@@ -74,7 +74,8 @@ def _tensor_planes(qq: fmt.QuantizedQKV, projections: smoothing.KeyProjections, 
     """The planes of a QuantizedQKV of tensors with low-rank smoothing and its key projections
     (dense, as the kernel reads them), and the tensors that must outlive the launches."""
     if qq.q_coeff is None:
-        raise ValueError("the attention kernel reads low-rank smoothing: quantise with q_smoothing='low_rank'")
+        raise ValueError("the attention kernel reads the low-rank smoothing's coefficients (q_coeff): quantise with "
+                         "nvfp4_dit.preprocess.quantize_qkv or nvfp4_dit.cuda.quantize.quantize_qkv")
     keep = []
 
     def plane(t):
@@ -144,7 +145,7 @@ def attention(q, k, v, *, layout: str, causal: bool, scale: Optional[float], kv_
             ws.view("nonfinite_kv").bitwise_or_(mask_nonfinite[:, None].to(torch.int32))
     elif quantizer == "torch":
         qq = preprocess.quantize_qkv(qh, kh, vh, layout="HND", kv_lens=kv_lens, balance_qk=balance_qk,
-                                     qk_format=qk_format, q_smoothing="low_rank")
+                                     qk_format=qk_format)
         projections = smoothing.key_projections(qq.k_smoothed, qq.smoothing_basis(), key_bias=bias, scale=scale)
         q_bad, kv_bad = preprocess.nonfinite_blocks(qh, kh, vh, kv_lens, "HND")
         if mask_nonfinite is not None:
@@ -181,7 +182,7 @@ def run_kernel(qq: fmt.QuantizedQKV, projections: smoothing.KeyProjections, out_
     block.
 
     ``qq``: from :func:`nvfp4_dit.cuda.quantize.quantize_qkv` or
-    :func:`nvfp4_dit.preprocess.quantize_qkv` (``q_smoothing="low_rank"``) on the GPU;
+    :func:`nvfp4_dit.preprocess.quantize_qkv` on the GPU;
     ``projections`` its key projections (``qq.key_projections`` of the CUDA quantiser, or
     :func:`nvfp4_dit.smoothing.key_projections`); ``out_hnd`` a ``[B, H, Sq, D]`` view (any
     batch/head/row strides, last dim contiguous) written in place, as is ``lse [B, H, Sq]``;

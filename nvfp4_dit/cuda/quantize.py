@@ -1,12 +1,11 @@
 """NVFP4 preprocessing on the GPU: quantize Q, K, V with low-rank Q smoothing and the key projections.
 
-:func:`quantize_qkv` is the CUDA twin of :func:`nvfp4_dit.preprocess.quantize_qkv` with
-``q_smoothing="low_rank"``: the same bytes and scales given the same means and basis (tests compare
-them exactly with the reference given the kernel's own; reductions run in another order), read
-straight from the strides of NHD or HND inputs, for any input dtype, strides and head dim
-(``csrc/quantize/quantize_tiles.cu``, ``csrc/quantize/smoothing.cuh``): the K and V statistics,
-the Q block means, each query head's smoothing basis, then the K (with their key projections), Q
-and V^T tiles; with ``balance_qk`` one more launch reads Q first for the balance statistics.
+:func:`quantize_qkv` is the CUDA twin of :func:`nvfp4_dit.preprocess.quantize_qkv`: the same bytes
+and scales given the same means and basis (tests compare them exactly with the reference given the
+kernel's own; reductions run in another order), read straight from the strides of NHD or HND
+inputs, for any input dtype, strides and head dim (``csrc/quantize/quantize_tiles.cu``,
+``csrc/quantize/smoothing.cuh``): the K and V statistics, the Q block means, each query head's
+smoothing basis, then the K (with their key projections), Q and V^T tiles; with ``balance_qk`` one more launch reads Q first for the balance statistics.
 NaN/inf flags are raised while it quantises (:attr:`KernelQuantizedQKV.nonfinite`). Nothing of size
 (Q blocks) x (keys) is written: the attention kernel forms the correction from the key
 projections (:mod:`nvfp4_dit.smoothing`).
